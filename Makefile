@@ -1,0 +1,27 @@
+# Two commands: `make serve` (install + start the server on the embedded tiny model, CPU)
+# and `make test` (install + run the whole test suite). Each creates .venv itself.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU machines: pin the CPU wheel first so the range in pyproject.toml installs nothing more.
+# On Ascend, install torch-npu's own torch instead: `make TORCH_SPEC="torch-npu" ...`.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/xinserve serve
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/offline_throughput.py

@@ -1,0 +1,28 @@
+"""Engine options (the keyword arguments of ``LLM`` and the per-model YAML settings)."""
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None  # "float32" | "float16" | "bfloat16"; None = the checkpoint's dtype
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    block_size: int | None = None  # None = the platform default (128 on Ascend, 16 elsewhere)
+    num_kv_blocks: int | None = None  # explicit pool size; else sized from free memory
+    kv_cache_memory_fraction: float | None = None  # None = the platform default
+    enable_prefix_caching: bool = True
+    seed: int = 0  # seeds the shared generator used by unseeded sampled requests
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")

@@ -1,0 +1,174 @@
+"""The engine loop: schedule -> run model -> sample -> emit outputs. Drives one device."""
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from transformers import AutoTokenizer, GenerationConfig
+
+from engines.config import EngineConfig
+from engines.kv_cache import BlockManager
+from engines.outputs import StepOutput
+from engines.platforms import get_platform
+from engines.runner import ModelRunner, SampledToken
+from engines.sampling_params import SamplingParams
+from engines.scheduler import Scheduler
+from engines.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by live sequences, 0..1
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # prompt tokens looked up
+    prefix_cache_hits_total: int  # prompt tokens found in the cache
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.platform = get_platform(config.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        block_size = config.block_size or self.platform.default_block_size
+        self.runner = ModelRunner(config, self.platform, block_size)
+        self.eos_token_ids = self._eos_token_ids()
+        self.runner.suppress_until_min_tokens = sorted(self.eos_token_ids)
+        max_model_len = config.max_model_len or self.runner.hf_config.max_position_embeddings
+        num_blocks = config.num_kv_blocks or self._profile_num_blocks(block_size, max_model_len)
+        # A sequence can never outgrow the whole pool: cap the context so it always fits alone.
+        self.max_model_len = min(max_model_len, num_blocks * block_size)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._seq_ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info(
+            "engine ready on %s: %d KV blocks of %d tokens, max_model_len %d",
+            config.device, num_blocks, block_size, self.max_model_len,
+        )
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        try:
+            eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = None
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    def _profile_num_blocks(self, block_size: int, max_model_len: int) -> int:
+        fraction = self.config.kv_cache_memory_fraction or self.platform.default_kv_cache_memory_fraction
+        num_blocks = self.runner.profile_num_blocks(
+            self.config.max_num_batched_tokens, self.config.max_num_seqs, fraction
+        )
+        # More than every slot at full length (twice, to keep a prefix cache) would sit unused.
+        useful = 2 * self.config.max_num_seqs * -(-max_model_len // block_size)
+        num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise RuntimeError("no memory left for the KV cache after the warm-up forward")
+        return num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError when it could never run (the server answers 400)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but this model's context is "
+                f"{self.max_model_len} tokens and at least one must be left to generate"
+            )
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        params.validate()
+        now = time.monotonic()
+        first = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, now)
+        seqs = [first] + [
+            Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, now, index=i, parent=first)
+            for i in range(1, params.n)
+        ]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.requests[request_id] = seqs
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str, index: int | None = None) -> None:
+        """Stop a request (or one choice of it) now and free its KV blocks. Unknown ids are ignored."""
+        for seq in self.requests.get(request_id, []):
+            if not seq.is_finished and (index is None or seq.index == index):
+                self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        sampled = self.runner.execute(scheduled)
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(s.seq)
+        return [self._append_token(s) for s in sampled]
+
+    def _append_token(self, sampled: SampledToken) -> StepOutput:
+        seq, token = sampled.seq, sampled.token_id
+        seq.token_ids.append(token)
+        self.generation_tokens_total += 1
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self._finish(seq, reason)
+        return StepOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=[token],
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=None if sampled.logprob is None else [sampled.logprob],
+        )
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.runner.release(seq)
+        seqs = self.requests.get(seq.request_id, [])
+        if all(s.is_finished for s in seqs):
+            self.requests.pop(seq.request_id, None)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_queries_total=bm.prefix_cache_queries,
+            prefix_cache_hits_total=bm.prefix_cache_hits,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )

@@ -1,0 +1,146 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, ref counts and a prefix cache. No torch.
+
+A block holds the KV of ``block_size`` consecutive tokens of one or more sequences (shared by
+ref count). Once a block is full and computed it gets a hash chained over every token before it,
+so a later prompt with the same prefix can reuse it. Freed blocks keep their hash and stay
+reusable until they are handed out again, least recently freed first (LRU eviction).
+"""
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+from engines.sequence import Sequence
+
+NO_HASH = None
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = NO_HASH
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev_hash: int | None, token_ids: Seq[int]) -> int:
+    """Hash of a full block given the hash of the block before it (None for the first)."""
+    return hash((prev_hash, tuple(token_ids)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks}x{block_size}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the front is evicted first. Values unused (ordered set).
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (cached-but-free blocks count as free)."""
+        return 1.0 - len(self.free_blocks) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def computed_blocks(self, seq: Sequence) -> list[int]:
+        """Blocks that already hold a prefix of a new sequence's tokens: the parent's prompt blocks
+        for the extra choices of an n > 1 request, else prefix-cache hits. At least one token is
+        always left to compute, so the last token's logits exist."""
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        parent = seq.parent
+        if parent is not None and not parent.is_finished:
+            shared = min(max_blocks, parent.num_computed_tokens // self.block_size, len(parent.block_table))
+            return parent.block_table[:shared]
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        prev_hash = None
+        for i in range(max_blocks):
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            prev_hash = chain_hash(prev_hash, tokens)
+            block_id = self.hash_to_block.get(prev_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: list[int] | None = None) -> bool:
+        """Give ``seq`` blocks for ``num_new_tokens`` more tokens (after ``computed`` cached blocks,
+        which are adopted first). Returns False and changes nothing when there are not enough
+        free blocks; the caller then preempts and retries."""
+        computed = computed or []
+        num_tokens = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens) - len(seq.block_table) - len(computed)
+        # Cached blocks nobody holds sit in the free queue: adopting them uses up free blocks too.
+        num_revived = sum(1 for b in computed if self.blocks[b].ref_count == 0)
+        if num_new_blocks + num_revived > len(self.free_blocks):
+            return False
+        for block_id in computed:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens += len(computed) * self.block_size
+        for _ in range(num_new_blocks):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def record_prefix_lookup(self, seq: Sequence, computed: list[int]) -> None:
+        """Count a lookup once its sequence is admitted (a failed admission retries later)."""
+        if self.enable_prefix_caching and seq.parent is None:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += len(computed) * self.block_size
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not NO_HASH:
+            # Evict: the least recently freed cached block is reused for new tokens.
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = NO_HASH
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # Blocks are hashed in order, so walk back to the first unhashed one (O(1) on most steps).
+        first = num_full
+        while first > 0 and self.blocks[seq.block_table[first - 1]].hash is NO_HASH:
+            first -= 1
+        prev_hash = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        for i in range(first, num_full):
+            block = self.blocks[seq.block_table[i]]
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            block.hash = chain_hash(prev_hash, tokens)
+            block.token_ids = tuple(tokens)
+            self.hash_to_block.setdefault(block.hash, block.block_id)
+            prev_hash = block.hash
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, tail first, so the tail is evicted before the prefix."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0

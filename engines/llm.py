@@ -1,0 +1,57 @@
+"""Offline batch generation: ``LLM(model=PATH).generate(prompts, params)``."""
+
+from collections.abc import Sequence as Seq
+
+from engines.config import EngineConfig
+from engines.detokenizer import IncrementalDetokenizer
+from engines.engine import LLMEngine
+from engines.outputs import CompletionOutput, RequestOutput
+from engines.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, device: str = "cpu", **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), device=device, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) at once; results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = [params or SamplingParams()] * len(prompts) if not isinstance(params, Seq) else params
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        results: dict[str, RequestOutput] = {}
+        detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
+        for prompt, p in zip(prompts, params_list):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = str(self._counter)
+            self._counter += 1
+            self.engine.add_request(request_id, ids, p)
+            results[request_id] = RequestOutput(
+                request_id, ids, [CompletionOutput(i, [], "", None, [] if p.logprobs is not None else None)
+                                  for i in range(p.n)],
+            )
+            for i in range(p.n):
+                detokenizers[request_id, i] = IncrementalDetokenizer(self.tokenizer, ids, p.stop)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                choice = results[out.request_id].outputs[out.index]
+                choice.token_ids.extend(out.new_token_ids)
+                if out.logprobs is not None:
+                    choice.logprobs.extend(out.logprobs)
+                detok = detokenizers[out.request_id, out.index]
+                _, stopped = detok.add(out.new_token_ids)
+                if stopped and not out.finished:
+                    self.engine.abort_request(out.request_id, out.index)
+                if stopped or out.finished:
+                    choice.finish_reason = "stop" if stopped else out.finish_reason
+                    choice.text = detok.text
+        return list(results.values())

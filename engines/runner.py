@@ -1,0 +1,191 @@
+"""Runs one scheduled step on the device: flatten the batch, one forward, one sample, one copy back."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engines.attention_metadata import AttentionMetadata
+from engines.config import EngineConfig
+from engines.models.loader import load_model
+from engines.outputs import TokenLogprob
+from engines.platforms import Platform
+from engines.sampler import Sampler, SamplingRow
+from engines.sampling_params import SamplingParams
+from engines.scheduler import ScheduledSeq
+from engines.sequence import Sequence
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Device inputs of one step plus which sequences get a new token from it."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] int64: flat index of the last token of each sampled sequence
+    sampled: list[Sequence]  # N sequences whose computed tokens reach their end this step
+
+
+@dataclass(slots=True)
+class SampledToken:
+    seq: Sequence
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+def parse_dtype(dtype: str | None) -> torch.dtype | None:
+    if dtype is None or dtype == "auto":
+        return None
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPES)} or auto")
+    return DTYPES[dtype]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, platform: Platform, block_size: int) -> None:
+        self.platform = platform
+        self.device = platform.device
+        self.block_size = block_size
+        self.model, self.hf_config = load_model(config.model, parse_dtype(config.dtype), self.device)
+        self.dtype = next(self.model.parameters()).dtype
+        self.vocab_size = self.model.compute_logits(
+            torch.zeros(1, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        ).shape[-1]
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded sequence
+        self.suppress_until_min_tokens: list[int] = []  # set by the engine: EOS ids
+        torch.manual_seed(config.seed)
+        self.kv_cache = torch.empty(0)
+
+    def bytes_per_block(self) -> int:
+        m = self.model
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        m = self.model
+        # [2 (key, value), layers, blocks, block_size, kv_heads, head_dim]; a layer gets a view.
+        shape = (2, m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def profile_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int, fraction: float) -> int:
+        """Run a warm-up step at the largest batch the scheduler can form, then give ``fraction``
+        of the free memory left to KV blocks, so no accepted batch can run out of memory later."""
+        num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
+        lens = [max_num_batched_tokens // num_seqs] * num_seqs
+        lens[-1] += max_num_batched_tokens - sum(lens)
+        blocks_needed = sum(-(-n // self.block_size) for n in lens)
+        self.allocate_kv_cache(blocks_needed)
+        scheduled: list[ScheduledSeq] = []
+        next_block = 0
+        for i, n in enumerate(lens):
+            seq = Sequence(-1 - i, "warm-up", [0] * n, SamplingParams(temperature=0, max_tokens=1))
+            count = -(-n // self.block_size)
+            seq.block_table = list(range(next_block, next_block + count))
+            next_block += count
+            scheduled.append(ScheduledSeq(seq, n))
+        self.execute(scheduled)
+        self.platform.synchronize()
+        self.kv_cache = torch.empty(0)
+        return int(self.platform.free_memory() * fraction) // self.bytes_per_block()
+
+    def release(self, seq: Sequence) -> None:
+        self.generators.pop(seq.seq_id, None)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
+        batch = self._prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
+        if not batch.sampled:
+            return []
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] float32
+        out = self.sampler(logits, [self._sampling_row(seq) for seq in batch.sampled])
+        token_ids = out.token_ids.tolist()  # the step's one device -> host copy (plus log-probs if asked)
+        logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
+        if out.logprobs is not None:
+            values, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
+            for i, seq in enumerate(batch.sampled):
+                k = seq.params.logprobs
+                if k is not None:
+                    logprobs[i] = TokenLogprob(values[i][0], ids[i][1 : 1 + k], values[i][1 : 1 + k])
+        return [SampledToken(s, t, lp) for s, t, lp in zip(batch.sampled, token_ids, logprobs)]
+
+    def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+        bs = self.block_size
+        # Decode-first order: single-token sequences form the vectorized decode part of attention.
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        ids: list[int] = []
+        pos_parts: list[np.ndarray] = []
+        slot_parts: list[np.ndarray] = []
+        seq_lens = np.empty(len(ordered), dtype=np.int32)
+        if decodes:
+            pos = np.fromiter((s.seq.num_computed_tokens for s in decodes), np.int64, len(decodes))
+            ids.extend(s.seq.token_ids[s.seq.num_computed_tokens] for s in decodes)
+            blocks = np.fromiter(
+                (s.seq.block_table[s.seq.num_computed_tokens // bs] for s in decodes), np.int64, len(decodes)
+            )
+            pos_parts.append(pos)
+            slot_parts.append(blocks * bs + pos % bs)
+            seq_lens[: len(decodes)] = pos + 1
+        query_start_loc = [0]
+        for i, s in enumerate(prefills, start=len(decodes)):
+            start, n = s.seq.num_computed_tokens, s.num_new_tokens
+            ids.extend(s.seq.token_ids[start : start + n])
+            pos = np.arange(start, start + n, dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(np.asarray(s.seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            seq_lens[i] = start + n
+            query_start_loc.append(query_start_loc[-1] + n)
+        max_blocks = max(len(s.seq.block_table) for s in ordered)
+        block_tables = np.zeros((len(ordered), max_blocks), dtype=np.int32)
+        for i, s in enumerate(ordered):
+            block_tables[i, : len(s.seq.block_table)] = s.seq.block_table
+        positions = np.concatenate(pos_parts)
+        # A sequence gets a token when this step's tokens reach its end (not mid-prompt chunks).
+        ends = np.cumsum([s.num_new_tokens for s in ordered]) - 1
+        sampled_idx = [i for i, s in enumerate(ordered) if seq_lens[i] == s.seq.num_tokens]
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(np.concatenate(slot_parts)),
+            block_tables=self._to_device(block_tables),
+            seq_lens=self._to_device(seq_lens),
+            num_decode_seqs=len(decodes),
+            prefill_query_start_loc=query_start_loc,
+            prefill_seq_lens=seq_lens[len(decodes) :].tolist(),
+        )
+        return StepBatch(
+            input_ids=self._to_device(np.asarray(ids, dtype=np.int64)),
+            positions=self._to_device(positions),
+            metadata=metadata,
+            logits_indices=self._to_device(ends[sampled_idx].astype(np.int64)),
+            sampled=[ordered[i].seq for i in sampled_idx],
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = self.generators.get(seq.seq_id)
+            if generator is None:
+                # Each choice of an n > 1 request gets its own stream; choice 0 matches n = 1.
+                generator = torch.Generator(self.device).manual_seed(params.seed + seq.index)
+                self.generators[seq.seq_id] = generator
+        needs_history = (
+            params.repetition_penalty != 1.0 or params.presence_penalty != 0 or params.frequency_penalty != 0
+        )
+        suppress: list[int] = []
+        if seq.num_output_tokens < params.min_tokens:
+            suppress = [*self.suppress_until_min_tokens, *params.stop_token_ids]
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=seq.prompt_token_ids if needs_history else [],
+            output_token_ids=seq.output_token_ids if needs_history else [],
+            generator=generator,
+            suppress_token_ids=suppress,
+        )

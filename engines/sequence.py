@@ -1,0 +1,74 @@
+"""One generated sequence: its tokens, KV blocks and progress. Plain Python, no torch."""
+
+from enum import Enum, auto
+
+from engines.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """A prompt plus the tokens generated after it.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache; the scheduler makes it catch up
+    with ``num_tokens`` (there is no separate prefill phase). ``parent`` is set on the extra choices
+    of an ``n > 1`` request: they wait for the parent's prompt and share its full prompt blocks.
+    """
+
+    __slots__ = (
+        "seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "params", "arrival_time",
+        "num_computed_tokens", "block_table", "status", "finish_reason", "parent",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float = 0.0,
+        index: int = 0,
+        parent: "Sequence | None" = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival_time = arrival_time
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.parent = parent
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id}#{self.index}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.name})"
+        )
