@@ -18,7 +18,7 @@ _EXPORTS = {
     "TokenLogprob": "engines.outputs",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams", "StepOutput", "TokenLogprob"]
 
 
 def __getattr__(name: str):

@@ -20,8 +20,18 @@ class Sequence:
     """
 
     __slots__ = (
-        "seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "params", "arrival_time",
-        "num_computed_tokens", "block_table", "status", "finish_reason", "parent",
+        "arrival_time",
+        "block_table",
+        "finish_reason",
+        "index",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "params",
+        "parent",
+        "request_id",
+        "seq_id",
+        "status",
+        "token_ids",
     )
 
     def __init__(

@@ -1,0 +1,113 @@
+"""Building blocks shared by every decoder model: norms, fused projections, paged attention, MLP.
+
+Kernels are looked up on the ``kernels`` module at call time, so a platform can swap them.
+"""
+
+import torch
+from torch import nn
+
+import kernels
+from engines.attention_metadata import AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
+
+
+class MergedLinear(nn.Linear):
+    """One Linear standing for several checkpoint projections stacked along the output dim
+    (q/k/v, gate/up): one matmul instead of several. ``output_sizes`` tells the loader where
+    each checkpoint shard goes."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged KV cache: fused qkv, optional per-head q/k RMSNorm (Qwen3),
+    rotary on the first ``rotary_dim`` dims, decode tokens then prefill tokens."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm_eps: float | None,
+        rope_is_neox: bool,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.rope_is_neox = rope_is_neox
+        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        # qkv: [T, (H + 2 * KVH) * D]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache, self.rope_is_neox)
+        kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        out = self._attend(q, key_cache, value_cache, metadata)  # [T, H, D]
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _attend(
+        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        num_decode = metadata.num_decode_seqs
+        decode = prefill = None
+        if num_decode:
+            decode = kernels.paged_decode_attention(
+                q[:num_decode], key_cache, value_cache,
+                metadata.block_tables[:num_decode], metadata.seq_lens[:num_decode], self.scale,
+            )
+        if metadata.num_prefill_seqs:
+            prefill = kernels.paged_prefill_attention(
+                q[num_decode:], key_cache, value_cache, metadata.block_tables[num_decode:],
+                metadata.prefill_query_start_loc, metadata.prefill_seq_lens, self.scale,
+            )
+        if prefill is None:
+            return decode
+        if decode is None:
+            return prefill
+        return torch.cat((decode, prefill), dim=0)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))

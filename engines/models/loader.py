@@ -1,0 +1,64 @@
+"""Build a model from a Hugging Face directory: config.json plus *.safetensors (sharded or not)."""
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from engines.models import MODEL_REGISTRY
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def load_model(
+    path: str, dtype: torch.dtype | None, device: torch.device
+) -> tuple[nn.Module, PretrainedConfig]:
+    """Load the model at ``path`` onto ``device`` in ``dtype`` (None: the config's dtype, else
+    float32), in eval mode without gradients. Raises ValueError for an unsupported architecture
+    or dtype and for missing or mismatched weights."""
+    config = AutoConfig.from_pretrained(path)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    dtype = dtype or _config_dtype(config)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
+    # Build on the meta device, then allocate once on the target: no random init, no second copy.
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[architecture](config)
+    model = model.to(dtype=dtype).to_empty(device=torch.device(device))
+    model.load_weights(_iter_safetensors(path))
+    model.reset_buffers()
+    model.eval().requires_grad_(False)
+    return model, config
+
+
+def _config_dtype(config: PretrainedConfig) -> torch.dtype:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else torch.float32
+
+
+def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) over every shard, on the host; the index file names the shards when present."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors weights found in {path!r}")
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names = f.keys()  # the handle itself is not iterable
+            for name in names:
+                yield name, f.get_tensor(name)

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny offline models built once per test session, and the shared stories260K."""
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# Tests never reach the Hub, and the tokenizers thread pool would warn after every fork.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # so a bare `pytest` imports the in-tree packages too
+    sys.path.insert(0, str(REPO_ROOT))
+
+STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260K"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``get(arch="llama", **kwargs) -> Path``: ``make_tiny_model`` memoised per (arch, kwargs)."""
+    from engines.tiny_model import make_tiny_model
+
+    built: dict[str, Path] = {}
+
+    def get(arch: str = "llama", **kwargs) -> Path:
+        key = f"{arch}:{sorted(kwargs.items())!r}"  # repr: values such as dicts are unhashable
+        if key not in built:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[key] = make_tiny_model(path, arch, **kwargs)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_models: Callable[..., Path]) -> Path:
+    """The default tiny Llama (same shape as the server's embedded ``xinserve-tiny``)."""
+    return tiny_models("llama")
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """Karpathy's stories260K Llama (a trained model: its greedy text is meaningful)."""
+    if not (STORIES_DIR / "config.json").is_file():
+        pytest.skip(f"stories260K not found at {STORIES_DIR}")
+    return STORIES_DIR

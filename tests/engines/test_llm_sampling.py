@@ -1,0 +1,98 @@
+"""Engine-level sampling behaviour: seeds, n > 1, stops, limits, and rejected prompts."""
+
+import pytest
+
+from engines import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models("llama"), num_kv_blocks=512, block_size=4)
+
+
+def assert_idle(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+PROMPTS = ["Once upon a time", "The little fox ran", "A cat and a dog"]
+
+
+def test_seeded_sampling_is_reproducible_across_runs_and_batches(llm, tiny_models):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], seeded)[0].token_ids
+    unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    mixed = llm.generate(
+        [PROMPTS[1], PROMPTS[0], PROMPTS[2]],
+        [unseeded, seeded, SamplingParams(temperature=0.7, seed=9, max_tokens=5)],
+    )
+    assert mixed[1].token_ids == alone
+    other = LLM(tiny_models("llama"), num_kv_blocks=64, block_size=8)
+    assert other.generate([PROMPTS[0]], seeded)[0].token_ids == alone
+    different = SamplingParams(temperature=1.0, top_p=0.9, seed=4321, max_tokens=16, ignore_eos=True)
+    assert llm.generate([PROMPTS[0]], different)[0].token_ids != alone
+    assert_idle(llm)
+
+
+def test_n_choices_share_the_prompt_and_differ(llm):
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = llm.generate([PROMPTS[0] * 8], params)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    single = llm.generate([PROMPTS[0] * 8], SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))
+    assert single[0].token_ids == out.outputs[0].token_ids  # choice 0 matches n = 1
+    greedy = llm.generate([PROMPTS[0]], SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
+    assert_idle(llm)
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    free_run = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    stop_id = free_run.token_ids[4]
+    first = free_run.token_ids.index(stop_id)
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == free_run.token_ids[: first + 1] and out.finish_reason == "stop"
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == 10
+    assert_idle(llm)
+
+
+def test_stop_string_cuts_text_and_stops_generation(llm):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    free_run = llm.generate([PROMPTS[2]], params)[0]
+    text = free_run.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"need a visible stop string from {text!r}"
+    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+    assert len(out.token_ids) < len(free_run.token_ids)
+    assert out.token_ids == free_run.token_ids[: len(out.token_ids)]
+    assert_idle(llm)
+
+
+def test_max_model_len_ends_generation_with_length(tiny_models):
+    llm = LLM(tiny_models("llama"), num_kv_blocks=64, block_size=4, max_model_len=20)
+    out = llm.generate([list(range(10, 25))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_prompts_that_can_never_fit_are_rejected_up_front(tiny_models):
+    llm = LLM(tiny_models("llama"), num_kv_blocks=8, block_size=4, max_model_len=1000)
+    assert llm.engine.max_model_len == 32  # capped to the whole KV pool
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([list(range(10, 50))], SamplingParams(temperature=0))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams(temperature=0))
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[10, 10_000_000]], SamplingParams(temperature=0))
+    assert_idle(llm)
+
+
+def test_invalid_sampling_params_raise():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="n must"):
+        SamplingParams(n=0)
