@@ -32,7 +32,9 @@ def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def naive_allowed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
+def naive_allowed(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
+) -> set[int]:
     """Tokens one row may produce, filter by filter, with plain Python over a sorted list."""
     scaled = (logits / temperature).tolist()
     order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
@@ -80,6 +82,12 @@ def test_top_k_one_is_greedy_at_any_temperature(temperature: float) -> None:
         assert torch.equal(Sampler()(logits, rows).token_ids, logits.argmax(dim=-1))
 
 
+def test_tiny_top_p_still_keeps_the_most_likely_token() -> None:
+    logits = random_logits(64, vocab=1000, seed=9)
+    rows = [make_row(temperature=1.0, top_p=1e-9) for _ in range(64)]
+    assert torch.equal(Sampler()(logits, rows).token_ids, logits.argmax(dim=-1))
+
+
 def test_greedy_and_sampled_rows_share_a_batch() -> None:
     logits = random_logits(6, seed=2)
     rows = [make_row(temperature=0 if i % 2 == 0 else 1.5) for i in range(6)]
@@ -108,6 +116,17 @@ def test_filters_never_select_a_filtered_token(settings: dict) -> None:
     seen = set(out.token_ids.tolist())
     assert seen <= allowed
     assert seen == allowed  # and every kept token stays reachable
+
+
+@pytest.mark.parametrize(
+    ("top_p", "kept"), [(0.35, {2}), (0.45, {2, 0}), (0.68, {2, 0}), (0.72, {2, 0, 3}), (0.95, {0, 1, 2, 3})]
+)
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p: float, kept: set[int]) -> None:
+    torch.manual_seed(4)
+    logits = torch.tensor([0.3, 0.1, 0.4, 0.2]).log()  # token 2 most likely, then 0, 3, 1
+    draws = 2000
+    tokens = Sampler()(logits.expand(draws, -1), [make_row(top_p=top_p) for _ in range(draws)]).token_ids
+    assert set(tokens.tolist()) == kept
 
 
 def test_mixed_filters_in_one_batch_apply_per_row() -> None:
