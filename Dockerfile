@@ -1,0 +1,41 @@
+# xinserve on CPU: `docker build -t xinserve . && docker run -p 8000:8000 xinserve`
+# serves the embedded tiny model (built on first start into /cache; nothing is downloaded).
+# Mount a config and models to serve real ones:
+#   docker run -p 8000:8000 -v ./my.yaml:/etc/xinserve/config.yaml -v /data/models:/data/models \
+#     xinserve serve --config /etc/xinserve/config.yaml
+# Ascend and MUSA hosts build on their vendor's base image instead (torch_npu / torch_musa inside):
+#   docker build --build-arg BASE_IMAGE=<vendor image> --build-arg TORCH_SPEC= -t xinserve:npu .
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+# Empty on vendor images, whose torch must not be replaced.
+ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    HF_HUB_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false \
+    XINSERVE_CACHE_DIR=/cache
+
+WORKDIR /app
+# Dependencies first, so code changes do not reinstall torch.
+COPY pyproject.toml README.md ./
+RUN if [ -n "$TORCH_SPEC" ]; then pip install --index-url "$TORCH_INDEX" "$TORCH_SPEC"; fi
+COPY server ./server
+COPY engines ./engines
+COPY kernels ./kernels
+COPY config ./config
+RUN pip install . \
+    && useradd --create-home --uid 1000 xinserve \
+    && mkdir -p /cache && chown xinserve /cache
+
+USER xinserve
+VOLUME ["/cache"]
+EXPOSE 8000
+# The default config is looked up next to the package; pass it explicitly as the package is installed.
+ENTRYPOINT ["xinserve"]
+CMD ["serve", "--config", "/app/config/default.yaml"]
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health').status != 200)"

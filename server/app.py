@@ -1,0 +1,79 @@
+"""``create_app(config)``: the FastAPI application, its worker pools and their lifetime.
+
+The app starts serving at once; models load in the background (``/health`` says 503 "starting"
+until every worker reports ready), so orchestrators can probe it while weights load.
+"""
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_fastapi_instrumentator import Instrumentator
+
+from server.auth import require_api_key
+from server.config import AppConfig
+from server.errors import install_error_handlers
+from server.metrics import EngineStatsCollector, RequestMetrics
+from server.pool import ModelPool, default_cpu_threads
+from server.request_log import RequestLogMiddleware
+from server.router import Router
+from server.routes import chat, completions, health, models
+
+logger = logging.getLogger("xinserve.server")
+
+
+def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
+    num_cpu_workers = sum(m.workers.count("cpu") for m in config.models)
+    threads = default_cpu_threads(num_cpu_workers)
+    pools = {m.name: ModelPool(m, threads, log_level) for m in config.models}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ipc_dir = tempfile.mkdtemp(prefix="xinserve-ipc-")
+        starts = [asyncio.create_task(pool.start(ipc_dir)) for pool in pools.values()]
+        try:
+            yield
+        finally:
+            for task in starts:
+                task.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+            await asyncio.gather(*(p.close(config.server.shutdown_timeout_s) for p in pools.values()))
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            logger.info("all workers stopped")
+
+    app = FastAPI(title="xinserve", version="0.1.0", lifespan=lifespan)
+    app.state.config = config
+    app.state.router = Router(pools)
+    app.state.api_keys = list(config.server.api_keys)
+    app.state.created = int(time.time())
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(pools))
+    app.state.metrics = RequestMetrics(registry)
+    app.state.registry = registry
+
+    install_error_handlers(app)
+    guarded = [Depends(require_api_key)]
+    exempt = set(config.server.auth_exempt_paths)
+    app.include_router(chat.router, dependencies=guarded)
+    app.include_router(completions.router, dependencies=guarded)
+    app.include_router(models.router, dependencies=guarded)
+    app.include_router(health.router, dependencies=[] if "/health" in exempt else guarded)
+    if config.monitoring.metrics:
+        Instrumentator(registry=registry, excluded_handlers=["/metrics"]).instrument(app)
+
+        async def metrics_endpoint(request: Request) -> Response:
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+        app.add_api_route(
+            "/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False,
+            dependencies=[] if "/metrics" in exempt else guarded,
+        )
+    app.add_middleware(RequestLogMiddleware)
+    return app

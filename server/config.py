@@ -1,0 +1,161 @@
+"""The server's YAML configuration (shape in DESIGN.md), validated by pydantic.
+
+Every section forbids unknown keys, so a typo fails at start-up with the key's dotted path
+(``models.0.wokers: Extra inputs are not permitted``) instead of being silently ignored.
+"""
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+EMBEDDED_PREFIX = "embedded:"
+_DEVICE = re.compile(r"^(cpu|(cuda|npu|musa)(:\d+)?)$")
+
+
+class ConfigError(ValueError):
+    """A config file or flag combination that cannot be served; the message names the bad key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Section):
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[str] = Field(default_factory=list)
+    request_timeout_s: float = Field(600, gt=0)
+    # Paths reachable without a key even when api_keys is set (probes and Prometheus scrapers).
+    auth_exempt_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics"])
+    log_requests: bool = True
+    # Seconds to wait for workers to leave after SIGTERM before they are killed.
+    shutdown_timeout_s: float = Field(10, gt=0)
+
+
+class ModelSettings(_Section):
+    name: str = Field(min_length=1)
+    # A Hugging Face directory, or "embedded:<name>" for the built-in tiny model.
+    path: str
+    tokenizer: str | None = None  # a separate tokenizer directory; default: ``path``
+    dtype: str | None = None
+    workers: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    block_size: int | None = Field(None, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    fallback: list[str] = Field(default_factory=list)
+    # Requests a worker holds beyond max_num_seqs before new ones get a 429.
+    max_waiting_requests: int = Field(256, ge=0)
+    # Torch threads of each CPU worker; None = the cores left after the HTTP process, shared
+    # between the CPU workers (so on 2 cores the engine gets one and the HTTP loop the other).
+    cpu_threads: int | None = Field(None, ge=1)
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {value!r}")
+        return None if value == "auto" else value
+
+    @field_validator("workers")
+    @classmethod
+    def _check_workers(cls, value: list[str]) -> list[str]:
+        out = []
+        for spec in value:
+            spec = spec.strip().lower()
+            if not _DEVICE.match(spec):
+                raise ValueError(f"worker device must be cpu, cuda:N, npu:N or musa:N, got {spec!r}")
+            # "npu" means the first card, as torch's own device strings do.
+            out.append(spec if spec == "cpu" or ":" in spec else f"{spec}:0")
+        return out
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.path.startswith(EMBEDDED_PREFIX)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``engines.EngineConfig`` except ``model`` and ``device``."""
+        return {
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_cache_memory_fraction": self.kv_cache_memory_fraction,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "seed": self.seed,
+        }
+
+
+class MonitoringSettings(_Section):
+    metrics: bool = True
+
+
+class AppConfig(_Section):
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    models: list[ModelSettings] = Field(min_length=1)
+    monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
+
+    @model_validator(mode="after")
+    def _check_names(self) -> "AppConfig":
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"models: duplicate model name(s) {dupes}")
+        for i, model in enumerate(self.models):
+            for target in model.fallback:
+                if target == model.name:
+                    raise ValueError(f"models.{i}.fallback: a model cannot fall back to itself")
+                if target not in names:
+                    raise ValueError(f"models.{i}.fallback: unknown model {target!r}")
+        return self
+
+    def model(self, name: str) -> ModelSettings | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "<config>") -> AppConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {source}: the top level must be a mapping")
+    try:
+        return AppConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from None
+
+
+def load_config(path: str | Path) -> AppConfig:
+    """Read and validate a YAML file; raises ConfigError with every bad key named."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML in {path}: {exc}") from None
+    return parse_config(data, str(path))
+
+
+def default_config_path() -> Path:
+    """``config/default.yaml`` of the source tree (also shipped as package data)."""
+    return Path(__file__).resolve().parent.parent / "config" / "default.yaml"

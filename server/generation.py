@@ -1,0 +1,165 @@
+"""One request in flight: worker outputs -> detokenised per-choice text deltas, stop strings, abort.
+
+Detokenisation runs here, in the HTTP process (DESIGN.md): the worker only ships token ids. Stop
+strings are matched here too (as in vLLM v1); when every choice has stopped this way the request
+is aborted in the worker so its KV blocks are freed at once.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.errors import APIError
+from server.ipc import TokenOutput
+from server.worker_client import RequestStream, WorkerClient, WorkerError
+
+_TIMEOUT = object()  # queue sentinel put by the request deadline
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one choice gained from one batch of worker outputs."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[int], list[float]]] | None
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class Choice:
+    detokenizer: Any
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    finish_reason: str | None = None
+
+
+class Generation:
+    def __init__(
+        self,
+        worker: WorkerClient,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        tokenizer: Any,
+        *,
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        timeout_s: float = 600.0,
+    ) -> None:
+        from engines.detokenizer import IncrementalDetokenizer
+
+        self.worker = worker
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.timeout_s = timeout_s
+        self.choices = [
+            Choice(IncrementalDetokenizer(tokenizer, prompt_token_ids, stop, skip_special_tokens))
+            for _ in range(int(params.get("n", 1)))
+        ]
+        self.arrival = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.inter_token_latencies: list[float] = []
+        self._stream: RequestStream | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._open = False  # the worker still holds the request
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def queue_time(self) -> float | None:
+        return self._stream.queue_time if self._stream else None
+
+    def start(self) -> None:
+        self._stream = self.worker.add(self.request_id, self.prompt_token_ids, self.params)
+        self._open = True
+        queue = self._stream.queue
+        self._deadline = asyncio.get_running_loop().call_later(self.timeout_s, queue.put_nowait, _TIMEOUT)
+
+    def abort(self) -> None:
+        """Free the request in its worker (safe to call twice, and from a cancelled task)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if self._open:
+            self._open = False
+            self.worker.abort(self.request_id)
+
+    async def next_deltas(self) -> list[Delta]:
+        """Wait for the next outputs and return what each choice gained; [] once all are done.
+
+        Everything already queued is taken at once, so a consumer that fell behind sends fewer,
+        larger frames instead of lagging further.
+        """
+        if self.done or self._stream is None:
+            return []
+        queue = self._stream.queue
+        items = [await queue.get()]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        by_index: dict[int, Delta] = {}
+        for item in items:
+            self._apply(item, by_index)
+        now = time.perf_counter()
+        if by_index:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            elif self.last_token_at is not None:
+                self.inter_token_latencies.append(now - self.last_token_at)
+            self.last_token_at = now
+        if self.done:
+            self.abort()  # a no-op unless a stop string finished it before the engine did
+        return sorted(by_index.values(), key=lambda d: d.index)
+
+    def _apply(self, item: object, by_index: dict[int, Delta]) -> None:
+        if item is _TIMEOUT:
+            self.abort()
+            raise APIError(504, f"The request timed out after {self.timeout_s:g}s.", code="timeout")
+        if isinstance(item, WorkerError):
+            self._open = False
+            raise APIError(item.status, item.message)
+        assert isinstance(item, TokenOutput)
+        choice = self.choices[item.index]
+        if choice.finish_reason is not None:
+            return  # stopped by a stop string; the worker's abort is in flight
+        delta = by_index.get(item.index)
+        if delta is None:
+            delta = by_index[item.index] = Delta(item.index, "", [], None, None)
+        text, stopped = choice.detokenizer.add(item.token_ids)
+        choice.token_ids.extend(item.token_ids)
+        delta.token_ids.extend(item.token_ids)
+        if item.logprobs is not None:
+            if choice.logprobs is None:
+                choice.logprobs = []
+            if delta.logprobs is None:
+                delta.logprobs = []
+            choice.logprobs.extend(item.logprobs)
+            delta.logprobs.extend(item.logprobs)
+        if stopped:
+            choice.finish_reason = "stop"
+            if not item.finished and not self.done:
+                # Other choices go on: free just this one's KV blocks now.
+                self.worker.abort_choice(self.request_id, item.index)
+        elif item.finished:
+            if item.finish_reason not in ("stop", "length"):
+                self.abort()
+                raise APIError(500, f"The engine ended the request unexpectedly ({item.finish_reason}).")
+            choice.finish_reason = item.finish_reason
+            text += choice.detokenizer.flush()  # held back as a possible stop-string start; final now
+        choice.text += text
+        delta.text += text
+        delta.finish_reason = choice.finish_reason

@@ -1,0 +1,103 @@
+"""Prometheus metrics: vLLM's engine metric names under ``xinserve:``, labelled model_name and worker.
+
+Engine gauges and counters are read at scrape time from each worker's last reported stats (a
+custom collector), so a slow or dead worker never blocks /metrics. Latency histograms and
+``request_success_total`` are observed here, in the HTTP process, as requests finish. HTTP
+metrics come from prometheus-fastapi-instrumentator, in the same per-app registry.
+"""
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from server.generation import Generation
+
+PREFIX = "xinserve:"
+LABELS = ("model_name", "worker")
+
+# (metric name, EngineStats field, help); counters are exported with the "_total" suffix.
+ENGINE_GAUGES = (
+    ("num_requests_running", "num_running", "Requests in the running batch."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1)."),
+)
+ENGINE_COUNTERS = (
+    ("prompt_tokens", "prompt_tokens_total", "Prefill tokens processed."),
+    ("generation_tokens", "generation_tokens_total", "Tokens generated."),
+    ("num_preemptions", "num_preemptions_total", "Sequences preempted for lack of KV blocks."),
+    ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0)
+
+
+class EngineStatsCollector:
+    """Yields the engine gauges and counters from the router's workers when scraped."""
+
+    def __init__(self, pools: dict[str, Any]) -> None:
+        self.pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        workers = [w for pool in self.pools.values() for w in pool.workers]
+        for name, field, doc in ENGINE_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+            for w in workers:
+                # A worker that is not serving has no running or waiting requests.
+                value = w.stats.get(field, 0.0) if w.ready else 0.0
+                family.add_metric([w.model_name, w.label], float(value))
+            yield family
+        for name, field, doc in ENGINE_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            for w in workers:
+                family.add_metric([w.model_name, w.label], float(w.stats.get(field, 0.0)))
+            yield family
+        ready = GaugeMetricFamily(PREFIX + "worker_ready", "1 when the worker serves requests.", labels=LABELS)
+        for w in workers:
+            ready.add_metric([w.model_name, w.label], 1.0 if w.ready else 0.0)
+        yield ready
+
+
+class RequestMetrics:
+    """Per-request histograms and the success counter, observed when a request ends."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.success = Counter(
+            PREFIX + "request_success", "Finished choices by finish reason.",
+            [*LABELS, "finished_reason"], registry=registry,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time to first token.", LABELS,
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between successive outputs of a request.", LABELS,
+            buckets=_ITL_BUCKETS, registry=registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token.", LABELS,
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.queue = Histogram(
+            PREFIX + "request_queue_time_seconds", "Time a request waited in the engine before it ran.",
+            LABELS, buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+
+    def observe(self, gen: Generation, end: float) -> None:
+        labels = (gen.worker.model_name, gen.worker.label)
+        if gen.first_token_at is not None:
+            self.ttft.labels(*labels).observe(gen.first_token_at - gen.arrival)
+        itl = self.itl.labels(*labels)
+        for value in gen.inter_token_latencies:
+            itl.observe(value)
+        if gen.queue_time is not None:
+            self.queue.labels(*labels).observe(gen.queue_time)
+        if gen.done:
+            self.e2e.labels(*labels).observe(end - gen.arrival)
+            for choice in gen.choices:
+                self.success.labels(*labels, choice.finish_reason).inc()

@@ -1,0 +1,136 @@
+"""One served model: its tokenizer (loaded in the HTTP process) and its worker processes."""
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from server.config import ModelSettings
+from server.embedded import resolve_model_path
+from server.responses import TokenTexts
+from server.worker import WorkerSpec
+from server.worker_client import FAILED, STARTING, WorkerClient
+
+logger = logging.getLogger("xinserve.server")
+
+
+def worker_labels(devices: list[str]) -> list[str]:
+    """Metric/health labels: the device, or ``device#k`` when a model lists a device twice."""
+    return [d if devices.count(d) == 1 else f"{d}#{devices[:i].count(d)}" for i, d in enumerate(devices)]
+
+
+def default_cpu_threads(num_cpu_workers: int) -> int:
+    """Cores left after one for the HTTP process, shared between CPU workers (at least one each).
+
+    On two cores a single CPU worker gets one thread: the event loop detokenising and streaming
+    on the other core measured faster than both fighting over two.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, (cores - 1) // max(1, num_cpu_workers))
+
+
+def _looks_local(path: str) -> bool:
+    """A filesystem path rather than a Hugging Face hub id such as ``Qwen/Qwen2.5-7B-Instruct``."""
+    return path.startswith(("/", ".", "~")) or os.path.exists(path)
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class ModelPool:
+    def __init__(self, settings: ModelSettings, cpu_threads: int, log_level: int) -> None:
+        self.settings = settings
+        self.tokenizer: Any = None
+        self.token_texts: TokenTexts | None = None
+        self.error: str | None = None
+        self.workers: list[WorkerClient] = []
+        self._progress: asyncio.Task | None = None
+        for label, device in zip(worker_labels(settings.workers), settings.workers, strict=True):
+            spec = WorkerSpec(
+                model_name=settings.name,
+                label=label,
+                device=device,
+                model_path="",  # known after resolve_model_path
+                engine_kwargs=settings.engine_kwargs(),
+                input_addr="",  # set by start()
+                output_addr="",
+                cpu_threads=(settings.cpu_threads or cpu_threads) if device == "cpu" else None,
+                log_level=log_level,
+            )
+            self.workers.append(
+                WorkerClient(spec, settings.max_num_seqs, settings.max_waiting_requests)
+            )
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    async def start(self, ipc_dir: str) -> None:
+        """Build/locate the model, spawn the workers, load the tokenizer alongside them.
+
+        ``ipc_dir`` holds the workers' ZeroMQ socket files.
+        """
+        try:
+            path = await asyncio.to_thread(resolve_model_path, self.settings)
+        except Exception as exc:  # noqa: BLE001  any failure is this model's, reported on /health
+            self._fail(f"cannot prepare model {self.name}: {type(exc).__name__}: {exc}")
+            return
+        if _looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
+            # Spawning workers only to have each fail on a typo'd path would take seconds each.
+            self._fail(f"model {self.name}: directory {path} does not exist")
+            return
+        for worker in self.workers:
+            slug = f"{self.name}-{worker.label}".replace("/", "_").replace(":", "_").replace("#", "_")
+            worker.spec.input_addr = f"ipc://{ipc_dir}/{slug}-in"
+            worker.spec.output_addr = f"ipc://{ipc_dir}/{slug}-out"
+            worker.spec.model_path = path
+            worker.start()
+        self._progress = asyncio.create_task(self._log_progress())
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or path)
+        except Exception as exc:  # noqa: BLE001  as above: the server keeps serving other models
+            self._fail(f"cannot load the tokenizer of {self.name}: {type(exc).__name__}: {exc}")
+            return
+        self.token_texts = TokenTexts(tokenizer)
+        self.tokenizer = tokenizer
+
+    async def _log_progress(self, every_s: float = 15.0) -> None:
+        """Big checkpoints take minutes: say which workers are still loading until none is."""
+        start = time.monotonic()
+        while True:
+            await asyncio.sleep(every_s)
+            loading = [w.label for w in self.workers if w.state == STARTING]
+            if not loading or self.error:
+                return
+            logger.info("%s: still loading on %s (%.0fs)", self.name, ", ".join(loading), time.monotonic() - start)
+
+    def _fail(self, message: str) -> None:
+        logger.error("%s", message)
+        self.error = message
+        for worker in self.workers:
+            if worker.state != FAILED:
+                worker.state = FAILED
+                worker.last_error = message
+
+    def ready_workers(self) -> list[WorkerClient]:
+        if self.tokenizer is None or self.error is not None:
+            return []
+        return [w for w in self.workers if w.ready]
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The smallest context of the ready workers (they may differ in KV pool size)."""
+        lens = [int(w.info["max_model_len"]) for w in self.ready_workers() if "max_model_len" in w.info]
+        return min(lens) if lens else None
+
+    async def close(self, timeout_s: float) -> None:
+        if self._progress is not None:
+            self._progress.cancel()
+        await asyncio.gather(*(w.close(timeout_s) for w in self.workers))

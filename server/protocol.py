@@ -1,0 +1,198 @@
+"""OpenAI request bodies as pydantic models, with vLLM's extra sampling fields.
+
+Validation is strict about types (a string temperature is a 400, not silently coerced) and about
+OpenAI's value ranges; fields we do not know are ignored, as the SDK adds new optional ones often.
+Responses are built as plain dicts in ``server/responses.py`` (cheaper per stream chunk).
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from server.errors import APIError
+
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _only_text(self) -> "TextPart":
+        if self.type != "text":
+            raise ValueError(f"content part type '{self.type}' is not supported; only 'text' parts are")
+        if self.text is None:
+            raise ValueError("a 'text' content part needs a 'text' field")
+        return self
+
+
+class ChatMessage(_Strict):
+    # "developer" is OpenAI's newer name for "system"; "function" (deprecated) is not supported.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a '{self.role}' message needs 'content'")
+        return self
+
+    def text(self) -> str:
+        """The content as one string; text parts are joined by newlines (as vLLM does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text or "" for part in self.content)
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by chat and completions, in OpenAI's ranges, plus vLLM's extras."""
+
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported by this server")
+        return value
+
+    @property
+    def stop_list(self) -> list[str]:
+        # ``_check_stop`` has normalised a single string into a list.
+        return list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_kwargs(self, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+        """Keyword arguments of ``engines.SamplingParams`` (sent to the worker as a plain dict)."""
+        return {
+            "n": self.n,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": max(self.top_k or 0, 0),  # vLLM uses -1 for "disabled", the engine 0
+            "min_p": self.min_p or 0.0,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "seed": self.seed,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            # Stop strings are matched in the HTTP process by the detokenizer, not by the engine.
+            "stop": [],
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+        }
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM extensions for chat templates.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        """Cross-field rules, raised as a 400 naming the field (pydantic would name none)."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(
+                400, "only response_format type 'text' is supported by this server", param="response_format"
+            )
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # ``max_completion_tokens`` is the newer name and wins when both are given.
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    def check(self) -> None:
+        """Cross-field rules, raised as a 400 naming the field (pydantic would name none)."""
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise APIError(400, "prompt must not be an empty list", param="prompt")
+            if any(isinstance(p, list) and not p for p in self.prompt):
+                raise APIError(400, "a token-id prompt must not be empty", param="prompt")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of different from n is not supported by this server", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by this server", param="suffix")
+        if self.echo and self.logprobs is not None:
+            # Echoed prompt tokens would need prompt log-probs, which the engine does not compute.
+            raise APIError(400, "echo together with logprobs is not supported by this server", param="echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string, or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # one token-id prompt
+        return list(p)

@@ -1,0 +1,115 @@
+"""OpenAI response bodies and stream chunks, built as plain dicts.
+
+Shapes follow the official schemas strictly: required-but-nullable fields are present as null
+(``logprobs``, ``finish_reason`` in chunks, ``message.refusal``), optional objects are omitted rather
+than null (``usage`` of a non-streamed response is always an object).
+"""
+
+from typing import Any
+
+LogprobEntry = tuple[float, list[int], list[float]]
+
+
+class TokenTexts:
+    """Token id -> its text, cached (log-probs decode the same ids again and again)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _token_entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(
+    token_ids: list[int], entries: list[LogprobEntry] | None, texts: TokenTexts, top: int
+) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    content = []
+    for token_id, (logprob, top_ids, top_lps) in zip(token_ids, entries, strict=False):
+        entry = _token_entry(texts(token_id), logprob)
+        entry["top_logprobs"] = [_token_entry(texts(t), lp) for t, lp in zip(top_ids[:top], top_lps[:top])]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[LogprobEntry] | None, texts: TokenTexts, offset: int
+) -> dict[str, Any] | None:
+    """The legacy completions format; ``offset`` is where this text starts in the choice's text."""
+    if entries is None:
+        return None
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for token_id, (logprob, top_ids, top_lps) in zip(token_ids, entries, strict=False):
+        text = texts(token_id)
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top_logprobs.append({texts(t): lp for t, lp in zip(top_ids, top_lps)})
+        text_offset.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def chat_completion(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text, "refusal": None},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_chunk(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], *, with_usage: bool,
+    usage_: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """One stream chunk; with ``include_usage`` every chunk has ``usage`` (null but on the last)."""
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": choices}
+    if with_usage:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chunk_choice(
+    index: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs: dict | None = None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int] | None
+) -> dict[str, Any]:
+    body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

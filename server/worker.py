@@ -1,0 +1,255 @@
+"""The engine worker: one spawned process per device, driving an ``LLMEngine`` in a step loop.
+
+Loop: drain control messages (add / abort / shutdown) -> one ``engine.step()`` -> one OUTPUTS
+message with every request's new tokens. When idle it blocks on the socket and sends a STATS
+heartbeat every second. A bad request (``ValueError`` from ``add_request``) or a failing step is
+reported per request; the loop itself only ends on SHUTDOWN or when the parent process is gone.
+This module imports no torch at import time: the spawned child selects the device first.
+"""
+
+import logging
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from server import ipc
+
+logger = logging.getLogger("xinserve.worker")
+
+HEARTBEAT_S = 1.0
+# Stats ride along with step outputs at most this often; /metrics needs freshness, not every step.
+STATS_INTERVAL_S = 0.05
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """Everything a worker needs; pickled into the spawned child."""
+
+    model_name: str
+    label: str  # "cpu", "npu:0", or "cpu#1" when a model lists a device twice
+    device: str
+    model_path: str
+    engine_kwargs: dict[str, Any]
+    input_addr: str  # the worker PULLs control messages from here
+    output_addr: str  # and PUSHes outputs here
+    cpu_threads: int | None = None
+    log_level: int = logging.INFO
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def setup_device(device: str, cpu_threads: int | None) -> None:
+    """Import the device's torch extension and make ``device`` current; set CPU threads."""
+    import torch
+
+    if cpu_threads:
+        torch.set_num_threads(cpu_threads)
+    kind, _, index = device.partition(":")
+    if kind == "npu":
+        import torch_npu  # noqa: F401  registers torch.npu
+
+        torch.npu.set_device(int(index or 0))
+    elif kind == "musa":
+        import torch_musa  # noqa: F401  registers torch.musa
+
+        torch.musa.set_device(int(index or 0))
+    elif kind == "cuda":
+        torch.cuda.set_device(int(index or 0))
+    elif kind != "cpu":
+        raise ValueError(f"unknown device {device!r}")
+
+
+def _load_engine(spec: WorkerSpec) -> Any:
+    from engines import EngineConfig, LLMEngine
+
+    setup_device(spec.device, spec.cpu_threads)
+    return LLMEngine(EngineConfig(model=spec.model_path, device=spec.device, **spec.engine_kwargs))
+
+
+@dataclass(slots=True)
+class _Active:
+    """What the worker remembers of a request it accepted."""
+
+    n: int
+    added_at: float
+    done: set[int] = field(default_factory=set)  # choice indices finished or aborted
+    started: bool = False
+
+
+class WorkerLoop:
+    """The step loop around one engine; separate from process set-up so it is testable in-process."""
+
+    def __init__(self, engine: Any, recv: zmq.Socket, send: zmq.Socket, label: str = "worker") -> None:
+        self.engine = engine
+        self.recv = recv
+        self.send = send
+        self.label = label
+        self.active: dict[str, _Active] = {}
+        self.running = True
+        self._last_stats = 0.0
+        self._parent = os.getppid()
+
+    def _emit(self, message: list[Any]) -> None:
+        self.send.send(ipc.pack(message), copy=False)
+
+    def _handle(self, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == ipc.ADD:
+            self._add(message[1], message[2], message[3])
+        elif kind == ipc.ABORT:
+            for request_id, index in message[1]:
+                self._abort(request_id, index)
+        elif kind == ipc.SHUTDOWN:
+            self.running = False
+        else:
+            logger.error("%s: unknown message kind %r ignored", self.label, kind)
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], kwargs: dict[str, Any]) -> None:
+        from engines import SamplingParams
+
+        try:
+            params = SamplingParams(**kwargs)
+            self.engine.add_request(request_id, prompt_token_ids, params)
+        except ValueError as exc:  # the engine's way of saying "this request can never run"
+            self._emit([ipc.ERROR, request_id, 400, str(exc)])
+            return
+        except Exception:
+            logger.exception("%s: add_request failed for %s", self.label, request_id)
+            self._emit([ipc.ERROR, request_id, 500, "the worker failed to accept the request"])
+            return
+        self.active[request_id] = _Active(n=params.n, added_at=time.perf_counter())
+
+    def _abort(self, request_id: str, index: int | None) -> None:
+        state = self.active.get(request_id)
+        if state is None:
+            return
+        if index is None:
+            self.engine.abort_request(request_id)
+            del self.active[request_id]
+        elif index not in state.done:
+            self.engine.abort_request(request_id, index)
+            state.done.add(index)
+            if len(state.done) >= state.n:
+                del self.active[request_id]
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            # The engine's state for the running requests is suspect: fail them all, keep serving.
+            logger.exception("%s: engine step failed; aborting %d request(s)", self.label, len(self.active))
+            failed = list(self.active)
+            self.active.clear()
+            for request_id in failed:
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:
+                    logger.exception("%s: abort of %s failed", self.label, request_id)
+            for request_id in failed:
+                self._emit([ipc.ERROR, request_id, 500, "internal error in the engine worker"])
+            return
+        queue_times: dict[str, float] = {}
+        changed = False  # a request started or finished: the gauges moved, send them now
+        for out in outputs:
+            state = self.active.get(out.request_id)
+            if state is None:
+                continue
+            if not state.started:
+                state.started = True
+                queue_times[out.request_id] = started - state.added_at
+            if out.finished:
+                changed = True
+                state.done.add(out.index)
+                if len(state.done) >= state.n:
+                    del self.active[out.request_id]
+        encoded = [ipc.encode_step_output(out) for out in outputs]
+        force = changed or bool(queue_times) or not self.active
+        self._emit([ipc.OUTPUTS, encoded, self._stats_if_due(force), queue_times])
+
+    def _stats_if_due(self, force: bool = False) -> list[Any] | None:
+        now = time.perf_counter()
+        if not force and now - self._last_stats < STATS_INTERVAL_S:
+            return None
+        self._last_stats = now
+        return ipc.encode_stats(self.engine.stats())
+
+    def _drain(self, timeout_ms: int) -> None:
+        """Handle every queued message, waiting up to ``timeout_ms`` for the first."""
+        if not self.recv.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.recv.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(ipc.unpack(frame))
+            except Exception:
+                logger.exception("%s: bad control message ignored", self.label)
+
+    def run(self) -> None:
+        while self.running:
+            if os.getppid() != self._parent:
+                logger.warning("%s: parent process is gone; exiting", self.label)
+                break
+            busy = self.engine.has_unfinished_requests()
+            self._drain(0 if busy else int(HEARTBEAT_S * 1000))
+            if not self.running:
+                break
+            if self.engine.has_unfinished_requests():
+                self._step()
+            else:
+                # The idle heartbeat, or fresh KV usage right after aborts freed blocks.
+                self._emit([ipc.STATS, self._stats_if_due(force=True)])
+
+
+def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]:
+    tokenizer = engine.tokenizer
+    return {
+        "max_model_len": int(engine.max_model_len),
+        "device": spec.device,
+        "pid": os.getpid(),
+        "load_seconds": round(load_s, 3),
+        "eos_token_id": getattr(tokenizer, "eos_token_id", None),
+    }
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """Entry point of the spawned worker process."""
+    # Ctrl-C reaches the whole process group; the server shuts its workers down in order instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(spec.env)
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{spec.label}] %(message)s")
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.connect(spec.input_addr)
+    send = ctx.socket(zmq.PUSH)
+    send.setsockopt(zmq.LINGER, 5000)
+    send.connect(spec.output_addr)
+    logger.info("loading %s from %s on %s", spec.model_name, spec.model_path, spec.device)
+    start = time.perf_counter()
+    try:
+        engine = _load_engine(spec)
+    except BaseException as exc:  # noqa: BLE001  whatever broke loading is reported, then we exit
+        logger.error("loading %s on %s failed:\n%s", spec.model_name, spec.device, traceback.format_exc())
+        send.send(ipc.pack([ipc.FAILED, f"{type(exc).__name__}: {exc}"]))
+        send.close()
+        ctx.term()
+        raise SystemExit(1) from None
+    info = _engine_info(engine, spec, time.perf_counter() - start)
+    logger.info("%s ready on %s in %.1fs (max_model_len=%d)", spec.model_name, spec.device,
+                info["load_seconds"], info["max_model_len"])
+    send.send(ipc.pack([ipc.READY, info]))
+    loop = WorkerLoop(engine, recv, send, spec.label)
+    send.send(ipc.pack([ipc.STATS, ipc.encode_stats(engine.stats())]))  # /metrics has values from the start
+    try:
+        loop.run()
+    finally:
+        recv.close(linger=0)
+        send.close()
+        ctx.term()

@@ -1,0 +1,138 @@
+"""Server test helpers: a real ``xinserve serve`` subprocess on a free port, and OpenAI's schemas."""
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_DIR = REPO_ROOT.parent / "shared" / "openai-schemas"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m server.cli serve ARGS`` in a subprocess; ``url`` is ready once ``wait_ready`` returns."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115  closed in stop()
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            cwd=REPO_ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 180.0, expect_status: int = 200) -> dict[str, Any]:
+        """Poll /health until it answers ``expect_status`` (503 for a config with a broken model)."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=5)
+                last = r.json()
+                if r.status_code == expect_status and self._settled(last, expect_status):
+                    return last
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready after {timeout}s; last health {last}:\n{self.log()[-4000:]}")
+
+    @staticmethod
+    def _settled(health: dict[str, Any], expect_status: int) -> bool:
+        if expect_status == 200:
+            return True
+        # Every worker has either come up or given up: no "starting" left.
+        return all(w["state"] != "starting" for w in health["workers"]) and not health.get("loading_tokenizers")
+
+    def stop(self) -> None:
+        """SIGTERM (the server stops its workers in order), then kill if it hangs; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if not self._log.closed:
+            self._log.close()
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """``start(args, env) -> ServerProcess`` (not yet ready); every server is stopped at the end."""
+    servers: list[ServerProcess] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+        log = tmp_path_factory.mktemp("server-log") / "server.log"
+        server = ServerProcess(args, env or {}, log)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def _openapi_nullable(node: Any) -> Any:
+    """OpenAPI 3.0's ``nullable: true`` (mixed into this 3.1 bundle) as JSON Schema's null branch."""
+    if isinstance(node, dict):
+        node = {k: _openapi_nullable(v) for k, v in node.items()}
+        if node.pop("nullable", False) is True:
+            return {"anyOf": [node, {"type": "null"}]}
+        return node
+    if isinstance(node, list):
+        return [_openapi_nullable(v) for v in node]
+    return node
+
+
+class Schemas:
+    def __init__(self, directory: Path) -> None:
+        import jsonschema
+
+        self._validators: dict[str, Any] = {}
+        for path in directory.glob("*.json"):
+            if path.name == "SOURCE.json":
+                continue
+            schema = _openapi_nullable(json.loads(path.read_text()))
+            self._validators[path.stem] = jsonschema.Draft202012Validator(schema)
+
+    def validate(self, name: str, instance: Any) -> None:
+        """Raise ``jsonschema.ValidationError`` unless ``instance`` conforms to schema ``name``."""
+        self._validators[name].validate(copy.deepcopy(instance))
+
+
+@pytest.fixture(scope="session")
+def schemas() -> Schemas:
+    if not SCHEMA_DIR.is_dir():
+        pytest.skip(f"OpenAI schemas not found at {SCHEMA_DIR}")
+    return Schemas(SCHEMA_DIR)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> Any:
+    """The embedded model's tokenizer, built in memory (byte-level BPE with a chat template)."""
+    from engines.tiny_model import build_tokenizer
+
+    return build_tokenizer()

@@ -1,0 +1,53 @@
+"""Chat messages through the model's template: roles, content parts, tools, and template errors."""
+
+import pytest
+
+from server.chat_template import chat_prompt_ids, template_message
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, ChatMessage
+
+
+def request(messages, **kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **kw})
+
+
+def test_template_message_fields():
+    msg = ChatMessage.model_validate({"role": "developer", "content": [{"type": "text", "text": "a"}], "name": "x"})
+    assert template_message(msg) == {"role": "system", "content": "a", "name": "x"}
+    tool = ChatMessage.model_validate({"role": "tool", "content": "42", "tool_call_id": "call_1"})
+    assert template_message(tool) == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+
+
+def test_prompt_ids_follow_the_template(tiny_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    ids = chat_prompt_ids(tiny_tokenizer, request(messages))
+    expected = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tiny_tokenizer.decode(ids) == expected
+    assert ids.count(tiny_tokenizer.bos_token_id) == 1  # no second BOS from add_special_tokens
+    assert tiny_tokenizer.decode(ids).endswith("<|assistant|>\n")
+    no_prompt = chat_prompt_ids(tiny_tokenizer, request(messages, add_generation_prompt=False))
+    assert ids[: len(no_prompt)] == no_prompt and len(no_prompt) < len(ids)
+
+
+def test_template_errors_are_400(tiny_tokenizer):
+    # The tiny template raises on roles it does not know; "developer" is mapped to "system" first.
+    assert chat_prompt_ids(tiny_tokenizer, request([{"role": "developer", "content": "x"}]))
+
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(APIError) as info:
+        chat_prompt_ids(NoTemplate(), request([{"role": "user", "content": "x"}]))
+    assert info.value.status == 400 and "completions" in info.value.message
+
+    class Strict:
+        chat_template = "x"
+
+        def apply_chat_template(self, *a, **kw):
+            from jinja2 import TemplateError
+
+            raise TemplateError("roles must alternate")
+
+    with pytest.raises(APIError) as info:
+        chat_prompt_ids(Strict(), request([{"role": "user", "content": "x"}]))
+    assert info.value.param == "messages" and "alternate" in info.value.message

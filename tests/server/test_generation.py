@@ -1,0 +1,162 @@
+"""Generation: worker outputs -> text deltas, stop strings (per choice for n > 1), errors, timeouts.
+
+A recording stand-in for the worker client lets each test feed exact outputs; the detokenizer and
+tokenizer are the real ones.
+"""
+
+import asyncio
+
+import pytest
+
+from server.errors import APIError
+from server.generation import Generation
+from server.ipc import TokenOutput
+from server.worker_client import RequestStream, WorkerError
+
+TEXT = "The river runs to the sea."
+
+
+class RecordingWorker:
+    model_name, label = "m", "cpu"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.stream: RequestStream | None = None
+
+    def add(self, request_id, prompt_token_ids, params) -> RequestStream:
+        self.stream = RequestStream(request_id, params["n"])
+        return self.stream
+
+    def abort(self, request_id) -> None:
+        self.calls.append(("abort", request_id))
+
+    def abort_choice(self, request_id, index) -> None:
+        self.calls.append(("abort_choice", request_id, index))
+
+    def feed(self, index: int, tokens: list[int], finished: bool = False, reason: str | None = None) -> None:
+        self.stream.queue.put_nowait(TokenOutput("r", index, tokens, finished, reason, None))
+
+
+def make(tok, n: int = 1, stop: list[str] | None = None, timeout_s: float = 60) -> tuple[Generation, RecordingWorker]:
+    worker = RecordingWorker()
+    gen = Generation(worker, "r", [0], {"n": n}, tok, stop=stop or [], timeout_s=timeout_s)
+    gen.start()
+    return gen, worker
+
+
+def text_ids(tok) -> list[int]:
+    return tok.encode(TEXT, add_special_tokens=False)
+
+
+async def drain(gen: Generation) -> list[str]:
+    pieces = []
+    while not gen.done:
+        pieces.extend(d.text for d in await gen.next_deltas())
+    return pieces
+
+
+def test_plain_stream_reassembles_text(tiny_tokenizer):
+    async def go():
+        gen, worker = make(tiny_tokenizer)
+        ids = text_ids(tiny_tokenizer)
+        for i, t in enumerate(ids):
+            worker.feed(0, [t], finished=i == len(ids) - 1, reason="length" if i == len(ids) - 1 else None)
+        deltas = await gen.next_deltas()  # everything queued arrives as one coalesced delta
+        return gen, deltas
+
+    gen, deltas = asyncio.run(go())
+    assert [d.text for d in deltas] == [TEXT]
+    assert gen.choices[0].finish_reason == "length"
+    assert gen.completion_tokens == len(text_ids(tiny_tokenizer))
+    assert gen.first_token_at is not None
+
+
+def test_stop_string_cuts_and_aborts(tiny_tokenizer):
+    async def go():
+        gen, worker = make(tiny_tokenizer, stop=["runs"])
+        for t in text_ids(tiny_tokenizer):
+            worker.feed(0, [t])
+        return gen, worker, await drain(gen)
+
+    gen, worker, pieces = asyncio.run(go())
+    assert "".join(pieces) == "The river "
+    assert gen.choices[0].finish_reason == "stop"
+    assert worker.calls == [("abort", "r")]  # the engine never finished it: free it now
+
+
+def test_held_back_text_is_flushed_at_the_end(tiny_tokenizer):
+    async def go():
+        gen, worker = make(tiny_tokenizer, stop=["sea!"])
+        ids = tiny_tokenizer.encode("The river runs to the sea", add_special_tokens=False)
+        for t in ids[:-1]:
+            worker.feed(0, [t])
+        first = await gen.next_deltas()
+        worker.feed(0, [ids[-1]], finished=True, reason="stop")
+        return first, await drain(gen), gen
+
+    first, rest, gen = asyncio.run(go())
+    assert "".join(d.text for d in first) + "".join(rest) == "The river runs to the sea"
+    assert gen.choices[0].finish_reason == "stop"
+
+
+def test_n2_one_choice_stops_early_the_other_runs_on(tiny_tokenizer):
+    async def go():
+        gen, worker = make(tiny_tokenizer, n=2, stop=["river"])
+        ids = text_ids(tiny_tokenizer)
+        for i, t in enumerate(ids):
+            worker.feed(0, [t])
+            worker.feed(1, [t], finished=i == len(ids) - 1, reason="length" if i == len(ids) - 1 else None)
+        await drain(gen)
+        return gen, worker
+
+    gen, worker = asyncio.run(go())
+    # Both choices see the same tokens here, so both stop on "river"; choice 0 is aborted on its own
+    # first, then the whole request once the last choice is done.
+    assert [c.text for c in gen.choices] == ["The ", "The "]
+    assert [c.finish_reason for c in gen.choices] == ["stop", "stop"]
+    assert worker.calls[0] == ("abort_choice", "r", 0)
+    assert worker.calls[-1] == ("abort", "r")
+
+
+def test_n2_mixed_finish(tiny_tokenizer):
+    async def go():
+        gen, worker = make(tiny_tokenizer, n=2, stop=["sea"])
+        short = tiny_tokenizer.encode("The river", add_special_tokens=False)
+        worker.feed(0, short, finished=True, reason="length")
+        for t in text_ids(tiny_tokenizer):
+            worker.feed(1, [t])
+        await drain(gen)
+        return gen, worker
+
+    gen, worker = asyncio.run(go())
+    assert [c.text for c in gen.choices] == ["The river", "The river runs to the "]
+    assert [c.finish_reason for c in gen.choices] == ["length", "stop"]
+    assert ("abort_choice", "r", 1) not in worker.calls  # the last choice ends the request instead
+
+
+def test_worker_error_becomes_api_error(tiny_tokenizer):
+    async def go(status):
+        gen, worker = make(tiny_tokenizer)
+        worker.stream.queue.put_nowait(WorkerError(status, "nope"))
+        await gen.next_deltas()
+
+    with pytest.raises(APIError) as info:
+        asyncio.run(go(400))
+    assert (info.value.status, info.value.message) == (400, "nope")
+    with pytest.raises(APIError) as info:
+        asyncio.run(go(503))
+    assert info.value.status == 503
+
+
+def test_timeout_aborts(tiny_tokenizer):
+    async def go():
+        gen, worker = make(tiny_tokenizer, timeout_s=0.05)
+        try:
+            await gen.next_deltas()
+        finally:
+            calls = list(worker.calls)
+        return calls
+
+    with pytest.raises(APIError) as info:
+        asyncio.run(go())
+    assert (info.value.status, info.value.code) == (504, "timeout")

@@ -1,0 +1,67 @@
+"""Metric names and labels (DESIGN.md), read from worker stats at scrape time."""
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.metrics import EngineStatsCollector, RequestMetrics
+
+DESIGN_NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                "generation_tokens_total", "num_preemptions_total", "request_success_total",
+                "prefix_cache_queries_total", "prefix_cache_hits_total", "time_to_first_token_seconds",
+                "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"]
+
+
+class Worker:
+    def __init__(self, model, label, ready, stats):
+        self.model_name, self.label, self.ready, self.stats = model, label, ready, stats
+
+
+class Pool:
+    def __init__(self, workers):
+        self.workers = workers
+
+
+class Choice:
+    def __init__(self, reason):
+        self.finish_reason = reason
+
+
+class Gen:
+    def __init__(self, worker):
+        self.worker = worker
+        self.arrival, self.first_token_at, self.inter_token_latencies = 10.0, 10.2, [0.01, 0.02]
+        self.queue_time, self.done = 0.05, True
+        self.choices = [Choice("stop"), Choice("length")]
+
+
+def scrape(registry) -> dict[str, dict]:
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            out.setdefault(s.name, {})[(s.labels.get("model_name"), s.labels.get("worker"),
+                                        s.labels.get("finished_reason"), s.labels.get("le"))] = s.value
+    return out
+
+
+def test_every_design_metric_is_exported_with_model_and_worker_labels():
+    up = Worker("glm", "npu:0", True, {"num_running": 3, "num_waiting": 1, "kv_cache_usage": 0.25,
+                                       "generation_tokens_total": 99, "prompt_tokens_total": 7})
+    down = Worker("glm", "musa:0", False, {"num_running": 5, "generation_tokens_total": 4})
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector({"glm": Pool([up, down])}))
+    metrics = RequestMetrics(registry)
+    metrics.observe(Gen(up), end=11.0)
+    samples = scrape(registry)
+    for name in DESIGN_NAMES:
+        assert any(s.startswith(f"xinserve:{name}") for s in samples), name
+    running = samples["xinserve:num_requests_running"]
+    assert running[("glm", "npu:0", None, None)] == 3
+    assert running[("glm", "musa:0", None, None)] == 0  # a worker that is not serving runs nothing
+    assert samples["xinserve:generation_tokens_total"][("glm", "musa:0", None, None)] == 4  # counters stay
+    assert samples["xinserve:kv_cache_usage_perc"][("glm", "npu:0", None, None)] == 0.25
+    success = samples["xinserve:request_success_total"]
+    assert success[("glm", "npu:0", "stop", None)] == 1 and success[("glm", "npu:0", "length", None)] == 1
+    assert samples["xinserve:time_to_first_token_seconds_count"][("glm", "npu:0", None, None)] == 1
+    assert samples["xinserve:inter_token_latency_seconds_count"][("glm", "npu:0", None, None)] == 2
+    assert samples["xinserve:e2e_request_latency_seconds_sum"][("glm", "npu:0", None, None)] == 1.0
+    assert samples["xinserve:worker_ready"][("glm", "musa:0", None, None)] == 0

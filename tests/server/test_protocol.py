@@ -1,0 +1,109 @@
+"""Request models: OpenAI's ranges and types, vLLM's extras, and the mapping to SamplingParams."""
+
+import pytest
+from pydantic import ValidationError
+
+from engines import SamplingParams
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, CompletionRequest
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": MSG, **kw})
+
+
+def bad_loc(**kw) -> tuple:
+    with pytest.raises(ValidationError) as info:
+        chat(**kw)
+    return info.value.errors()[0]["loc"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", 2.01), ("temperature", -1), ("top_p", 0), ("top_p", 1.01), ("n", 0), ("max_tokens", 0),
+    ("max_tokens", -1), ("max_completion_tokens", 0), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+    ("top_logprobs", 21), ("min_p", 1.5), ("repetition_penalty", 0), ("top_k", -2),
+])
+def test_out_of_range_values_are_rejected(field, value):
+    assert bad_loc(**{field: value})[0] == field
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", "0.5"), ("n", 1.5), ("n", "2"), ("stream", "true"), ("max_tokens", "10"), ("logprobs", 1),
+])
+def test_wrong_types_are_rejected_not_coerced(field, value):
+    assert bad_loc(**{field: value})[0] == field
+
+
+def test_messages_rules():
+    assert bad_loc(messages=[])[0] == "messages"
+    assert bad_loc(messages=[{"role": "wizard", "content": "x"}])[:3] == ("messages", 0, "role")
+    assert bad_loc(messages=[{"role": "user"}])[:2] == ("messages", 0)
+    assert bad_loc(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])[:2] == (
+        "messages", 0)
+    # An assistant turn that only calls tools may have no content.
+    req = chat(messages=[*MSG, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
+    assert req.messages[1].text() == ""
+    parts = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert parts.messages[0].text() == "a\nb"
+
+
+def test_stop_forms():
+    assert chat(stop="x").stop_list == ["x"]
+    assert chat(stop=["a", "b", "c", "d"]).stop_list == ["a", "b", "c", "d"]
+    assert chat().stop_list == []
+    assert bad_loc(stop=["a", "b", "c", "d", "e"]) == ("stop",)
+    assert bad_loc(stop=[""]) == ("stop",)
+
+
+def test_cross_field_checks_name_the_param():
+    with pytest.raises(APIError) as info:
+        chat(top_logprobs=2).check()
+    assert (info.value.status, info.value.param) == (400, "top_logprobs")
+    with pytest.raises(APIError) as info:
+        chat(response_format={"type": "json_schema"}).check()
+    assert info.value.param == "response_format"
+    chat(logprobs=True, top_logprobs=2, response_format={"type": "text"}).check()
+
+
+def test_max_tokens_precedence_and_logprobs():
+    assert chat(max_tokens=5, max_completion_tokens=7).requested_max_tokens == 7
+    assert chat(max_tokens=5).requested_max_tokens == 5
+    assert chat().requested_max_tokens is None
+    assert chat().num_logprobs is None
+    assert chat(logprobs=True).num_logprobs == 0
+    assert chat(logprobs=True, top_logprobs=5).num_logprobs == 5
+
+
+def test_sampling_kwargs_build_valid_engine_params():
+    req = chat(n=2, temperature=0, top_p=0.9, top_k=-1, seed=3, stop="x", presence_penalty=0.5, ignore_eos=True,
+               min_tokens=2, stop_token_ids=[7], repetition_penalty=1.1)
+    params = SamplingParams(**req.sampling_kwargs(max_tokens=12, logprobs=3))
+    assert (params.n, params.temperature, params.top_p, params.top_k, params.seed) == (2, 0, 0.9, 0, 3)
+    assert (params.max_tokens, params.logprobs, params.ignore_eos, params.min_tokens) == (12, 3, True, 2)
+    assert params.stop == []  # stop strings are matched by the HTTP process, not the engine
+    assert params.stop_token_ids == [7] and params.repetition_penalty == 1.1
+    defaults = SamplingParams(**chat().sampling_kwargs(max_tokens=1, logprobs=None))
+    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (1.0, 1.0, 0)
+
+
+def test_completion_prompts_and_checks():
+    def comp(**kw) -> CompletionRequest:
+        return CompletionRequest.model_validate({"model": "m", **kw})
+
+    assert comp(prompt="a").prompts() == ["a"]
+    assert comp(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert comp(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert comp(prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
+    assert comp(prompt="a").max_tokens == 16  # OpenAI's legacy default
+    for kw, param in (({"prompt": []}, "prompt"), ({"prompt": [[]]}, "prompt"),
+                      ({"prompt": "a", "best_of": 2}, "best_of"), ({"prompt": "a", "suffix": "z"}, "suffix"),
+                      ({"prompt": "a", "echo": True, "logprobs": 1}, "echo")):
+        with pytest.raises(APIError) as info:
+            comp(**kw).check()
+        assert info.value.param == param
+    with pytest.raises(ValidationError):
+        comp(prompt=[1, "a"])
+    with pytest.raises(ValidationError):
+        comp(prompt="a", logprobs=21)

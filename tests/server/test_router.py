@@ -1,0 +1,91 @@
+"""Routing: least-loaded ready worker, ties taken in turn, 429 when full, 503 and the fallback chain."""
+
+import pytest
+
+from server.config import ModelSettings
+from server.errors import APIError
+from server.pool import worker_labels
+from server.router import Router
+
+
+class Worker:
+    def __init__(self, label: str, ready: bool = True, load: int = 0, capacity: int = 4) -> None:
+        self.label, self.ready, self.load, self.capacity = label, ready, load, capacity
+
+    def has_capacity(self, n: int) -> bool:
+        return self.load + n <= self.capacity
+
+
+class Pool:
+    def __init__(self, name: str, workers: list[Worker], fallback: list[str] | None = None) -> None:
+        self.settings = ModelSettings(name=name, path="/m", fallback=fallback or [])
+        self.name = name
+        self.workers = workers
+
+    def ready_workers(self) -> list[Worker]:
+        return [w for w in self.workers if w.ready]
+
+
+def router(*pools: Pool) -> Router:
+    return Router({p.name: p for p in pools})
+
+
+def test_least_loaded_ready_worker_wins():
+    a, b, c = Worker("a", load=3), Worker("b", load=1), Worker("c", ready=False, load=0)
+    pool, worker = router(Pool("m", [a, b, c])).route("m")
+    assert (pool.name, worker.label) == ("m", "b")
+
+
+def test_ties_are_taken_in_turn():
+    workers = [Worker("a"), Worker("b"), Worker("c")]
+    r = router(Pool("m", workers))
+    assert [r.route("m")[1].label for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_full_workers_give_429_not_fallback():
+    r = router(Pool("m", [Worker("a", load=4), Worker("b", load=3)], fallback=["f"]), Pool("f", [Worker("x")]))
+    assert r.route("m", n=1)[1].label == "b"
+    with pytest.raises(APIError) as info:
+        r.route("m", n=2)
+    assert info.value.status == 429 and info.value.type == "rate_limit_error"
+
+
+def test_n_beyond_any_worker_is_400_not_429():
+    r = router(Pool("m", [Worker("a", capacity=4), Worker("b", capacity=6)]))
+    assert r.route("m", n=6)[1].label == "b"
+    with pytest.raises(APIError) as info:
+        r.route("m", n=7)
+    assert (info.value.status, info.value.param) == (400, "n")
+
+
+def test_unknown_model_is_404():
+    with pytest.raises(APIError) as info:
+        router(Pool("m", [Worker("a")])).route("other")
+    assert (info.value.status, info.value.code, info.value.param) == (404, "model_not_found", "model")
+
+
+def test_no_ready_worker_is_503():
+    with pytest.raises(APIError) as info:
+        router(Pool("m", [Worker("a", ready=False)])).route("m")
+    assert info.value.status == 503
+
+
+def test_fallback_chain_is_followed_once_each():
+    down = [Worker("a", ready=False)]
+    r = router(Pool("m", down, ["f1"]), Pool("f1", [Worker("b", ready=False)], ["f2", "m"]),
+               Pool("f2", [Worker("c")], ["m"]))
+    assert [p.name for p in r.chain("m")] == ["m", "f1", "f2"]
+    pool, worker = r.route("m")
+    assert (pool.name, worker.label) == ("f2", "c")
+
+
+def test_cyclic_fallbacks_all_down_end_in_503():
+    r = router(Pool("m", [Worker("a", ready=False)], ["f"]), Pool("f", [Worker("b", ready=False)], ["m"]))
+    with pytest.raises(APIError) as info:
+        r.route("m")
+    assert info.value.status == 503
+
+
+def test_worker_labels():
+    assert worker_labels(["npu:0", "npu:1", "musa:0"]) == ["npu:0", "npu:1", "musa:0"]
+    assert worker_labels(["cpu", "npu:0", "cpu"]) == ["cpu#0", "npu:0", "cpu#1"]

@@ -1,0 +1,184 @@
+"""The worker's step loop, in a thread over in-process ZeroMQ sockets, around a scripted engine.
+
+The engine here is a small deterministic stand-in (token ids count up; a flag makes one step fail)
+so the loop's own contract is pinned: one OUTPUTS message per step, a bad request answered as an
+ERROR without ending the loop, a failing step failing only the requests in it, and aborts.
+"""
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import zmq
+
+from engines.outputs import StepOutput
+from server import ipc
+from server.worker import WorkerLoop
+
+
+@dataclass
+class Stats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+
+class ScriptedEngine:
+    def __init__(self) -> None:
+        self.seqs: dict[tuple[str, int], list] = {}  # (id, index) -> [produced, max_tokens]
+        self.fail_next_step = False
+        self.aborted: list[tuple[str, int | None]] = []
+
+    def add_request(self, request_id, prompt_token_ids, params) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        for i in range(params.n):
+            self.seqs[request_id, i] = [0, params.max_tokens]
+
+    def abort_request(self, request_id, index=None) -> None:
+        self.aborted.append((request_id, index))
+        for key in [k for k in self.seqs if k[0] == request_id and index in (None, k[1])]:
+            del self.seqs[key]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.seqs)
+
+    def step(self) -> list[StepOutput]:
+        time.sleep(0.001)  # a step takes time; without it a long request floods the socket at once
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("device fell over")
+        outs = []
+        for (rid, i), state in list(self.seqs.items()):
+            state[0] += 1
+            done = state[0] >= state[1]
+            outs.append(StepOutput(rid, i, [100 + state[0]], done, "length" if done else None))
+            if done:
+                del self.seqs[rid, i]
+        return outs
+
+    def stats(self) -> Stats:
+        return Stats(num_running=len(self.seqs))
+
+
+@pytest.fixture
+def loop_io():
+    ctx = zmq.Context()
+    to_worker = ctx.socket(zmq.PUSH)
+    to_worker.bind("inproc://in")
+    from_worker = ctx.socket(zmq.PULL)
+    from_worker.bind("inproc://out")
+    recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    recv.connect("inproc://in")
+    send.connect("inproc://out")
+    engine = ScriptedEngine()
+    loop = WorkerLoop(engine, recv, send, "test")
+    # Started by the first ``until``: messages posted before it are all queued when the loop wakes.
+    thread = threading.Thread(target=loop.run, daemon=True)
+
+    def post(*message) -> None:
+        to_worker.send(ipc.pack(list(message)))
+
+    def until(pred, limit: int = 5000) -> list[list]:
+        """Collect messages until ``pred(message)``; STATS heartbeats included."""
+        if not thread.is_alive():
+            thread.start()
+        got = []
+        for _ in range(limit):
+            assert from_worker.poll(5000), f"no message; got {got}"
+            msg = ipc.unpack(from_worker.recv())
+            got.append(msg)
+            if pred(msg):
+                return got
+        raise AssertionError(f"predicate never held; last messages: {got[-3:]}")
+
+    yield engine, post, until, thread
+    post(ipc.SHUTDOWN)
+    if thread.is_alive():
+        thread.join(5)
+    for s in (to_worker, from_worker, recv, send):
+        s.close(linger=0)
+    ctx.term()
+
+
+def params(n: int = 1, max_tokens: int = 3) -> dict:
+    return {"n": n, "max_tokens": max_tokens, "temperature": 0}
+
+
+def outputs(messages: list[list]) -> list[ipc.TokenOutput]:
+    return [ipc.decode_output(o) for m in messages if m[0] == ipc.OUTPUTS for o in m[1]]
+
+
+def finished(rid: str, index: int = 0):
+    return lambda m: m[0] == ipc.OUTPUTS and any(o[0] == rid and o[1] == index and o[3] for o in m[1])
+
+
+def test_tokens_flow_one_message_per_step(loop_io):
+    _, post, until, _ = loop_io
+    post(ipc.ADD, "a", [1, 2], params(max_tokens=3))
+    post(ipc.ADD, "b", [1], params(max_tokens=2))
+    got = until(finished("a"))
+    outs = outputs(got)
+    assert [o.token_ids[0] for o in outs if o.request_id == "a"] == [101, 102, 103]
+    assert [o.finish_reason for o in outs if o.request_id == "b"] == [None, "length"]
+    steps = [m for m in got if m[0] == ipc.OUTPUTS]
+    assert len(steps) == 3  # both requests share the messages of the steps they ran in
+    first = next(m for m in steps if any(o[0] == "a" for o in m[1]))
+    assert "a" in first[3]  # queue time reported with a request's first output
+    assert steps[-1][2] is not None  # stats ride along once the engine goes idle
+
+
+def test_bad_request_is_an_error_and_the_loop_lives_on(loop_io):
+    _, post, until, thread = loop_io
+    post(ipc.ADD, "bad", [], params())
+    err = until(lambda m: m[0] == ipc.ERROR)[-1]
+    assert err[1:3] == ["bad", 400] and "empty" in err[3]
+    post(ipc.ADD, "bad-params", [1], {"n": 0})
+    err = until(lambda m: m[0] == ipc.ERROR)[-1]
+    assert err[1:3] == ["bad-params", 400]
+    post("nonsense", 1, 2)
+    post(ipc.ADD, "good", [1], params(max_tokens=1))
+    until(finished("good"))
+    assert thread.is_alive()
+
+
+def test_failed_step_fails_its_requests_only(loop_io):
+    engine, post, until, thread = loop_io
+    engine.fail_next_step = True
+    post(ipc.ADD, "x", [1], params(max_tokens=50))
+    err = until(lambda m: m[0] == ipc.ERROR)[-1]
+    assert err[1:3] == ["x", 500]
+    assert ("x", None) in engine.aborted
+    post(ipc.ADD, "y", [1], params(max_tokens=2))
+    until(finished("y"))
+    assert thread.is_alive()
+
+
+def test_abort_whole_request_and_single_choice(loop_io):
+    engine, post, until, _ = loop_io
+    post(ipc.ADD, "r", [1], params(n=2, max_tokens=1000))
+    until(lambda m: m[0] == ipc.OUTPUTS)
+    post(ipc.ABORT, [["r", 1]])
+    post(ipc.ADD, "marker", [1], params(max_tokens=1))
+    until(finished("marker"))
+    assert ("r", 1) in engine.aborted and ("r", 0) in engine.seqs
+    post(ipc.ABORT, [["r", None], ["unknown", None]])
+    # After the abort the engine is idle: the next message is a STATS with nothing running.
+    stats = until(lambda m: m[0] == ipc.STATS)[-1]
+    assert ipc.decode_stats(stats[1])["num_running"] == 0
+    assert not engine.seqs
+
+
+def test_shutdown_ends_the_loop(loop_io):
+    _, post, until, thread = loop_io
+    post(ipc.ADD, "a", [1], params(max_tokens=1))
+    until(finished("a"))
+    post(ipc.SHUTDOWN)
+    thread.join(5)
+    assert not thread.is_alive()
