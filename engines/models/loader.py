@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from engines.models import MODEL_REGISTRY
@@ -57,7 +58,9 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights found in {path!r}")
-    for file in files:
+    # Progress on stderr, one tick per shard: a 9B checkpoint takes a while to read.
+    for file in tqdm(files, desc=f"loading {os.path.basename(os.path.normpath(path))}", unit="shard",
+                     disable=len(files) < 2):
         with safe_open(file, framework="pt", device="cpu") as f:
             names = f.keys()  # the handle itself is not iterable
             for name in names:
