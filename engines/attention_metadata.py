@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.reference import DecodeGather
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -22,6 +24,9 @@ class AttentionMetadata:
     # host lists (e.g. Ascend's actual_seq_lengths). Indexed over the prefill sequences only.
     prefill_query_start_loc: list[int]  # [P + 1] cumulative new-token counts, from 0 (= token D)
     prefill_seq_lens: list[int]  # [P] context lengths after this step
+    # Optional: the decode part's gather index and mask, built once per step from host copies so
+    # that the reference decode kernel does not rebuild them in every layer. None: derived per call.
+    decode_gather: DecodeGather | None = None
 
     @property
     def num_prefill_seqs(self) -> int:

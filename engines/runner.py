@@ -1,5 +1,6 @@
 """Runs one scheduled step on the device: flatten the batch, one forward, one sample, one copy back."""
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,7 @@ from engines.sampler import Sampler, SamplingRow
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledSeq
 from engines.sequence import Sequence
+from kernels.reference import DecodeGather
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -25,7 +27,8 @@ class StepBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] int64: flat index of the last token of each sampled sequence
+    # [N] int64: flat index of the last token of each sampled sequence; None when that is every token
+    logits_indices: torch.Tensor | None
     sampled: list[Sequence]  # N sequences whose computed tokens reach their end this step
 
 
@@ -59,6 +62,9 @@ class ModelRunner:
         self.suppress_until_min_tokens: list[int] = []  # set by the engine: EOS ids
         torch.manual_seed(config.seed)
         self.kv_cache = torch.empty(0)
+        # Benchmarks set 0.0 to sum the wall time of the model forward (with the logits) over steps;
+        # None (the default) keeps the timer out of the step.
+        self.forward_seconds: float | None = None
 
     def bytes_per_block(self) -> int:
         m = self.model
@@ -97,10 +103,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
         batch = self._prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
-        if not batch.sampled:
+        if self.forward_seconds is None:
+            logits = self._forward(batch)
+        else:
+            start = time.perf_counter()
+            logits = self._forward(batch)
+            self.platform.synchronize()
+            self.forward_seconds += time.perf_counter() - start
+        if logits is None:
             return []
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, vocab] float32
+        if all(_plain_greedy(seq) for seq in batch.sampled):
+            # The all-greedy fast path: one argmax, no per-row sampling settings, one copy back.
+            token_ids = logits.argmax(dim=-1).tolist()
+            return [SampledToken(s, t, None) for s, t in zip(batch.sampled, token_ids)]
         out = self.sampler(logits, [self._sampling_row(seq) for seq in batch.sampled])
         token_ids = out.token_ids.tolist()  # the step's one device -> host copy (plus log-probs if asked)
         logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
@@ -112,57 +127,79 @@ class ModelRunner:
                     logprobs[i] = TokenLogprob(values[i][0], ids[i][1 : 1 + k], values[i][1 : 1 + k])
         return [SampledToken(s, t, lp) for s, t, lp in zip(batch.sampled, token_ids, logprobs)]
 
+    def _forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """The model forward plus the logits of the sampled tokens ([N, vocab] float32; None when no
+        sequence reaches its end this step)."""
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
+        if not batch.sampled:
+            return None
+        if batch.logits_indices is not None:
+            hidden = hidden.index_select(0, batch.logits_indices)
+        return self.model.compute_logits(hidden)
+
     def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         bs = self.block_size
         # Decode-first order: single-token sequences form the vectorized decode part of attention.
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        decodes = [s.seq for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
-        ids: list[int] = []
-        pos_parts: list[np.ndarray] = []
-        slot_parts: list[np.ndarray] = []
-        seq_lens = np.empty(len(ordered), dtype=np.int32)
-        if decodes:
-            pos = np.fromiter((s.seq.num_computed_tokens for s in decodes), np.int64, len(decodes))
-            ids.extend(s.seq.token_ids[s.seq.num_computed_tokens] for s in decodes)
-            blocks = np.fromiter(
-                (s.seq.block_table[s.seq.num_computed_tokens // bs] for s in decodes), np.int64, len(decodes)
-            )
-            pos_parts.append(pos)
-            slot_parts.append(blocks * bs + pos % bs)
-            seq_lens[: len(decodes)] = pos + 1
+        num_decode = len(decodes)
+        seqs = decodes + [s.seq for s in prefills]
+        num_new = [1] * num_decode + [s.num_new_tokens for s in prefills]
+        starts = [seq.num_computed_tokens for seq in seqs]
+        seq_lens = [start + n for start, n in zip(starts, num_new)]  # context after this step
+        # A decode's one new token sits at position num_computed_tokens.
+        ids = [seq.token_ids[n] for seq, n in zip(decodes, starts)]
+        decode_pos = np.array(starts[:num_decode], dtype=np.int64)
+        decode_blocks = np.array([seq.block_table[n // bs] for seq, n in zip(decodes, starts)], np.int64)
+        pos_parts, slot_parts = [decode_pos], [decode_blocks * bs + decode_pos % bs]
         query_start_loc = [0]
-        for i, s in enumerate(prefills, start=len(decodes)):
-            start, n = s.seq.num_computed_tokens, s.num_new_tokens
-            ids.extend(s.seq.token_ids[start : start + n])
+        for seq, start, n in zip(seqs[num_decode:], starts[num_decode:], num_new[num_decode:]):
+            ids.extend(seq.token_ids[start : start + n])
             pos = np.arange(start, start + n, dtype=np.int64)
             pos_parts.append(pos)
-            slot_parts.append(np.asarray(s.seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            seq_lens[i] = start + n
+            slot_parts.append(np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
             query_start_loc.append(query_start_loc[-1] + n)
-        max_blocks = max(len(s.seq.block_table) for s in ordered)
-        block_tables = np.zeros((len(ordered), max_blocks), dtype=np.int32)
-        for i, s in enumerate(ordered):
-            block_tables[i, : len(s.seq.block_table)] = s.seq.block_table
-        positions = np.concatenate(pos_parts)
-        # A sequence gets a token when this step's tokens reach its end (not mid-prompt chunks).
-        ends = np.cumsum([s.num_new_tokens for s in ordered]) - 1
-        sampled_idx = [i for i, s in enumerate(ordered) if seq_lens[i] == s.seq.num_tokens]
+        width = max(len(seq.block_table) for seq in seqs)
+        block_tables = np.array(
+            [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs], dtype=np.int32
+        )
+        seq_lens_np = np.array(seq_lens, dtype=np.int32)
+        decode_gather = None
+        if num_decode:
+            decode_gather = self._decode_gather(block_tables[:num_decode], seq_lens_np[:num_decode])
         metadata = AttentionMetadata(
             slot_mapping=self._to_device(np.concatenate(slot_parts)),
             block_tables=self._to_device(block_tables),
-            seq_lens=self._to_device(seq_lens),
-            num_decode_seqs=len(decodes),
+            seq_lens=self._to_device(seq_lens_np),
+            num_decode_seqs=num_decode,
             prefill_query_start_loc=query_start_loc,
-            prefill_seq_lens=seq_lens[len(decodes) :].tolist(),
+            prefill_seq_lens=seq_lens[num_decode:],
+            decode_gather=decode_gather,
         )
+        # A sequence gets a token when this step's tokens reach its end (not mid-prompt chunks).
+        is_sampled = [n == seq.num_tokens for n, seq in zip(seq_lens, seqs)]
+        logits_indices = None  # None: every token is sampled, in order, so no gather is needed
+        if prefills or not all(is_sampled):
+            logits_indices = self._to_device((np.cumsum(num_new) - 1)[is_sampled])
         return StepBatch(
-            input_ids=self._to_device(np.asarray(ids, dtype=np.int64)),
-            positions=self._to_device(positions),
+            input_ids=self._to_device(np.array(ids, dtype=np.int64)),
+            positions=self._to_device(np.concatenate(pos_parts)),
             metadata=metadata,
-            logits_indices=self._to_device(ends[sampled_idx].astype(np.int64)),
-            sampled=[ordered[i].seq for i in sampled_idx],
+            logits_indices=logits_indices,
+            sampled=[seq for seq, yes in zip(seqs, is_sampled) if yes],
         )
+
+    def _decode_gather(self, block_tables: np.ndarray, seq_lens: np.ndarray) -> DecodeGather:
+        """The decode attention's gather plan from host copies ([D, B], [D]): only the blocks that
+        the longest context needs, and no mask when every context has the same length."""
+        context_len = int(seq_lens.max())
+        num_blocks = -(-context_len // self.block_size)
+        mask = None
+        if seq_lens.min() < context_len:
+            visible = np.arange(context_len)[None, :] < seq_lens[:, None]  # [D, Lc]
+            mask = self._to_device(visible.reshape(len(seq_lens), 1, 1, context_len))
+        block_ids = np.ascontiguousarray(block_tables[:, :num_blocks], dtype=np.int64).reshape(-1)
+        return DecodeGather(self._to_device(block_ids), context_len, mask)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -189,3 +226,16 @@ class ModelRunner:
             generator=generator,
             suppress_token_ids=suppress,
         )
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Greedy with nothing that changes the logits or asks for more than the token."""
+    p = seq.params
+    return (
+        p.temperature == 0
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0
+        and p.frequency_penalty == 0
+        and seq.num_output_tokens >= p.min_tokens
+    )

@@ -8,6 +8,8 @@ Shape letters: T = new tokens this step, S = sequences, H = query heads, KVH = k
 B = max blocks per sequence.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,31 @@ def write_kv(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
+@dataclass(slots=True)
+class DecodeGather:
+    """What decode attention derives from ``block_tables`` and ``seq_lens`` before it can attend:
+    which blocks to gather and which gathered positions hold context. It depends only on the step,
+    so the runner builds it once per step (from host copies, without a device sync) and every layer
+    reuses it; ``decode_gather`` derives it on the device when a caller has none.
+
+    Shapes: S = decode sequences, Bg = blocks gathered per sequence, Lc = context_len <= Bg * BS.
+    """
+
+    block_ids: torch.Tensor  # [S * Bg] int64: each sequence's first Bg block ids, row by row
+    context_len: int  # Lc: the first Lc gathered positions are attended (the longest context)
+    mask: torch.Tensor | None  # [S, 1, 1, Lc] bool, True where a position holds context; None: all do
+
+
+def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodeGather:
+    """The gather plan for decode sequences from device tensors: every block of the table, with a
+    mask (the host does not know the lengths without a sync). block_tables: [S, B]; seq_lens: [S]."""
+    num_seqs, num_blocks = block_tables.shape
+    max_len = num_blocks * block_size
+    positions = torch.arange(max_len, device=block_tables.device)
+    mask = (positions[None, :] < seq_lens[:, None]).view(num_seqs, 1, 1, max_len)
+    return DecodeGather(block_tables.reshape(-1).long(), max_len, mask)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -37,31 +64,34 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    gather: DecodeGather | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context.
 
     query: [S, H, D] (the new token's key/value are already in the cache);
     key_cache, value_cache: [N, BS, KVH, D]; block_tables: [S, B] int32; seq_lens: [S] int32
-    (context length including the new token). Returns [S, H, D].
+    (context length including the new token). ``gather``: the step's precomputed plan (then
+    block_tables and seq_lens are not read). Returns [S, H, D].
 
-    Vectorised over sequences: every sequence gathers B blocks and positions at or past its
-    seq_len are masked, so there is no Python loop and no device-to-host sync.
+    Vectorised over sequences: every sequence gathers the same number of blocks and positions at or
+    past its seq_len are masked, so there is no Python loop and no device-to-host sync.
     """
     num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     group = num_heads // num_kv_heads
-    max_len = block_tables.shape[1] * block_size
-    blocks = block_tables.long()
-    # k, v: [S, B, BS, KVH, D] -> [S, KVH, L, D] with L = B * BS
-    k = key_cache[blocks].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = value_cache[blocks].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    if gather is None:
+        gather = decode_gather(block_tables, seq_lens, block_size)
+    gathered_len = gather.block_ids.shape[0] // num_seqs * block_size
+    # k, v: [S, Bg * BS, KVH, D] -> [S, KVH, Lc, D]. index_select over whole blocks (rows of
+    # BS * KVH * D values) copies contiguous runs: several times faster than advanced indexing.
+    k = key_cache.view(num_blocks, -1).index_select(0, gather.block_ids)
+    v = value_cache.view(num_blocks, -1).index_select(0, gather.block_ids)
+    k = k.view(num_seqs, gathered_len, num_kv_heads, head_dim)[:, : gather.context_len].transpose(1, 2)
+    v = v.view(num_seqs, gathered_len, num_kv_heads, head_dim)[:, : gather.context_len].transpose(1, 2)
     # GQA without repeating K/V: the G query heads sharing a KV head act as G query rows.
     # q: [S, KVH, G, D]
     q = query.view(num_seqs, num_kv_heads, group, head_dim)
-    # mask: [S, 1, 1, L], True where the position holds context
-    positions = torch.arange(max_len, device=query.device)
-    mask = (positions[None, :] < seq_lens[:, None]).view(num_seqs, 1, 1, max_len)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=gather.mask, scale=scale)
     # out: [S, KVH, G, D] -> [S, H, D]
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -132,36 +162,58 @@ def rms_norm(
     return normed if residual is None else (normed, residual)
 
 
+def rotary_cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """The rotation of each token, laid out for ``rotary_embedding``: [2, T, 1, rotary_dim] in dtype.
+
+    Row 0 holds each pair's cos twice, row 1 its sin with the sign of the pair's first element
+    flipped, both in the pairing order of the style, so a rotation is ``x * cos + swap(x) * sin``
+    where swap exchanges the two elements of every pair. It depends only on the positions: the
+    model builds it once per step for all layers.
+    """
+    # cos, sin: [T, rotary_dim / 2]
+    cos, sin = cos_sin_cache.index_select(0, positions).to(dtype).chunk(2, dim=-1)
+    if is_neox:  # dim i pairs with i + rotary_dim / 2
+        table = torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)))
+    else:  # dims 2i and 2i + 1 pair up
+        table = torch.stack((torch.stack((cos, cos), dim=-1), torch.stack((-sin, sin), dim=-1))).flatten(-2)
+    return table.unsqueeze(2)
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
+    cos_sin: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding on the first rotary_dim dims of each head (out of place).
 
     positions: [T] int64; query: [T, H, D]; key: [T, KVH, D]; cos_sin_cache: [max_positions,
     rotary_dim], cos of the rotary_dim / 2 frequencies then their sin. Dims past rotary_dim pass
     through unchanged (partial rotary). ``is_neox``: dim i pairs with i + rotary_dim / 2
-    (Llama, Qwen); otherwise dims 2i and 2i + 1 pair up (GLM-4).
+    (Llama, Qwen); otherwise dims 2i and 2i + 1 pair up (GLM-4). ``cos_sin``: the step's
+    ``rotary_cos_sin`` when the caller built it once for all layers (then positions and
+    cos_sin_cache are not read).
     """
-    rotary_dim = cos_sin_cache.shape[-1]
-    # cos, sin: [T, 1, rotary_dim / 2], broadcast over heads
-    cos, sin = cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(query, cos, sin, rotary_dim, is_neox), _rotate(key, cos, sin, rotary_dim, is_neox)
+    if cos_sin is None:
+        cos_sin = rotary_cos_sin(positions, cos_sin_cache, is_neox, query.dtype)
+    cos, sin = cos_sin  # each [T, 1, rotary_dim], broadcast over heads
+    return _rotate(query, cos, sin, is_neox), _rotate(key, cos, sin, is_neox)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, is_neox: bool) -> torch.Tensor:
-    # x: [T, heads, D]; each pair (x1, x2) turns by the angle of its frequency
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    if is_neox:
-        x1, x2 = x_rot.chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    else:
-        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    # x: [T, heads, D]; each pair (x1, x2) turns by its angle: (x1 cos - x2 sin, x2 cos + x1 sin)
+    rotary_dim = cos.shape[-1]
+    x_rot = x[..., :rotary_dim] if rotary_dim < x.shape[-1] else x
+    half = rotary_dim // 2
+    # swapped: every pair's two elements exchanged (the halves for neox, neighbours otherwise)
+    pairs = x_rot.unflatten(-1, (2, half) if is_neox else (half, 2))
+    swapped = pairs.flip(-2 if is_neox else -1).flatten(-2)
+    rotated = x_rot * cos + swapped * sin  # HF's order of roundings (addcmul would differ in bf16)
+    return rotated if x_rot is x else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import kernels
 from engines.attention_metadata import AttentionMetadata
 from engines.models.layers import Attention, GatedMLP, MergedLinear, RMSNorm
 from engines.models.rope import build_cos_sin_cache, rotary_dim
@@ -58,16 +59,18 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
+        cos_sin: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately and added inside the next norm (fused add).
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache[0], kv_cache[1], metadata, cos_sin_cache)
+        hidden = self.self_attn(positions, hidden, key_cache, value_cache, metadata, cos_sin_cache, cos_sin)
         if self.post_self_attn_layernorm is not None:
             hidden = self.post_self_attn_layernorm(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -80,6 +83,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, head_dim: int) -> None:
         super().__init__()
+        self.rope_is_neox = spec.rope_is_neox
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, spec, head_dim) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -93,9 +97,13 @@ class DecoderModel(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # hidden: [T, hidden]
-        for i, layer in enumerate(self.layers):
-            # kv_cache[:, i]: [2, N, BS, KVH, D], a view of this layer's key and value caches
-            hidden, residual = layer(positions, hidden, residual, kv_cache[:, i], metadata, cos_sin_cache)
+        # Everything that depends only on the step is built here once, not in every layer: the
+        # rotation of each position and the per-layer cache views (kv_cache[0][i]: [N, BS, KVH, D]).
+        cos_sin = kernels.rotary_cos_sin(positions, cos_sin_cache, self.rope_is_neox, hidden.dtype)
+        for layer, key_cache, value_cache in zip(self.layers, kv_cache[0].unbind(0), kv_cache[1].unbind(0)):
+            hidden, residual = layer(
+                positions, hidden, residual, key_cache, value_cache, metadata, cos_sin_cache, cos_sin
+            )
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -65,7 +65,9 @@ class Attention(nn.Module):
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
+        cos_sin: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``cos_sin``: the step's ``kernels.rotary_cos_sin``, built once for all layers."""
         num_tokens = hidden.shape[0]
         # qkv: [T, (H + 2 * KVH) * D]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -74,7 +76,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache, self.rope_is_neox)
+        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache, self.rope_is_neox, cos_sin)
         kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = self._attend(q, key_cache, value_cache, metadata)  # [T, H, D]
         return self.o_proj(out.view(num_tokens, self.q_size))
@@ -83,21 +85,21 @@ class Attention(nn.Module):
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         num_decode = metadata.num_decode_seqs
-        decode = prefill = None
-        if num_decode:
-            decode = kernels.paged_decode_attention(
-                q[:num_decode], key_cache, value_cache,
-                metadata.block_tables[:num_decode], metadata.seq_lens[:num_decode], self.scale,
+        if not metadata.num_prefill_seqs:  # a pure decode step: no slicing
+            return kernels.paged_decode_attention(
+                q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, self.scale,
+                gather=metadata.decode_gather,
             )
-        if metadata.num_prefill_seqs:
-            prefill = kernels.paged_prefill_attention(
-                q[num_decode:], key_cache, value_cache, metadata.block_tables[num_decode:],
-                metadata.prefill_query_start_loc, metadata.prefill_seq_lens, self.scale,
-            )
-        if prefill is None:
-            return decode
-        if decode is None:
+        prefill = kernels.paged_prefill_attention(
+            q[num_decode:], key_cache, value_cache, metadata.block_tables[num_decode:],
+            metadata.prefill_query_start_loc, metadata.prefill_seq_lens, self.scale,
+        )
+        if not num_decode:
             return prefill
+        decode = kernels.paged_decode_attention(
+            q[:num_decode], key_cache, value_cache, metadata.block_tables[:num_decode],
+            metadata.seq_lens[:num_decode], self.scale, gather=metadata.decode_gather,
+        )
         return torch.cat((decode, prefill), dim=0)
 
 

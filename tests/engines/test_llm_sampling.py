@@ -57,6 +57,18 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert_idle(llm)
 
 
+def test_min_tokens_holds_back_stop_tokens_in_greedy_decoding(llm):
+    first = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
+    stop_first = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first])
+    stopped = llm.generate([PROMPTS[1]], stop_first)[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    held = llm.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, min_tokens=4, stop_token_ids=[first])
+    )[0]
+    assert first not in held.token_ids[:4] and len(held.token_ids) >= 4
+    assert_idle(llm)
+
+
 def test_stop_string_cuts_text_and_stops_generation(llm):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     free_run = llm.generate([PROMPTS[2]], params)[0]

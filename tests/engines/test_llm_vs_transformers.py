@@ -108,6 +108,12 @@ def test_chunked_prefill_with_a_budget_smaller_than_the_prompt(model_dir, refere
     check_against_reference(llm, reference, prompts)
 
 
+def test_one_token_budget_prefills_single_token_chunks(model_dir, reference):
+    """Every step has one token: mid-prompt chunks look like decodes but must not be sampled."""
+    llm = LLM(model_dir, num_kv_blocks=64, block_size=4, max_num_batched_tokens=1)
+    check_against_reference(llm, reference, random_prompts(2, reference.vocab_size, seed=7, lengths=(5, 9)))
+
+
 def test_first_token_logprobs_match_prefill_logits(model_dir, reference):
     llm = LLM(model_dir, num_kv_blocks=64, block_size=4)
     prompt = random_prompts(1, reference.vocab_size, seed=6, lengths=(20, 20))[0]

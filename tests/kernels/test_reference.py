@@ -80,6 +80,27 @@ def test_paged_decode_attention_mixed_lengths_gqa_scrambled_blocks() -> None:
         torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seq_lens", [[7, 13, 2], [9, 9, 9]])
+def test_paged_decode_attention_with_a_precomputed_gather(seq_lens: list[int]) -> None:
+    """The runner's plan (only the blocks the longest context needs, no mask when all lengths are
+    equal) gives what the kernel derives itself from the padded block table."""
+    torch.manual_seed(8)
+    block_ids = [[5, 19, 3, 0], [8, 22, 1, 14], [11, 0, 0, 0]]  # padded wider than any context needs
+    key_cache, value_cache = (torch.randn(NUM_BLOCKS, BLOCK_SIZE, KVH, D) for _ in range(2))
+    query = torch.randn(len(seq_lens), H, D)
+    tables, lens = block_table(block_ids), torch.tensor(seq_lens, dtype=torch.int32)
+    expected = ref.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.4)
+    context_len = max(seq_lens)
+    needed = -(-context_len // BLOCK_SIZE)
+    mask = None
+    if min(seq_lens) < context_len:
+        mask = (torch.arange(context_len)[None, :] < lens[:, None]).view(len(seq_lens), 1, 1, context_len)
+    gather = ref.DecodeGather(tables[:, :needed].reshape(-1).long(), context_len, mask)
+    # block_tables and seq_lens are not read when a plan is given
+    out = ref.paged_decode_attention(query, key_cache, value_cache, tables[:, :0], lens[:0], 0.4, gather)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_prefill_attention_with_and_without_cached_prefix(dtype: torch.dtype) -> None:
     torch.manual_seed(2)
@@ -175,6 +196,22 @@ def test_rotary_embedding_matches_complex_rotation(is_neox: bool, rotary_dim: in
     assert torch.equal(q_out[..., rotary_dim:], query[..., rotary_dim:])
     assert torch.equal(q_out[0], query[0])  # position 0 is the identity rotation
     assert not torch.allclose(q_out[1], query[1])
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [D, D // 2])
+def test_rotary_embedding_with_precomputed_cos_sin(is_neox: bool, rotary_dim: int) -> None:
+    torch.manual_seed(9)
+    cache = torch.randn(32, rotary_dim)
+    positions = torch.tensor([4, 0, 31])
+    query, key = torch.randn(3, H, D), torch.randn(3, KVH, D)
+    cos_sin = ref.rotary_cos_sin(positions, cache, is_neox, query.dtype)
+    assert cos_sin.shape == (2, 3, 1, rotary_dim)
+    expected = ref.rotary_embedding(positions, query, key, cache, is_neox)
+    # positions and the cache are not read when the step's table is given
+    got = ref.rotary_embedding(positions[:0], query, key, cache[:0], is_neox, cos_sin=cos_sin)
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)
 
 
 def test_rotary_styles_differ() -> None:
