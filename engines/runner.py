@@ -211,7 +211,7 @@ class ModelRunner:
             generator = self.generators.get(seq.seq_id)
             if generator is None:
                 # Each choice of an n > 1 request gets its own stream; choice 0 matches n = 1.
-                generator = torch.Generator(self.device).manual_seed(params.seed + seq.index)
+                generator = torch.Generator(self.device).manual_seed((params.seed + seq.index) % 2**64)
                 self.generators[seq.seq_id] = generator
         needs_history = (
             params.repetition_penalty != 1.0 or params.presence_penalty != 0 or params.frequency_penalty != 0

@@ -58,6 +58,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

@@ -123,3 +123,13 @@ def test_kv_pool_is_sized_from_free_memory_after_warm_up(tiny_models):
     assert large.engine.block_manager.num_blocks > 10 * small.engine.block_manager.num_blocks
     out = small.generate(["Once upon a time"] * 4, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(o.token_ids) == 8 or o.finish_reason == "length" for o in out)
+
+
+def test_extreme_seeds_work_and_out_of_range_seeds_are_rejected(llm):
+    for seed in (2**63 - 1, -(2**63)):
+        params = SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True)
+        out = llm.generate([PROMPTS[0]], params)[0]
+        assert [len(c.token_ids) for c in out.outputs] == [4, 4]
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    assert_idle(llm)

@@ -23,7 +23,8 @@ def bad_loc(**kw) -> tuple:
 @pytest.mark.parametrize(("field", "value"), [
     ("temperature", 2.01), ("temperature", -1), ("top_p", 0), ("top_p", 1.01), ("n", 0), ("max_tokens", 0),
     ("max_tokens", -1), ("max_completion_tokens", 0), ("presence_penalty", 2.5), ("frequency_penalty", -3),
-    ("top_logprobs", 21), ("min_p", 1.5), ("repetition_penalty", 0), ("top_k", -2),
+    ("top_logprobs", 21), ("min_p", 1.5), ("repetition_penalty", 0), ("top_k", -2), ("seed", 2**63),
+    ("seed", -(2**63) - 1),
 ])
 def test_out_of_range_values_are_rejected(field, value):
     assert bad_loc(**{field: value})[0] == field
