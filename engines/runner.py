@@ -213,9 +213,7 @@ class ModelRunner:
                 # Each choice of an n > 1 request gets its own stream; choice 0 matches n = 1.
                 generator = torch.Generator(self.device).manual_seed((params.seed + seq.index) % 2**64)
                 self.generators[seq.seq_id] = generator
-        needs_history = (
-            params.repetition_penalty != 1.0 or params.presence_penalty != 0 or params.frequency_penalty != 0
-        )
+        needs_history = params.has_penalties
         suppress: list[int] = []
         if seq.num_output_tokens < params.min_tokens:
             suppress = [*self.suppress_until_min_tokens, *params.stop_token_ids]
@@ -232,10 +230,5 @@ def _plain_greedy(seq: Sequence) -> bool:
     """Greedy with nothing that changes the logits or asks for more than the token."""
     p = seq.params
     return (
-        p.temperature == 0
-        and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0
-        and p.frequency_penalty == 0
-        and seq.num_output_tokens >= p.min_tokens
+        p.greedy and p.logprobs is None and not p.has_penalties and seq.num_output_tokens >= p.min_tokens
     )

@@ -39,7 +39,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         raw = logits.float()  # [N, V]
         logits = raw
-        if any(_has_penalties(row.params) for row in rows):
+        if any(row.params.has_penalties for row in rows):
             logits = apply_penalties(logits, rows)
         if any(row.suppress_token_ids for row in rows):
             logits = suppress_tokens(logits, rows)
@@ -54,12 +54,6 @@ class Sampler:
             return SamplerOutput(token_ids, None, None)
         logprobs, logprob_token_ids = gather_logprobs(raw, token_ids, max(asked))
         return SamplerOutput(token_ids, logprobs, logprob_token_ids)
-
-
-def _has_penalties(params: SamplingParams) -> bool:
-    return (
-        params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-    )
 
 
 def _row_values(values: list, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -87,7 +81,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     Rows without penalties get neutral values (1, 0, 0), which leave their logits bit-identical,
     and contribute no tokens to the counts.
     """
-    active = [_has_penalties(row.params) for row in rows]
+    active = [row.params.has_penalties for row in rows]
     vocab_size = logits.shape[1]
     output_counts = token_counts(
         [row.output_token_ids if on else [] for row, on in zip(rows, active)], vocab_size, logits

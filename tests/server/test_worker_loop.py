@@ -7,26 +7,14 @@ ERROR without ending the loop, a failing step failing only the requests in it, a
 
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 import zmq
 
+from engines.engine import EngineStats
 from engines.outputs import StepOutput
 from server import ipc
 from server.worker import WorkerLoop
-
-
-@dataclass
-class Stats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions_total: int = 0
-    prefix_cache_queries_total: int = 0
-    prefix_cache_hits_total: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
 
 
 class ScriptedEngine:
@@ -63,8 +51,8 @@ class ScriptedEngine:
                 del self.seqs[rid, i]
         return outs
 
-    def stats(self) -> Stats:
-        return Stats(num_running=len(self.seqs))
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.seqs), 0, 0.0, 0, 0, 0, 0, 0)
 
 
 @pytest.fixture
