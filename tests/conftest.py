@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny offline models built once per test session, and the shared stories260K."""
+"""Shared fixtures: tiny offline models built once per test session, and stories260K from tests/fixtures."""
 
 import os
 import sys
@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # so a bare `pytest` imports the in-tree packages too
     sys.path.insert(0, str(REPO_ROOT))
 
-STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260K"
+STORIES_DIR = REPO_ROOT / "tests" / "fixtures" / "stories260K"
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +44,6 @@ def tiny_model_dir(tiny_models: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
     """Karpathy's stories260K Llama (a trained model: its greedy text is meaningful)."""
-    if not (STORIES_DIR / "config.json").is_file():
-        pytest.skip(f"stories260K not found at {STORIES_DIR}")
+    # In the repository (tests/fixtures): a missing copy is a broken checkout, so fail, never skip.
+    assert (STORIES_DIR / "config.json").is_file(), f"stories260K fixture missing at {STORIES_DIR}"
     return STORIES_DIR

@@ -16,7 +16,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module", params=ARCHS)
 def model_dir(request, tiny_models):
     if request.param == "stories260K":
-        return request.getfixturevalue("stories_dir")  # skips when the folder is absent
+        return request.getfixturevalue("stories_dir")
     return tiny_models(request.param)
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_DIR = REPO_ROOT.parent / "shared" / "openai-schemas"
+SCHEMA_DIR = REPO_ROOT / "tests" / "fixtures" / "openai-schemas"
 
 
 def free_port() -> int:
@@ -125,8 +125,7 @@ class Schemas:
 
 @pytest.fixture(scope="session")
 def schemas() -> Schemas:
-    if not SCHEMA_DIR.is_dir():
-        pytest.skip(f"OpenAI schemas not found at {SCHEMA_DIR}")
+    assert SCHEMA_DIR.is_dir(), f"OpenAI schemas fixture missing at {SCHEMA_DIR}"
     return Schemas(SCHEMA_DIR)
 
 

@@ -36,7 +36,7 @@ CONFIGS = {
     "llama_tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
     "llama3_rope": lambda: LlamaConfig(**COMMON, rope_parameters=dict(LLAMA3_ROPE)),
 }
-STORIES = Path("/work/shared/models/stories260K")
+STORIES = Path(__file__).resolve().parents[2] / "fixtures" / "stories260K"
 
 
 def save_tiny(config, path: Path, seed: int = 0, **save_kwargs) -> Path:
@@ -196,7 +196,6 @@ def test_missing_weight_is_named(tmp_path: Path) -> None:
         load_model(str(path), None, torch.device("cpu"))
 
 
-@pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K not present")
 def test_stories260k_matches_transformers() -> None:
     ids = [1, 403, 407, 261, 378, 24, 8, 299, 269, 263, 353, 344, 261, 7, 395, 329, 267, 322, 46, 2]
     expected = hf_logits(STORIES, ids)
