@@ -32,7 +32,6 @@ sys.path.insert(0, str(ROOT))
 
 from engines.outputs import StepOutput
 from server import ipc, responses
-from server.worker import WorkerSpec
 from server.worker_client import READY, RequestStream, WorkerClient
 
 STATS = [3, 0, 0.1, 0, 10, 5, 100, 1000]
@@ -70,8 +69,7 @@ def produce_pipe(conn, batch: int, steps: int) -> None:
 
 
 def _client(batch: int, steps: int) -> tuple[WorkerClient, list[RequestStream]]:
-    spec = WorkerSpec("bench", "cpu", "cpu", "", {}, "", "")
-    client = WorkerClient(spec, max_num_seqs=batch, max_waiting_requests=0)
+    client = WorkerClient("bench", "cpu", "cpu", max_num_seqs=batch, max_waiting_requests=0)
     client.state = READY
     streams = []
     for i in range(batch):
@@ -92,8 +90,7 @@ async def _consume(stream: RequestStream, steps: int, first: list[float] | None 
 async def receive_zmq(addr: str, batch: int, steps: int) -> float:
     """The real receive path: ``WorkerClient.listen`` and its event-loop callback."""
     client, streams = _client(batch, steps)
-    client.spec.output_addr = addr
-    client.listen()
+    client.listen(addr)
     first: list[float] = []  # the clock starts at the first token, as for the pipe
     consumers = [asyncio.ensure_future(_consume(s, steps, first if i == 0 else None)) for i, s in enumerate(streams)]
     proc = mp.get_context("spawn").Process(target=produce_zmq, args=(addr, batch, steps))

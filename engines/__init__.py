@@ -10,7 +10,7 @@ _EXPORTS = {
     "LLM": "engines.llm",
     "CompletionOutput": "engines.outputs",
     "EngineConfig": "engines.config",
-    "EngineStats": "engines.engine",
+    "EngineStats": "engines.outputs",
     "LLMEngine": "engines.engine",
     "RequestOutput": "engines.outputs",
     "SamplingParams": "engines.sampling_params",

@@ -2,9 +2,42 @@
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kernels.reference import DecodeGather
+
+@dataclass(slots=True)
+class DecodeGather:
+    """What the reference decode attention derives from ``block_tables`` and ``seq_lens`` before it
+    can attend: which blocks to gather and which gathered positions hold context. It depends only on
+    the step, so the runner builds it once per step (from host copies, without a device sync) and
+    every layer reuses it. Kernels that read the cache in place ignore it, except ``host_seq_lens``,
+    which Ascend's paged attention takes on the host.
+
+    Shapes: S = decode sequences, Bg = blocks gathered per sequence, Lc = context_len <= Bg * BS.
+    """
+
+    block_ids: torch.Tensor  # [S * Bg] int64: each sequence's first Bg block ids, row by row
+    context_len: int  # Lc: the first Lc gathered positions are attended (the longest context)
+    mask: torch.Tensor | None  # [S, 1, 1, Lc] bool, True where a position holds context; None: all do
+    host_seq_lens: torch.Tensor | None = None  # [S] int32 on the host: each context length
+
+
+def build_decode_gather(
+    block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int, device: torch.device
+) -> DecodeGather:
+    """The gather plan from host copies ([S, B] block tables, [S] lengths): only the blocks that the
+    longest context needs, and no mask when every context has the same length."""
+    context_len = int(seq_lens.max())
+    num_blocks = -(-context_len // block_size)
+    mask = None
+    if seq_lens.min() < context_len:
+        visible = np.arange(context_len)[None, :] < seq_lens[:, None]  # [S, Lc]
+        mask = torch.from_numpy(visible.reshape(len(seq_lens), 1, 1, context_len)).to(device, non_blocking=True)
+    block_ids = np.ascontiguousarray(block_tables[:, :num_blocks], dtype=np.int64).reshape(-1)
+    host_seq_lens = torch.from_numpy(np.array(seq_lens, dtype=np.int32))  # a copy, not a view
+    block_ids_device = torch.from_numpy(block_ids).to(device, non_blocking=True)
+    return DecodeGather(block_ids_device, context_len, mask, host_seq_lens)
 
 
 @dataclass(slots=True)
@@ -24,8 +57,7 @@ class AttentionMetadata:
     # host lists (e.g. Ascend's actual_seq_lengths). Indexed over the prefill sequences only.
     prefill_query_start_loc: list[int]  # [P + 1] cumulative new-token counts, from 0 (= token D)
     prefill_seq_lens: list[int]  # [P] context lengths after this step
-    # Optional: the decode part's gather index and mask, built once per step from host copies so
-    # that the reference decode kernel does not rebuild them in every layer. None: derived per call.
+    # The decode part's gather plan (see DecodeGather); None when there is no decode part.
     decode_gather: DecodeGather | None = None
 
     @property

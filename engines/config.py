@@ -7,6 +7,7 @@ from dataclasses import dataclass
 class EngineConfig:
     model: str
     device: str = "cpu"
+    tokenizer: str | None = None  # a separate tokenizer directory; None = the model's
     dtype: str | None = None  # "float32" | "float16" | "bfloat16"; None = the checkpoint's dtype
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 64
@@ -15,6 +16,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit pool size; else sized from free memory
     kv_cache_memory_fraction: float | None = None  # None = the platform default
     enable_prefix_caching: bool = True
+    kernels: dict[str, str] | None = None  # op -> implementation, forced (kernels/registry.py)
     seed: int = 0  # seeds the shared generator used by unseeded sampled requests
 
     def __post_init__(self) -> None:

@@ -11,9 +11,12 @@ class IncrementalDetokenizer:
     """Turns one sequence's new token ids into new text.
 
     ``add`` returns ``(new_text, stopped)``. The text never contains a stop string or anything
-    after it; while the end of the text could be the start of a stop string, that part is held
-    back (``flush`` returns it once generation ends for another reason). Each call decodes only a
-    few tokens: the ones since the last complete character plus a little context.
+    after it (with ``include_stop_str_in_output``, it ends with the stop string); while the end of
+    the text could be the start of a stop string, that part is held back (``flush`` returns it once
+    generation ends for another reason). As in vLLM, stop strings only count once ``min_tokens``
+    tokens are generated, and the text of a stop token (EOS or a ``stop_token_ids`` hit, passed
+    with ``ends_with_stop_token``) is left out unless ``include_stop_str_in_output``. Each call
+    decodes only a few tokens: the ones since the last complete character plus a little context.
     """
 
     def __init__(
@@ -22,10 +25,15 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: list[str] | None = None,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
+        include_stop_str_in_output: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
         self.skip_special_tokens = skip_special_tokens
+        self.min_tokens = min_tokens
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.num_tokens = 0  # output tokens seen, the stop token included
         self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0  # decoding starts here
         self._read_offset = len(self._ids)  # text of ids before this has been taken
@@ -41,9 +49,12 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, new_token_ids: list[int]) -> tuple[str, bool]:
+    def add(self, new_token_ids: list[int], ends_with_stop_token: bool = False) -> tuple[str, bool]:
         if self.stopped:
             return "", True
+        self.num_tokens += len(new_token_ids)
+        if ends_with_stop_token and not self.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
         self._ids.extend(new_token_ids)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
@@ -52,7 +63,8 @@ class IncrementalDetokenizer:
             searched_from = max(0, len(self._text) - self._longest_stop() + 1)
             self._text += full[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            self._truncate_at_stop(searched_from)
+            if self.num_tokens >= self.min_tokens:
+                self._truncate_at_stop(searched_from)
         end = len(self._text) if self.stopped else len(self._text) - self._partial_stop_len()
         if end <= self._emitted:
             return "", self.stopped
@@ -68,9 +80,10 @@ class IncrementalDetokenizer:
         return max((len(s) for s in self.stop), default=0)
 
     def _truncate_at_stop(self, start: int) -> None:
-        hits = [i for i in (self._text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self._text.find(s, start), s) for s in self.stop) if i >= 0]
         if hits:
-            self._text = self._text[: min(hits)]
+            index, stop = min(hits)
+            self._text = self._text[: index + (len(stop) if self.include_stop_str_in_output else 0)]
             self.stopped = True
 
     def _partial_stop_len(self) -> int:

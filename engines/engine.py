@@ -3,44 +3,30 @@
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 from transformers import AutoTokenizer, GenerationConfig
 
 from engines.config import EngineConfig
 from engines.kv_cache import BlockManager
-from engines.outputs import StepOutput
+from engines.outputs import EngineStats, StepOutput
 from engines.platforms import get_platform
 from engines.runner import ModelRunner, SampledToken
 from engines.sampling_params import SamplingParams
-from engines.scheduler import Scheduler
+from engines.scheduler import ScheduledSeq, Scheduler
 from engines.sequence import Sequence
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks held by live sequences, 0..1
-    num_preemptions_total: int
-    prefix_cache_queries_total: int  # prompt tokens looked up
-    prefix_cache_hits_total: int  # prompt tokens found in the cache
-    prompt_tokens_total: int
-    generation_tokens_total: int
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.platform = get_platform(config.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         block_size = config.block_size or self.platform.default_block_size
-        self.runner = ModelRunner(config, self.platform, block_size)
         self.eos_token_ids = self._eos_token_ids()
-        self.runner.suppress_until_min_tokens = sorted(self.eos_token_ids)
-        max_model_len = config.max_model_len or self.runner.hf_config.max_position_embeddings
+        self.runner = ModelRunner(config, self.platform, block_size, sorted(self.eos_token_ids))
+        max_model_len = self._max_model_len(self.runner.hf_config.max_position_embeddings)
         num_blocks = config.num_kv_blocks or self._profile_num_blocks(block_size, max_model_len)
         # A sequence can never outgrow the whole pool: cap the context so it always fits alone.
         self.max_model_len = min(max_model_len, num_blocks * block_size)
@@ -60,6 +46,7 @@ class LLMEngine:
         ids = set()
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
+        # generation_config.json sits with the weights, whichever directory the tokenizer is in.
         try:
             eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
         except OSError:  # no generation_config.json
@@ -67,10 +54,22 @@ class LLMEngine:
         ids.update([eos] if isinstance(eos, int) else (eos or []))
         return ids
 
+    def _max_model_len(self, max_position_embeddings: int) -> int:
+        """The configured context, refused when longer than the model's rotary table reaches."""
+        requested = self.config.max_model_len
+        if requested is None:
+            return max_position_embeddings
+        if requested > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {requested} is more than this model's max_position_embeddings "
+                f"{max_position_embeddings}"
+            )
+        return requested
+
     def _profile_num_blocks(self, block_size: int, max_model_len: int) -> int:
         fraction = self.config.kv_cache_memory_fraction or self.platform.default_kv_cache_memory_fraction
         num_blocks = self.runner.profile_num_blocks(
-            self.config.max_num_batched_tokens, self.config.max_num_seqs, fraction
+            self.config.max_num_batched_tokens, self.config.max_num_seqs, max_model_len, fraction
         )
         # More than every slot at full length (twice, to keep a prefix cache) would sit unused.
         useful = 2 * self.config.max_num_seqs * -(-max_model_len // block_size)
@@ -97,6 +96,11 @@ class LLMEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         params.validate()
+        # Fields that index the vocabulary inside the step would fail every request in the batch.
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary size {self.vocab_size}")
         now = time.monotonic()
         first = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, now)
         seqs = [first] + [
@@ -121,11 +125,44 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        sampled = self.runner.execute(scheduled)
+        failed: list[StepOutput] = []
+        try:
+            sampled = self.runner.execute(scheduled)
+        except Exception:
+            logger.exception("step of %d sequences failed; running them one by one", len(scheduled))
+            sampled, scheduled, failed = self._execute_one_by_one(scheduled)
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(s.seq)
-        return [self._append_token(s) for s in sampled]
+        return failed + [self._append_token(s) for s in sampled]
+
+    def _execute_one_by_one(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[list[SampledToken], list[ScheduledSeq], list[StepOutput]]:
+        """After a failed step, run each sequence alone, so that a request the failure can be
+        traced to fails by itself (every choice of it, finish reason "error") and the others go on.
+        Returns the sampled tokens and the sequences that ran, and one output per failed sequence."""
+        sampled: list[SampledToken] = []
+        ran: list[ScheduledSeq] = []
+        failed_requests: dict[str, str] = {}
+        for s in scheduled:
+            if s.seq.request_id in failed_requests:
+                continue
+            try:
+                sampled.extend(self.runner.execute([s]))
+                ran.append(s)
+            except Exception as exc:
+                logger.exception("request %s fails the step on its own; failing it", s.seq.request_id)
+                failed_requests[s.seq.request_id] = f"{type(exc).__name__}: {exc}"
+        failed: list[StepOutput] = []
+        for request_id, error in failed_requests.items():
+            for seq in self.requests.get(request_id, []):
+                if not seq.is_finished:
+                    self._finish(seq, "error")
+                    failed.append(StepOutput(request_id, seq.index, [], True, "error", error=error))
+        ran = [s for s in ran if s.seq.request_id not in failed_requests]
+        sampled = [t for t in sampled if t.seq.request_id not in failed_requests]
+        return sampled, ran, failed
 
     def _append_token(self, sampled: SampledToken) -> StepOutput:
         seq, token = sampled.seq, sampled.token_id

@@ -62,7 +62,11 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent = seq.parent
         if parent is not None and not parent.is_finished:
-            shared = min(max_blocks, parent.num_computed_tokens // self.block_size, len(parent.block_table))
+            # Only blocks made wholly of prompt tokens are the same in every choice; past them the
+            # parent's blocks hold the parent's own outputs (a preempted child resumes with its own).
+            prompt_blocks = seq.num_prompt_tokens // self.block_size
+            shared = min(max_blocks, prompt_blocks, parent.num_computed_tokens // self.block_size,
+                         len(parent.block_table))
             return parent.block_table[:shared]
         if not self.enable_prefix_caching:
             return []

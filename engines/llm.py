@@ -40,7 +40,10 @@ class LLM:
                                   for i in range(p.n)],
             )
             for i in range(p.n):
-                detokenizers[request_id, i] = IncrementalDetokenizer(self.tokenizer, ids, p.stop)
+                detokenizers[request_id, i] = IncrementalDetokenizer(
+                    self.tokenizer, ids, p.stop, min_tokens=p.min_tokens,
+                    include_stop_str_in_output=p.include_stop_str_in_output,
+                )
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 choice = results[out.request_id].outputs[out.index]
@@ -48,7 +51,8 @@ class LLM:
                 if out.logprobs is not None:
                     choice.logprobs.extend(out.logprobs)
                 detok = detokenizers[out.request_id, out.index]
-                _, stopped = detok.add(out.new_token_ids)
+                # The engine's own "stop" is always a stop token (EOS or stop_token_ids).
+                _, stopped = detok.add(out.new_token_ids, out.finished and out.finish_reason == "stop")
                 if stopped and not out.finished:
                     self.engine.abort_request(out.request_id, out.index)
                 if stopped or out.finished:

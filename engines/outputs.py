@@ -1,4 +1,5 @@
-"""What the engine hands back: per-step deltas (for streaming) and finished results (offline)."""
+"""What the engine hands back: per-step deltas (for streaming), finished results (offline) and its
+stats. Plain dataclasses without torch: the HTTP process receives the same records over IPC."""
 
 from dataclasses import dataclass, field
 
@@ -20,8 +21,9 @@ class StepOutput:
     index: int
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # why the request failed (finish reason "error")
 
 
 @dataclass(slots=True)
@@ -54,3 +56,17 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A worker's engine counters and gauges, sent with its outputs and read by /metrics and /health."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by live sequences, 0..1
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # prompt tokens looked up
+    prefix_cache_hits_total: int  # prompt tokens found in the cache
+    prompt_tokens_total: int
+    generation_tokens_total: int

@@ -1,12 +1,14 @@
 """Runs one scheduled step on the device: flatten the batch, one forward, one sample, one copy back."""
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import torch
 
-from engines.attention_metadata import AttentionMetadata
+from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from engines.config import EngineConfig
 from engines.models.loader import load_model
 from engines.outputs import TokenLogprob
@@ -15,7 +17,11 @@ from engines.sampler import Sampler, SamplingRow
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledSeq
 from engines.sequence import Sequence
-from kernels.reference import DecodeGather
+from kernels.ops import KernelOps
+from kernels.probes import ModelShapes
+from kernels.registry import KernelSelection, select
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -48,23 +54,38 @@ def parse_dtype(dtype: str | None) -> torch.dtype | None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, platform: Platform, block_size: int) -> None:
+    def __init__(
+        self, config: EngineConfig, platform: Platform, block_size: int, eos_token_ids: list[int]
+    ) -> None:
         self.platform = platform
         self.device = platform.device
         self.block_size = block_size
-        self.model, self.hf_config = load_model(config.model, parse_dtype(config.dtype), self.device)
+        self.kernels: KernelSelection | None = None
+        self.model, self.hf_config = load_model(
+            config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config.kernels)
+        )
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = self.model.compute_logits(
             torch.zeros(1, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         ).shape[-1]
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.kernels.ops.top_k_top_p)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded sequence
-        self.suppress_until_min_tokens: list[int] = []  # set by the engine: EOS ids
+        self.eos_token_ids = eos_token_ids  # suppressed until a sequence has min_tokens
         torch.manual_seed(config.seed)
         self.kv_cache = torch.empty(0)
         # Benchmarks set 0.0 to sum the wall time of the model forward (with the logits) over steps;
         # None (the default) keeps the timer out of the step.
         self.forward_seconds: float | None = None
+
+    def _choose_kernels(self, forced: dict[str, str] | None, shapes: ModelShapes, dtype: torch.dtype) -> KernelOps:
+        """Probe this device's kernel candidates for the model's shapes (kernels/registry.py)."""
+        if dtype not in self.platform.dtypes:
+            raise ValueError(f"{self.device} cannot compute in {dtype}; supported: "
+                             f"{', '.join(str(d).removeprefix('torch.') for d in self.platform.dtypes)}")
+        shapes = replace(shapes, block_size=self.block_size)
+        self.kernels = select(self.platform.kind, self.device, dtype, shapes, forced)
+        logger.info("kernels on %s (%s):\n%s", self.device, str(dtype).removeprefix("torch."), self.kernels.table())
+        return self.kernels.ops
 
     def bytes_per_block(self) -> int:
         m = self.model
@@ -76,12 +97,19 @@ class ModelRunner:
         shape = (2, m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    def profile_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int, fraction: float) -> int:
+    def profile_num_blocks(
+        self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, fraction: float
+    ) -> int:
         """Run a warm-up step at the largest batch the scheduler can form, then give ``fraction``
-        of the free memory left to KV blocks, so no accepted batch can run out of memory later."""
+        of the free memory left to KV blocks, so no accepted batch can run out of memory later.
+
+        No sequence is longer than ``max_model_len`` (the rotary table ends there), so with few
+        sequences the batch holds fewer than ``max_num_batched_tokens`` tokens, as a real one would.
+        """
         num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
-        lens = [max_num_batched_tokens // num_seqs] * num_seqs
-        lens[-1] += max_num_batched_tokens - sum(lens)
+        num_tokens = min(max_num_batched_tokens, num_seqs * max_model_len)
+        base, extra = divmod(num_tokens, num_seqs)
+        lens = [base + 1] * extra + [base] * (num_seqs - extra)  # each at most max_model_len
         blocks_needed = sum(-(-n // self.block_size) for n in lens)
         self.allocate_kv_cache(blocks_needed)
         scheduled: list[ScheduledSeq] = []
@@ -166,7 +194,9 @@ class ModelRunner:
         seq_lens_np = np.array(seq_lens, dtype=np.int32)
         decode_gather = None
         if num_decode:
-            decode_gather = self._decode_gather(block_tables[:num_decode], seq_lens_np[:num_decode])
+            decode_gather = build_decode_gather(
+                block_tables[:num_decode], seq_lens_np[:num_decode], bs, self.device
+            )
         metadata = AttentionMetadata(
             slot_mapping=self._to_device(np.concatenate(slot_parts)),
             block_tables=self._to_device(block_tables),
@@ -189,18 +219,6 @@ class ModelRunner:
             sampled=[seq for seq, yes in zip(seqs, is_sampled) if yes],
         )
 
-    def _decode_gather(self, block_tables: np.ndarray, seq_lens: np.ndarray) -> DecodeGather:
-        """The decode attention's gather plan from host copies ([D, B], [D]): only the blocks that
-        the longest context needs, and no mask when every context has the same length."""
-        context_len = int(seq_lens.max())
-        num_blocks = -(-context_len // self.block_size)
-        mask = None
-        if seq_lens.min() < context_len:
-            visible = np.arange(context_len)[None, :] < seq_lens[:, None]  # [D, Lc]
-            mask = self._to_device(visible.reshape(len(seq_lens), 1, 1, context_len))
-        block_ids = np.ascontiguousarray(block_tables[:, :num_blocks], dtype=np.int64).reshape(-1)
-        return DecodeGather(self._to_device(block_ids), context_len, mask)
-
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
@@ -216,7 +234,7 @@ class ModelRunner:
         needs_history = params.has_penalties
         suppress: list[int] = []
         if seq.num_output_tokens < params.min_tokens:
-            suppress = [*self.suppress_until_min_tokens, *params.stop_token_ids]
+            suppress = [*self.eos_token_ids, *params.stop_token_ids]
         return SamplingRow(
             params=params,
             prompt_token_ids=seq.prompt_token_ids if needs_history else [],

@@ -6,6 +6,7 @@ settings go host -> device as small tensors, and the runner makes the step's one
 an all-greedy batch costs one argmax.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from engines.sampling_params import SamplingParams
+from kernels import reference
 
 
 @dataclass(slots=True)
@@ -34,7 +36,13 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Picks one token per row of ``logits`` ([N, V]) following each row's ``SamplingParams``."""
+    """Picks one token per row of ``logits`` ([N, V]) following each row's ``SamplingParams``.
+
+    ``top_k_top_p``: the kernel-registry's choice for that filter (a vendor op where one exists).
+    """
+
+    def __init__(self, top_k_top_p: Callable[..., torch.Tensor] = reference.top_k_top_p) -> None:
+        self.top_k_top_p = top_k_top_p
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         raw = logits.float()  # [N, V]
@@ -43,11 +51,11 @@ class Sampler:
             logits = apply_penalties(logits, rows)
         if any(row.suppress_token_ids for row in rows):
             logits = suppress_tokens(logits, rows)
-        greedy = [row.params.temperature == 0 for row in rows]
+        greedy = [row.params.greedy for row in rows]
         if all(greedy):
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = _sample(logits, rows, greedy)
+            token_ids = _sample(logits, rows, greedy, self.top_k_top_p)
 
         asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
         if not asked:
@@ -114,6 +122,7 @@ def suppress_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
     """Keep each row's ``top_k`` largest logits ([N, 1] int64, 0 = keep all); ``max_k`` = max of top_k.
+    (With top-p as well, the registry's ``top_k_top_p`` kernel does both.)
 
     ``torch.topk`` to ``max_k`` instead of a full sort: the host already knows the largest k.
     """
@@ -121,22 +130,6 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.
     threshold = top_values.gather(1, (top_k - 1).clamp(min=0))  # [N, 1]: the k-th largest logit
     threshold = torch.where(top_k > 0, threshold, float("-inf"))
     return logits.masked_fill(logits < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-k (as ``apply_top_k``), then top-p: keep the smallest set of most likely tokens whose
-    probability (renormalised after top-k) reaches ``top_p`` ([N, 1] float32, 1 = keep all)."""
-    vocab_size = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1)  # ascending: [N, V]
-    # The k-th largest value sits at index V - k; k = 0 (disabled) reads index V - V = 0: keep all.
-    kth = (vocab_size - top_k.clamp(min=0)).where(top_k > 0, 0)
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < sorted_logits.gather(1, kth), float("-inf"))
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [N, V], rising to 1
-    # The low tail whose total mass is at most 1 - p goes; the most likely token always stays.
-    drop = cumulative <= 1 - top_p
-    drop[:, -1] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -161,7 +154,9 @@ def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator
     return (probs / q).argmax(dim=-1)
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+def _sample(
+    logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool], top_k_top_p: Callable[..., torch.Tensor]
+) -> torch.Tensor:
     """Tokens for a batch with at least one sampled (temperature > 0) row; [N] int64."""
     vocab_size = logits.shape[1]
     params = [row.params for row in rows]
@@ -173,7 +168,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -
 
     scaled = logits / _row_values(temperature, logits)
     if any(p < 1.0 for p in top_p):
-        scaled = apply_top_k_top_p(
+        scaled = top_k_top_p(
             scaled, _row_values(top_k, logits, torch.int64), _row_values(top_p, logits)
         )
     elif any(top_k):

@@ -2,13 +2,17 @@
 
 from dataclasses import dataclass, field
 
+# Temperatures this small are greedy, as in vLLM: dividing logits by 1e-40 overflows to inf and NaN.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. ``logprobs`` is the number of
-    alternatives returned with each token (None: no log-probs; 0: only the chosen token's).
+    ``temperature`` below ``GREEDY_BELOW`` (0 included) means greedy. ``top_k <= 0`` disables top-k.
+    ``logprobs`` is the number of alternatives returned with each token (None: no log-probs; 0: only
+    the chosen token's).
     """
 
     n: int = 1
@@ -26,6 +30,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    include_stop_str_in_output: bool = False  # keep the matched stop string / stop token's text
+    skip_special_tokens: bool = True  # in the detokenized text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,7 +71,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -1,17 +1,21 @@
 """Pure-torch reference implementations of every kernel the models call.
 
-Each device implementation (NPU, MUSA, CUDA) keeps these exact signatures and is checked against
-these functions at start-up. They run anywhere torch runs, so they are also the CPU path.
+Each device implementation (NPU, MUSA, Triton) keeps these exact signatures and is checked against
+these functions at worker start (``kernels/registry.py``). They run anywhere torch runs, so they
+are also the CPU path and the fallback of every other.
 
 Shape letters: T = new tokens this step, S = sequences, H = query heads, KVH = key/value heads
 (H = KVH * G for grouped-query attention), D = head dim, N = KV blocks, BS = block size,
 B = max blocks per sequence.
 """
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engines.attention_metadata import DecodeGather
 
 
 def write_kv(
@@ -32,31 +36,6 @@ def write_kv(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
-@dataclass(slots=True)
-class DecodeGather:
-    """What decode attention derives from ``block_tables`` and ``seq_lens`` before it can attend:
-    which blocks to gather and which gathered positions hold context. It depends only on the step,
-    so the runner builds it once per step (from host copies, without a device sync) and every layer
-    reuses it; ``decode_gather`` derives it on the device when a caller has none.
-
-    Shapes: S = decode sequences, Bg = blocks gathered per sequence, Lc = context_len <= Bg * BS.
-    """
-
-    block_ids: torch.Tensor  # [S * Bg] int64: each sequence's first Bg block ids, row by row
-    context_len: int  # Lc: the first Lc gathered positions are attended (the longest context)
-    mask: torch.Tensor | None  # [S, 1, 1, Lc] bool, True where a position holds context; None: all do
-
-
-def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodeGather:
-    """The gather plan for decode sequences from device tensors: every block of the table, with a
-    mask (the host does not know the lengths without a sync). block_tables: [S, B]; seq_lens: [S]."""
-    num_seqs, num_blocks = block_tables.shape
-    max_len = num_blocks * block_size
-    positions = torch.arange(max_len, device=block_tables.device)
-    mask = (positions[None, :] < seq_lens[:, None]).view(num_seqs, 1, 1, max_len)
-    return DecodeGather(block_tables.reshape(-1).long(), max_len, mask)
-
-
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -64,14 +43,15 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    gather: DecodeGather | None = None,
+    gather: "DecodeGather",
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its whole cached context.
 
     query: [S, H, D] (the new token's key/value are already in the cache);
     key_cache, value_cache: [N, BS, KVH, D]; block_tables: [S, B] int32; seq_lens: [S] int32
-    (context length including the new token). ``gather``: the step's precomputed plan (then
-    block_tables and seq_lens are not read). Returns [S, H, D].
+    (context length including the new token). ``gather``: the step's gather plan, which this
+    implementation reads instead of block_tables and seq_lens (kernels that read the cache in
+    place take those and ignore the plan). Returns [S, H, D].
 
     Vectorised over sequences: every sequence gathers the same number of blocks and positions at or
     past its seq_len are masked, so there is no Python loop and no device-to-host sync.
@@ -79,8 +59,6 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     group = num_heads // num_kv_heads
-    if gather is None:
-        gather = decode_gather(block_tables, seq_lens, block_size)
     gathered_len = gather.block_ids.shape[0] // num_seqs * block_size
     # k, v: [S, Bg * BS, KVH, D] -> [S, KVH, Lc, D]. index_select over whole blocks (rows of
     # BS * KVH * D values) copies contiguous runs: several times faster than advanced indexing.
@@ -182,24 +160,15 @@ def rotary_cos_sin(
 
 
 def rotary_embedding(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool,
-    cos_sin: torch.Tensor | None = None,
+    query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor, is_neox: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding on the first rotary_dim dims of each head (out of place).
 
-    positions: [T] int64; query: [T, H, D]; key: [T, KVH, D]; cos_sin_cache: [max_positions,
-    rotary_dim], cos of the rotary_dim / 2 frequencies then their sin. Dims past rotary_dim pass
-    through unchanged (partial rotary). ``is_neox``: dim i pairs with i + rotary_dim / 2
-    (Llama, Qwen); otherwise dims 2i and 2i + 1 pair up (GLM-4). ``cos_sin``: the step's
-    ``rotary_cos_sin`` when the caller built it once for all layers (then positions and
-    cos_sin_cache are not read).
+    query: [T, H, D]; key: [T, KVH, D]; cos_sin: the step's ``rotary_cos_sin`` ([2, T, 1,
+    rotary_dim], built once for all layers). Dims past rotary_dim pass through unchanged (partial
+    rotary). ``is_neox``: dim i pairs with i + rotary_dim / 2 (Llama, Qwen); otherwise dims 2i and
+    2i + 1 pair up (GLM-4).
     """
-    if cos_sin is None:
-        cos_sin = rotary_cos_sin(positions, cos_sin_cache, is_neox, query.dtype)
     cos, sin = cos_sin  # each [T, 1, rotary_dim], broadcast over heads
     return _rotate(query, cos, sin, is_neox), _rotate(key, cos, sin, is_neox)
 
@@ -220,3 +189,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU gate: x [T, 2I] (gate then up) -> silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k (``top_k`` [N, 1] int64, 0 = keep all), then top-p: keep the smallest set of most likely tokens whose
+    probability (renormalised after top-k) reaches ``top_p`` ([N, 1] float32, 1 = keep all)."""
+    vocab_size = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending: [N, V]
+    # The k-th largest value sits at index V - k; k = 0 (disabled) reads index V - V = 0: keep all.
+    kth = (vocab_size - top_k.clamp(min=0)).where(top_k > 0, 0)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < sorted_logits.gather(1, kth), float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [N, V], rising to 1
+    # The low tail whose total mass is at most 1 - p goes; the most likely token always stays.
+    drop = cumulative <= 1 - top_p
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+# function name -> function, as every implementation module exposes (kernels/ops.py)
+OPS = {
+    fn.__name__: fn
+    for fn in (write_kv, paged_prefill_attention, paged_decode_attention, rms_norm, rotary_cos_sin,
+               rotary_embedding, silu_and_mul, top_k_top_p)
+}

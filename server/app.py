@@ -1,7 +1,8 @@
 """``create_app(config)``: the FastAPI application, its worker pools and their lifetime.
 
-The app starts serving at once; models load in the background (``/health`` says 503 "starting"
-until every worker reports ready), so orchestrators can probe it while weights load.
+The app starts serving at once; models load in the background (``/health`` says 503
+"unavailable" until every model has a ready worker), so orchestrators can probe it while weights
+load. Shutdown drains first (``server.drain``, driven by ``server.graceful`` on SIGTERM).
 """
 
 import asyncio
@@ -11,6 +12,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -18,13 +20,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_fastapi_instrumentator import Instrumentator
 
 from server.auth import require_api_key
+from server.body_limit import BodyLimitMiddleware
 from server.config import AppConfig
+from server.drain import Drain, DrainMiddleware
 from server.errors import install_error_handlers
 from server.metrics import EngineStatsCollector, RequestMetrics
 from server.pool import ModelPool, default_cpu_threads
 from server.request_log import RequestLogMiddleware
 from server.router import Router
 from server.routes import chat, completions, health, models
+from server.startup import stop_if_nothing_loads
 
 logger = logging.getLogger("xinserve.server")
 
@@ -38,6 +43,7 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ipc_dir = tempfile.mkdtemp(prefix="xinserve-ipc-")
         starts = [asyncio.create_task(pool.start(ipc_dir)) for pool in pools.values()]
+        starts.append(asyncio.create_task(stop_if_nothing_loads(list(pools.values()), app.state.stop)))
         try:
             yield
         finally:
@@ -51,6 +57,10 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app = FastAPI(title="xinserve", version="0.1.0", lifespan=lifespan)
     app.state.config = config
     app.state.router = Router(pools)
+    app.state.drain = Drain(pools.values())
+    # What ends the server when no worker can start; the CLI points it at uvicorn (see serve()).
+    app.state.fatal_error = None
+    app.state.stop = partial(setattr, app.state, "fatal_error")
     app.state.api_keys = list(config.server.api_keys)
     app.state.created = int(time.time())
     registry = CollectorRegistry()
@@ -75,5 +85,9 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
             "/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False,
             dependencies=[] if "/metrics" in exempt else guarded,
         )
+    # Added before the request log, so it runs inside it: a 413 is logged with its request id.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes)
+    # Inside the request log too (a refusal is logged), outside the rest (a refused body is not read).
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     app.add_middleware(RequestLogMiddleware)
     return app

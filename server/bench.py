@@ -205,15 +205,20 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def header(args: argparse.Namespace, model: str) -> str:
+    """The table's title; the concurrency is what the run reached (never more than the prompts)."""
+    concurrency = min(args.concurrency, args.num_prompts)
+    return (f"{model} @ {args.base_url}: {args.num_prompts} prompts, concurrency {concurrency}, "
+            f"{args.output_tokens} output tokens")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         summary = asyncio.run(_bench(args))
     except httpx.HTTPError as exc:
         print(f"xinserve bench: cannot reach {args.base_url}: {exc}")
         return 1
-    cfg = summary["config"]
-    print_summary(summary, f"{cfg['model']} @ {args.base_url}: {args.num_prompts} prompts, "
-                           f"concurrency {args.concurrency}, {args.output_tokens} output tokens")
+    print_summary(summary, header(args, summary["config"]["model"]))
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(summary, indent=2, default=str))

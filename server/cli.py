@@ -32,7 +32,7 @@ EMBEDDED_DEFAULT = {"models": [{"name": "xinserve-tiny", "path": "embedded:xinse
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (shape in DESIGN.md)")
+    p.add_argument("--config", help="YAML config file (examples in config/, keys in the README)")
     p.add_argument("--model", help="Hugging Face model directory, or embedded:<name>")
     p.add_argument("--device", action="append",
                    help="worker device: cpu, cuda:N, npu:N, musa:N; repeat or comma-separate for several")
@@ -99,6 +99,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import create_app
+    from server.graceful import GracefulServer
 
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -113,9 +114,21 @@ def serve(args: argparse.Namespace) -> int:
         "on" if config.server.api_keys else "off",
     )
     app = create_app(config, level)
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=args.log_level,
-                access_log=False)
-    return 0
+    # Drained requests are done before uvicorn stops; its own grace only bounds a hung connection.
+    uvicorn_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                    log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+    server = GracefulServer(uvicorn_config, app.state.drain, config.server.shutdown_timeout_s)
+
+    def stop(report: str) -> None:
+        app.state.fatal_error = report
+        server.should_exit = True
+
+    app.state.stop = stop
+    server.run()
+    if app.state.fatal_error:
+        print(f"xinserve: {app.state.fatal_error}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:

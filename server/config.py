@@ -1,4 +1,4 @@
-"""The server's YAML configuration (shape in DESIGN.md), validated by pydantic.
+"""The server's YAML configuration (examples in config/, keys in the README), validated by pydantic.
 
 Every section forbids unknown keys, so a typo fails at start-up with the key's dotted path
 (``models.0.wokers: Extra inputs are not permitted``) instead of being silently ignored.
@@ -31,7 +31,8 @@ class ServerSettings(_Section):
     # Paths reachable without a key even when api_keys is set (probes and Prometheus scrapers).
     auth_exempt_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics"])
     log_requests: bool = True
-    # Seconds to wait for workers to leave after SIGTERM before they are killed.
+    # After SIGTERM/SIGINT: seconds running requests get to finish (the rest then end with an
+    # error), then seconds workers get to leave before they are killed.
     shutdown_timeout_s: float = Field(10, gt=0)
 
 
@@ -56,6 +57,9 @@ class ModelSettings(_Section):
     # Torch threads of each CPU worker; None = the cores left after the HTTP process, shared
     # between the CPU workers (so on 2 cores the engine gets one and the HTTP loop the other).
     cpu_threads: int | None = Field(None, ge=1)
+    # Force kernel implementations, op -> impl (e.g. {decode_attention: reference}); checked by each
+    # worker's kernel registry at start-up, over XINSERVE_KERNELS.
+    kernels: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("dtype")
     @classmethod
@@ -81,7 +85,8 @@ class ModelSettings(_Section):
         return self.path.startswith(EMBEDDED_PREFIX)
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``engines.EngineConfig`` except ``model`` and ``device``."""
+        """Keyword arguments of ``engines.EngineConfig`` except ``model``, ``device`` and ``tokenizer``
+        (paths resolved when the model starts)."""
         return {
             "dtype": self.dtype,
             "max_model_len": self.max_model_len,
@@ -92,6 +97,7 @@ class ModelSettings(_Section):
             "kv_cache_memory_fraction": self.kv_cache_memory_fraction,
             "enable_prefix_caching": self.enable_prefix_caching,
             "seed": self.seed,
+            "kernels": dict(self.kernels) or None,
         }
 
 
@@ -99,10 +105,31 @@ class MonitoringSettings(_Section):
     metrics: bool = True
 
 
+class LimitsSettings(_Section):
+    """Per-request input limits, checked before a request costs any tokenising or engine time.
+
+    OpenAI's own API limits (4 stop strings, ``top_logprobs`` <= 20, completions ``logprobs`` <= 5,
+    300 ``logit_bias`` entries) are fixed in ``server/protocol.py``; these are the operator's.
+    """
+
+    # Bytes of request body; larger bodies get a 413 before any of it is parsed.
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
+    max_messages: int = Field(2048, ge=1)
+    # Characters of prompt text per request (all messages, or all string prompts), before tokenising.
+    max_prompt_chars: int = Field(1_000_000, ge=1)
+    # Characters per stop string: the detokenizer's hold-back check costs O(length^2) per token
+    # (measured 0.16 ms at 256 characters, 0.8 s at 100,000), and it runs in the HTTP process.
+    max_stop_chars: int = Field(256, ge=1)
+    max_n: int = Field(128, ge=1)
+    # Tokens one request may ask for; None: only the model's context length bounds it.
+    max_tokens: int | None = Field(None, ge=1)
+
+
 class AppConfig(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     models: list[ModelSettings] = Field(min_length=1)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
 
     @model_validator(mode="after")
     def _check_names(self) -> "AppConfig":

@@ -107,23 +107,92 @@ def _accelerator(kind: str, module_name: str | None, install_hint: str) -> dict[
     return {"available": True, "devices": devices}
 
 
-def probe_kernels() -> dict[str, str]:
-    """Which implementation each kernel name is bound to right now (the registry may rebind them)."""
+# A typical served model's shapes (Qwen2.5-7B: GQA 7:1, head dim 128) for the kernel probes.
+TYPICAL_SHAPES = {"num_heads": 28, "num_kv_heads": 4, "head_dim": 128, "rotary_dim": 128, "rope_is_neox": True,
+                  "hidden_size": 3584, "intermediate_size": 18944, "vocab_size": 152064}
+
+
+def probe_kernels(kind: str, device: str) -> dict[str, Any]:
+    """The kernel registry's choice on ``device`` for a typical model, in its usual dtype, with the
+    rejected candidates and why (what a worker would log at start-up)."""
     try:
-        kernels = importlib.import_module("kernels")
-    except ImportError as exc:
-        return {"error": str(exc)}
-    return {name: getattr(getattr(kernels, name), "__module__", "?") for name in getattr(kernels, "__all__", [])}
+        import torch
+
+        from engines.platforms import get_platform
+        from kernels.probes import ModelShapes
+        from kernels.registry import select
+
+        platform = get_platform(device)
+        dtype = torch.float32 if kind == "cpu" else torch.bfloat16
+        shapes = ModelShapes(**TYPICAL_SHAPES, block_size=platform.default_block_size)
+        selection = select(kind, platform.device, dtype, shapes)
+    except Exception as exc:  # noqa: BLE001  a broken device or driver is a finding, not a crash
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"dtype": str(dtype).removeprefix("torch."), "ops": selection.report()}
+
+
+def _module_version(name: str) -> str | None:
+    """``name.__version__`` if the module imports, else None (never raises)."""
+    try:
+        return str(getattr(importlib.import_module(name), "__version__", "?"))
+    except Exception:  # noqa: BLE001  a vendor module without its driver fails in many ways
+        return None
+
+
+def _cann_version() -> str | None:
+    """The CANN toolkit version from its install's version file (set_env.sh exports its home)."""
+    home = os.environ.get("ASCEND_TOOLKIT_HOME") or "/usr/local/Ascend/ascend-toolkit/latest"
+    for name in ("version.cfg", "version.info"):
+        try:
+            with open(os.path.join(home, name)) as f:
+                for line in f:
+                    if "version" in line.lower() and "=" in line:
+                        return line.split("=", 1)[1].strip()
+        except OSError:
+            continue
+    return None
+
+
+def versions() -> dict[str, str | None]:
+    """The software stack of every platform (None: not installed)."""
+    found: dict[str, str | None] = {"torch": _module_version("torch"), "triton": _module_version("triton")}
+    try:
+        import torch
+
+        found["cuda"] = torch.version.cuda
+        found["musa"] = getattr(torch.version, "musa", None)
+    except ImportError:
+        pass
+    found["torch_npu"] = _module_version("torch_npu")
+    found["cann"] = _cann_version()
+    found["torch_musa"] = _module_version("torch_musa")
+    found["mate"] = _module_version("mate")
+    return found
 
 
 def collect() -> dict[str, Any]:
-    return {
+    report = {
         "cpu": probe_cpu(),
         "cuda": _accelerator("cuda", None, "install a CUDA build of torch"),
         "npu": _accelerator("npu", "torch_npu", "pip install torch-npu (needs Ascend's CANN toolkit)"),
         "musa": _accelerator("musa", "torch_musa", "use Moore Threads' MUSA image (torch_musa is not on PyPI)"),
-        "kernels": probe_kernels(),
     }
+    devices = {"cpu": "cpu"} | {kind: report[kind]["devices"][0]["device"] for kind in ("cuda", "npu", "musa")
+                                if report[kind]["available"]}
+    report["versions"] = versions()
+    report["kernels"] = {kind: probe_kernels(kind, device) for kind, device in devices.items()}
+    return report
+
+
+def _print_kernels(kernels: dict[str, Any]) -> None:
+    for kind, found in kernels.items():
+        if "error" in found:
+            print(f"kernels on {kind}: probe failed: {found['error']}")
+            continue
+        print(f"kernels on {kind} ({found['dtype']}):")
+        for op, entry in found["ops"].items():
+            rejected = "; ".join(f"{r['impl']}: {r['reason']}" for r in entry["rejected"])
+            print(f"  {op:<18} {entry['chosen']:<10} {('rejected ' + rejected) if rejected else ''}".rstrip())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,8 +212,9 @@ def run(args: argparse.Namespace) -> int:
         for d in found["devices"]:
             memory = f"{d.get('memory_free_gib')} / {d.get('memory_total_gib')} GiB free"
             print(f"{kind:<6}: {d['device']} {d.get('name', '?')}, {d.get('error', memory)}")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v is not None))
     usable = ["cpu"] + [d["device"] for k in ("cuda", "npu", "musa") if report[k]["available"]
                         for d in report[k]["devices"]]
     print(f"workers you can configure: {', '.join(usable)}")
-    print("kernels: " + ", ".join(f"{k}={v}" for k, v in report["kernels"].items()))
+    _print_kernels(report["kernels"])
     return 0

@@ -13,6 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from server.config import EMBEDDED_PREFIX, ModelSettings
+from server.hub import local_path
 
 logger = logging.getLogger("xinserve.server")
 
@@ -28,9 +29,10 @@ def _build(cache: str, name: str) -> str:
 
 
 def resolve_model_path(model: ModelSettings) -> str:
-    """The model's directory on disk, building the embedded model first if needed."""
+    """The model's directory on disk, building the embedded model first if needed (or fetching a
+    hub id into the Hugging Face cache)."""
     if not model.is_embedded:
-        return model.path
+        return local_path(model.path)
     name = model.path[len(EMBEDDED_PREFIX):] or "xinserve-tiny"
     cache = cache_dir()
     # ensure_tiny_model renames a complete build into place, so an existing directory is complete.

@@ -3,16 +3,26 @@
 Detokenisation runs here, in the HTTP process (DESIGN.md): the worker only ships token ids. Stop
 strings are matched here too (as in vLLM v1); when every choice has stopped this way the request
 is aborted in the worker so its KV blocks are freed at once.
+
+A request whose worker dies before it produced any token is started once more on another worker
+(``retry``, ``Router.replacement``): the client has seen nothing, so nothing is repeated. After a
+token the death is an error: a 503, or an error frame when streaming.
 """
 
 import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.detokenizer import IncrementalDetokenizer
+from engines.outputs import StepOutput, TokenLogprob
+from engines.sampling_params import SamplingParams
 from server.errors import APIError
-from server.ipc import TokenOutput
 from server.worker_client import RequestStream, WorkerClient, WorkerError
+
+logger = logging.getLogger("xinserve.server")
 
 _TIMEOUT = object()  # queue sentinel put by the request deadline
 
@@ -24,7 +34,7 @@ class Delta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[tuple[float, list[int], list[float]]] | None
+    logprobs: list[TokenLogprob] | None
     finish_reason: str | None
 
 
@@ -33,7 +43,7 @@ class Choice:
     detokenizer: Any
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
 
 
@@ -43,23 +53,24 @@ class Generation:
         worker: WorkerClient,
         request_id: str,
         prompt_token_ids: list[int],
-        params: dict[str, Any],
+        params: SamplingParams,
         tokenizer: Any,
         *,
-        stop: list[str],
-        skip_special_tokens: bool = True,
         timeout_s: float = 600.0,
+        retry: Callable[[int], Awaitable[WorkerClient | None]] | None = None,
     ) -> None:
-        from engines.detokenizer import IncrementalDetokenizer
-
+        """``retry(n)`` finds another worker for ``n`` sequences when this one dies (None: no retry)."""
         self.worker = worker
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.timeout_s = timeout_s
         self.choices = [
-            Choice(IncrementalDetokenizer(tokenizer, prompt_token_ids, stop, skip_special_tokens))
-            for _ in range(int(params.get("n", 1)))
+            Choice(IncrementalDetokenizer(
+                tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
+                min_tokens=params.min_tokens, include_stop_str_in_output=params.include_stop_str_in_output,
+            ))
+            for _ in range(params.n)
         ]
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
@@ -68,6 +79,7 @@ class Generation:
         self._stream: RequestStream | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._open = False  # the worker still holds the request
+        self._retry = retry
 
     @property
     def done(self) -> bool:
@@ -86,10 +98,16 @@ class Generation:
         return self._stream.queue_time if self._stream else None
 
     def start(self) -> None:
+        self._add()
+        self._deadline = asyncio.get_running_loop().call_later(self.timeout_s, self._expire)
+
+    def _add(self) -> None:
         self._stream = self.worker.add(self.request_id, self.prompt_token_ids, self.params)
         self._open = True
-        queue = self._stream.queue
-        self._deadline = asyncio.get_running_loop().call_later(self.timeout_s, queue.put_nowait, _TIMEOUT)
+
+    def _expire(self) -> None:
+        assert self._stream is not None
+        self._stream.queue.put_nowait(_TIMEOUT)  # the current stream's: a retry replaces it
 
     def abort(self) -> None:
         """Free the request in its worker (safe to call twice, and from a cancelled task)."""
@@ -111,6 +129,9 @@ class Generation:
         items = [await queue.get()]
         while not queue.empty():
             items.append(queue.get_nowait())
+        if self._may_retry(items):
+            await self._start_elsewhere(items[0])
+            return await self.next_deltas()
         by_index: dict[int, Delta] = {}
         for item in items:
             self._apply(item, by_index)
@@ -125,6 +146,29 @@ class Generation:
             self.abort()  # a no-op unless a stop string finished it before the engine did
         return sorted(by_index.values(), key=lambda d: d.index)
 
+    def _may_retry(self, items: list[object]) -> bool:
+        """Once, when the worker went away before this request produced any token."""
+        error = items[0]
+        return (
+            len(items) == 1 and isinstance(error, WorkerError) and error.retryable
+            and self._retry is not None and self.completion_tokens == 0
+        )
+
+    async def _start_elsewhere(self, error: WorkerError) -> None:
+        assert self._retry is not None and self._deadline is not None
+        self._open = False
+        retry, self._retry = self._retry, None
+        worker = await retry(len(self.choices))
+        if worker is None:
+            raise APIError(503, f"{error.message}; no other worker of {self.worker.model_name} became ready.")
+        logger.warning("request %s: %s; retrying on %s", self.request_id, error.message, worker.label)
+        self.worker = worker
+        self._add()
+        if asyncio.get_running_loop().time() >= self._deadline.when():
+            # The deadline passed while waiting for a worker: it fired into the old stream, or is due.
+            self._deadline.cancel()
+            self._expire()
+
     def _apply(self, item: object, by_index: dict[int, Delta]) -> None:
         if item is _TIMEOUT:
             self.abort()
@@ -132,16 +176,18 @@ class Generation:
         if isinstance(item, WorkerError):
             self._open = False
             raise APIError(item.status, item.message)
-        assert isinstance(item, TokenOutput)
+        assert isinstance(item, StepOutput)
         choice = self.choices[item.index]
         if choice.finish_reason is not None:
             return  # stopped by a stop string; the worker's abort is in flight
         delta = by_index.get(item.index)
         if delta is None:
             delta = by_index[item.index] = Delta(item.index, "", [], None, None)
-        text, stopped = choice.detokenizer.add(item.token_ids)
-        choice.token_ids.extend(item.token_ids)
-        delta.token_ids.extend(item.token_ids)
+        # The engine's own "stop" is always a stop token (EOS or stop_token_ids): its text is left out.
+        ends_with_stop_token = item.finished and item.finish_reason == "stop"
+        text, stopped = choice.detokenizer.add(item.new_token_ids, ends_with_stop_token)
+        choice.token_ids.extend(item.new_token_ids)
+        delta.token_ids.extend(item.new_token_ids)
         if item.logprobs is not None:
             if choice.logprobs is None:
                 choice.logprobs = []

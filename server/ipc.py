@@ -1,19 +1,24 @@
 """Wire format between the HTTP process and an engine worker: msgpack frames over ZeroMQ PUSH/PULL.
 
-Each message is one msgpack array whose first element is its kind. The worker sends ONE
-``OUTPUTS`` message per engine step carrying every request's new tokens, so the per-token IPC cost
-shrinks as the batch grows (measured by ``benchmarks/ipc_overhead.py``). Outputs travel as
-positional arrays rather than maps: at one token per request per step, field names would be most
-of the bytes.
+Each message is one msgpack array whose first element is its kind. The records that cross are the
+engine's own dataclasses, one type per message (``SamplingParams`` in, ``StepOutput`` and
+``EngineStats`` out), sent as positional arrays in field order and rebuilt on the other side, so a
+field added to a record travels without a second definition here. The worker sends ONE ``OUTPUTS``
+message per engine step carrying every request's new tokens, so the per-token IPC cost shrinks as
+the batch grows (measured by ``benchmarks/ipc_overhead.py``); positional arrays because at one token
+per request per step, field names would be most of the bytes.
 """
 
-from dataclasses import dataclass
+from dataclasses import fields
 from typing import Any
 
 import msgpack
 
+from engines.outputs import EngineStats, StepOutput, TokenLogprob
+from engines.sampling_params import SamplingParams
+
 # HTTP process -> worker
-ADD = "add"  # [ADD, request_id, prompt_token_ids, sampling_kwargs]
+ADD = "add"  # [ADD, request_id, prompt_token_ids, sampling params]
 ABORT = "abort"  # [ABORT, [[request_id, choice_index | None], ...]]   None: every choice
 SHUTDOWN = "shutdown"  # [SHUTDOWN]
 
@@ -24,29 +29,8 @@ OUTPUTS = "out"  # [OUTPUTS, [output, ...], stats | None, {request_id: queue_sec
 ERROR = "error"  # [ERROR, request_id, http_status, message]   one request failed; the worker lives on
 STATS = "stats"  # [STATS, stats]   idle heartbeat, also proves the worker is alive
 
-STATS_FIELDS = (
-    "num_running",
-    "num_waiting",
-    "kv_cache_usage",
-    "num_preemptions_total",
-    "prefix_cache_queries_total",
-    "prefix_cache_hits_total",
-    "prompt_tokens_total",
-    "generation_tokens_total",
-)
-
-
-@dataclass(slots=True)
-class TokenOutput:
-    """New tokens of one choice from one step, as the HTTP process sees them."""
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    # Per token: (logprob, top token ids, top logprobs).
-    logprobs: list[tuple[float, list[int], list[float]]] | None
+_PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
+_STATS_FIELDS = tuple(f.name for f in fields(EngineStats))
 
 
 def pack(message: list[Any]) -> bytes:
@@ -57,23 +41,32 @@ def unpack(frame: bytes) -> list[Any]:
     return msgpack.unpackb(frame, raw=False, use_list=True)
 
 
-def encode_step_output(out: Any) -> list[Any]:
-    """An ``engines.outputs.StepOutput`` as a positional array."""
+def encode_params(params: SamplingParams) -> list[Any]:
+    return [getattr(params, name) for name in _PARAM_FIELDS]
+
+
+def decode_params(values: list[Any]) -> SamplingParams:
+    """Rebuilt (and so validated again) in the worker; raises ValueError on a bad value."""
+    return SamplingParams(*values)
+
+
+def encode_step_output(out: StepOutput) -> list[Any]:
     logprobs = None
     if out.logprobs is not None:
         logprobs = [[lp.logprob, lp.top_token_ids, lp.top_logprobs] for lp in out.logprobs]
-    return [out.request_id, out.index, out.new_token_ids, out.finished, out.finish_reason, logprobs]
+    return [out.request_id, out.index, out.new_token_ids, out.finished, out.finish_reason, logprobs, out.error]
 
 
-def decode_output(item: list[Any]) -> TokenOutput:
-    request_id, index, token_ids, finished, reason, logprobs = item
-    return TokenOutput(request_id, index, token_ids, finished, reason, logprobs)
+def decode_output(item: list[Any]) -> StepOutput:
+    request_id, index, token_ids, finished, reason, logprobs, error = item
+    if logprobs is not None:
+        logprobs = [TokenLogprob(*entry) for entry in logprobs]
+    return StepOutput(request_id, index, token_ids, finished, reason, logprobs, error)
 
 
-def encode_stats(stats: Any) -> list[Any]:
-    """An ``EngineStats`` as a positional array in ``STATS_FIELDS`` order."""
-    return [getattr(stats, name) for name in STATS_FIELDS]
+def encode_stats(stats: EngineStats) -> list[Any]:
+    return [getattr(stats, name) for name in _STATS_FIELDS]
 
 
-def decode_stats(values: list[Any]) -> dict[str, float]:
-    return dict(zip(STATS_FIELDS, values, strict=True))
+def decode_stats(values: list[Any]) -> EngineStats:
+    return EngineStats(*values)

@@ -49,18 +49,23 @@ class EngineStatsCollector:
             family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
             for w in workers:
                 # A worker that is not serving has no running or waiting requests.
-                value = w.stats.get(field, 0.0) if w.ready else 0.0
+                value = getattr(w.stats, field) if w.ready and w.stats is not None else 0.0
                 family.add_metric([w.model_name, w.label], float(value))
             yield family
         for name, field, doc in ENGINE_COUNTERS:
             family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
             for w in workers:
-                family.add_metric([w.model_name, w.label], float(w.stats.get(field, 0.0)))
+                family.add_metric([w.model_name, w.label], float(0.0 if w.stats is None else getattr(w.stats, field)))
             yield family
         ready = GaugeMetricFamily(PREFIX + "worker_ready", "1 when the worker serves requests.", labels=LABELS)
         for w in workers:
             ready.add_metric([w.model_name, w.label], 1.0 if w.ready else 0.0)
         yield ready
+        restarts = CounterMetricFamily(PREFIX + "worker_restarts", "Times the worker process was started again "
+                                       "after it died.", labels=LABELS)
+        for w in workers:
+            restarts.add_metric([w.model_name, w.label], float(w.restarts))
+        yield restarts
 
 
 class RequestMetrics:

@@ -3,11 +3,16 @@
 import asyncio
 import logging
 import os
+import threading
 import time
 from typing import Any
 
+# Imported here, in the main thread, before any tokenizer loads in a worker thread (see below).
+from transformers import AutoTokenizer
+
 from server.config import ModelSettings
 from server.embedded import resolve_model_path
+from server.hub import local_path
 from server.responses import TokenTexts
 from server.worker import WorkerSpec
 from server.worker_client import FAILED, STARTING, WorkerClient
@@ -33,15 +38,15 @@ def default_cpu_threads(num_cpu_workers: int) -> int:
     return max(1, (cores - 1) // max(1, num_cpu_workers))
 
 
-def _looks_local(path: str) -> bool:
-    """A filesystem path rather than a Hugging Face hub id such as ``Qwen/Qwen2.5-7B-Instruct``."""
-    return path.startswith(("/", ".", "~")) or os.path.exists(path)
+# transformers imports its classes lazily, and that import is not thread-safe: two models loading
+# their tokenizers in two threads at once failed with "cannot import name 'AutoTokenizer'". One
+# load at a time (they take well under a second each).
+_TOKENIZER_LOCK = threading.Lock()
 
 
 def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+    with _TOKENIZER_LOCK:
+        return AutoTokenizer.from_pretrained(path)
 
 
 class ModelPool:
@@ -50,23 +55,13 @@ class ModelPool:
         self.tokenizer: Any = None
         self.token_texts: TokenTexts | None = None
         self.error: str | None = None
-        self.workers: list[WorkerClient] = []
         self._progress: asyncio.Task | None = None
-        for label, device in zip(worker_labels(settings.workers), settings.workers, strict=True):
-            spec = WorkerSpec(
-                model_name=settings.name,
-                label=label,
-                device=device,
-                model_path="",  # known after resolve_model_path
-                engine_kwargs=settings.engine_kwargs(),
-                input_addr="",  # set by start()
-                output_addr="",
-                cpu_threads=(settings.cpu_threads or cpu_threads) if device == "cpu" else None,
-                log_level=log_level,
-            )
-            self.workers.append(
-                WorkerClient(spec, settings.max_num_seqs, settings.max_waiting_requests)
-            )
+        self.cpu_threads = cpu_threads
+        self.log_level = log_level
+        self.workers = [
+            WorkerClient(settings.name, label, device, settings.max_num_seqs, settings.max_waiting_requests)
+            for label, device in zip(worker_labels(settings.workers), settings.workers, strict=True)
+        ]
 
     @property
     def name(self) -> str:
@@ -79,27 +74,40 @@ class ModelPool:
         """
         try:
             path = await asyncio.to_thread(resolve_model_path, self.settings)
+            tokenizer_path = await asyncio.to_thread(local_path, self.settings.tokenizer or path)
         except Exception as exc:  # noqa: BLE001  any failure is this model's, reported on /health
             self._fail(f"cannot prepare model {self.name}: {type(exc).__name__}: {exc}")
             return
-        if _looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
+        if not os.path.isdir(os.path.expanduser(path)):
             # Spawning workers only to have each fail on a typo'd path would take seconds each.
             self._fail(f"model {self.name}: directory {path} does not exist")
             return
         for worker in self.workers:
-            slug = f"{self.name}-{worker.label}".replace("/", "_").replace(":", "_").replace("#", "_")
-            worker.spec.input_addr = f"ipc://{ipc_dir}/{slug}-in"
-            worker.spec.output_addr = f"ipc://{ipc_dir}/{slug}-out"
-            worker.spec.model_path = path
-            worker.start()
+            worker.start(self._spec(worker, path, tokenizer_path, ipc_dir))
         self._progress = asyncio.create_task(self._log_progress())
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or path)
+            tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
         except Exception as exc:  # noqa: BLE001  as above: the server keeps serving other models
+            # Its workers could never serve: stop them rather than let them hold memory.
+            await asyncio.gather(*(w.close(0) for w in self.workers))
             self._fail(f"cannot load the tokenizer of {self.name}: {type(exc).__name__}: {exc}")
             return
         self.token_texts = TokenTexts(tokenizer)
         self.tokenizer = tokenizer
+
+    def _spec(self, worker: WorkerClient, path: str, tokenizer_path: str, ipc_dir: str) -> WorkerSpec:
+        slug = f"{self.name}-{worker.label}".replace("/", "_").replace(":", "_").replace("#", "_")
+        return WorkerSpec(
+            model_name=self.name,
+            label=worker.label,
+            device=worker.device,
+            model_path=path,
+            engine_kwargs={**self.settings.engine_kwargs(), "tokenizer": tokenizer_path},
+            input_addr=f"ipc://{ipc_dir}/{slug}-in",
+            output_addr=f"ipc://{ipc_dir}/{slug}-out",
+            cpu_threads=(self.settings.cpu_threads or self.cpu_threads) if worker.device == "cpu" else None,
+            log_level=self.log_level,
+        )
 
     async def _log_progress(self, every_s: float = 15.0) -> None:
         """Big checkpoints take minutes: say which workers are still loading until none is."""

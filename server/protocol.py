@@ -5,14 +5,20 @@ OpenAI's value ranges; fields we do not know are ignored, as the SDK adds new op
 Responses are built as plain dicts in ``server/responses.py`` (cheaper per stream chunk).
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engines.sampling_params import SamplingParams
 from server.errors import APIError
 
+# OpenAI's own API limits; the operator's limits are the config's ``limits`` section.
 MAX_STOP_STRINGS = 4
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # chat ``top_logprobs``
+MAX_COMPLETION_LOGPROBS = 5  # completions ``logprobs``
+MAX_LOGIT_BIAS = 300
+# Integers sent to the worker must fit msgpack's 64 bits; a larger one would fail the send (a 500).
+INT64_MAX = 2**63 - 1
 
 
 class _Strict(BaseModel):
@@ -43,6 +49,18 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        # Checked before the str-or-parts union, whose error would name a branch, not the problem.
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(f"content part type '{kind}' is not supported: this server serves "
+                                     f"text-only models, so only 'text' parts are accepted")
+        return value
 
     @model_validator(mode="after")
     def _content_present(self) -> "ChatMessage":
@@ -75,13 +93,14 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extensions.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -98,9 +117,12 @@ class _SamplingFields(_Strict):
     @field_validator("logit_bias")
     @classmethod
     def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
-        return value
+        if not value:
+            return value
+        # The size check comes first so that it is already in place when logit_bias is supported.
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(value)}")
+        raise ValueError("logit_bias is not supported by this server")
 
     @property
     def stop_list(self) -> list[str]:
@@ -111,26 +133,32 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_kwargs(self, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
-        """Keyword arguments of ``engines.SamplingParams`` (sent to the worker as a plain dict)."""
-        return {
-            "n": self.n,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": max(self.top_k or 0, 0),  # vLLM uses -1 for "disabled", the engine 0
-            "min_p": self.min_p or 0.0,
-            "presence_penalty": self.presence_penalty or 0.0,
-            "frequency_penalty": self.frequency_penalty or 0.0,
-            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            "seed": self.seed,
-            "max_tokens": max_tokens,
-            "min_tokens": self.min_tokens,
-            # Stop strings are matched in the HTTP process by the detokenizer, not by the engine.
-            "stop": [],
-            "stop_token_ids": list(self.stop_token_ids or []),
-            "ignore_eos": self.ignore_eos,
-            "logprobs": logprobs,
-        }
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's ``SamplingParams``, built here so a bad value is a 400 before any round trip
+        to a worker (which receives the same record)."""
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=max(self.top_k or 0, 0),  # vLLM uses -1 for "disabled", the engine 0
+                min_p=self.min_p or 0.0,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                # Stop strings are matched in the HTTP process by the detokenizer, not by the engine.
+                stop=self.stop_list,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -169,7 +197,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 

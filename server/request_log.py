@@ -14,7 +14,7 @@ from typing import Any
 logger = logging.getLogger("xinserve.request")
 
 # Probes and scrapers would drown the log at INFO.
-QUIET_PATHS = ("/health", "/metrics")
+QUIET_PATHS = ("/health", "/health/live", "/metrics")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 

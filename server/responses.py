@@ -7,20 +7,36 @@ than null (``usage`` of a non-streamed response is always an object).
 
 from typing import Any
 
-LogprobEntry = tuple[float, list[int], list[float]]
+from engines.outputs import TokenLogprob
 
 
 class TokenTexts:
-    """Token id -> its text, cached (log-probs decode the same ids again and again)."""
+    """Token id -> its text as it reads inside running text, cached (log-probs decode the same ids
+    again and again).
+
+    SentencePiece tokenizers drop a token's leading space when it is decoded on its own ("▁there"
+    decodes to "there"), so each token is decoded after an anchor token and the anchor's own text is
+    cut off: " there", as in the generated text, and the completions ``text_offset`` add up.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        anchor = tokenizer.encode("a", add_special_tokens=False)
+        self._anchor = anchor[-1:] if anchor else []
+        self._anchor_text = self._decode(self._anchor)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._decode([token_id])
+            in_context = self._decode([*self._anchor, token_id])
+            if self._anchor and in_context.startswith(self._anchor_text):
+                text = in_context[len(self._anchor_text):]
+            self._cache[token_id] = text
         return text
 
 
@@ -37,30 +53,30 @@ def _token_entry(text: str, logprob: float) -> dict[str, Any]:
 
 
 def chat_logprobs(
-    token_ids: list[int], entries: list[LogprobEntry] | None, texts: TokenTexts, top: int
+    token_ids: list[int], entries: list[TokenLogprob] | None, texts: TokenTexts, top: int
 ) -> dict[str, Any] | None:
     if entries is None:
         return None
     content = []
-    for token_id, (logprob, top_ids, top_lps) in zip(token_ids, entries, strict=False):
-        entry = _token_entry(texts(token_id), logprob)
-        entry["top_logprobs"] = [_token_entry(texts(t), lp) for t, lp in zip(top_ids[:top], top_lps[:top])]
+    for token_id, lp in zip(token_ids, entries, strict=False):
+        entry = _token_entry(texts(token_id), lp.logprob)
+        entry["top_logprobs"] = [_token_entry(texts(t), v) for t, v in zip(lp.top_token_ids[:top], lp.top_logprobs[:top])]
         content.append(entry)
     return {"content": content, "refusal": None}
 
 
 def completion_logprobs(
-    token_ids: list[int], entries: list[LogprobEntry] | None, texts: TokenTexts, offset: int
+    token_ids: list[int], entries: list[TokenLogprob] | None, texts: TokenTexts, offset: int
 ) -> dict[str, Any] | None:
     """The legacy completions format; ``offset`` is where this text starts in the choice's text."""
     if entries is None:
         return None
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for token_id, (logprob, top_ids, top_lps) in zip(token_ids, entries, strict=False):
+    for token_id, lp in zip(token_ids, entries, strict=False):
         text = texts(token_id)
         tokens.append(text)
-        token_logprobs.append(logprob)
-        top_logprobs.append({texts(t): lp for t, lp in zip(top_ids, top_lps)})
+        token_logprobs.append(lp.logprob)
+        top_logprobs.append({texts(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
         text_offset.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,

@@ -1,10 +1,18 @@
 """Model name -> worker: the least-loaded ready worker of the model, else of its fallback chain."""
 
+import asyncio
 import itertools
+import time
 
 from server.errors import APIError
 from server.pool import ModelPool
 from server.worker_client import WorkerClient
+
+# How long a request whose worker died before its first token waits for another worker of its
+# model: long enough for a small model's restart (1 s backoff plus a few seconds of loading),
+# short enough that a client gets its 503 while a retry elsewhere is still worth it.
+RETRY_WAIT_S = 10.0
+_RETRY_POLL_S = 0.1
 
 
 class Router:
@@ -44,10 +52,29 @@ class Router:
                     429, f"The server is overloaded: the waiting queue of '{pool.name}' is full; retry later.",
                     code="queue_full",
                 )
-            worker = min(open_workers, key=lambda w: (w.load, self._last_pick.get(id(w), -1)))
-            self._last_pick[id(worker)] = next(self._turn)
-            return pool, worker
+            return pool, self._pick(open_workers)
         raise APIError(
             503, f"No worker of model '{name}' is ready (loading, failed or dead); see /health.",
             code="model_unavailable",
         )
+
+    async def replacement(self, pool: ModelPool, n: int, wait_s: float = RETRY_WAIT_S) -> WorkerClient | None:
+        """Another worker for a request of ``n`` sequences whose worker died before its first token.
+
+        The least-loaded ready worker of the same pool (its tokenizer made the prompt ids, so no
+        fallback model), waiting up to ``wait_s`` for one to be ready and have room (a restart);
+        None when none came.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            open_workers = [w for w in pool.ready_workers() if w.has_capacity(n)]
+            if open_workers:
+                return self._pick(open_workers)
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(_RETRY_POLL_S)
+
+    def _pick(self, workers: list[WorkerClient]) -> WorkerClient:
+        worker = min(workers, key=lambda w: (w.load, self._last_pick.get(id(w), -1)))
+        self._last_pick[id(worker)] = next(self._turn)
+        return worker

@@ -42,31 +42,14 @@ class WorkerSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def setup_device(device: str, cpu_threads: int | None) -> None:
-    """Import the device's torch extension and make ``device`` current; set CPU threads."""
+def _load_engine(spec: WorkerSpec) -> Any:
+    """Import torch here, in the child (the platform imports the device's vendor module)."""
     import torch
 
-    if cpu_threads:
-        torch.set_num_threads(cpu_threads)
-    kind, _, index = device.partition(":")
-    if kind == "npu":
-        import torch_npu  # noqa: F401  registers torch.npu
-
-        torch.npu.set_device(int(index or 0))
-    elif kind == "musa":
-        import torch_musa  # noqa: F401  registers torch.musa
-
-        torch.musa.set_device(int(index or 0))
-    elif kind == "cuda":
-        torch.cuda.set_device(int(index or 0))
-    elif kind != "cpu":
-        raise ValueError(f"unknown device {device!r}")
-
-
-def _load_engine(spec: WorkerSpec) -> Any:
     from engines import EngineConfig, LLMEngine
 
-    setup_device(spec.device, spec.cpu_threads)
+    if spec.cpu_threads:
+        torch.set_num_threads(spec.cpu_threads)
     return LLMEngine(EngineConfig(model=spec.model_path, device=spec.device, **spec.engine_kwargs))
 
 
@@ -108,11 +91,9 @@ class WorkerLoop:
         else:
             logger.error("%s: unknown message kind %r ignored", self.label, kind)
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], kwargs: dict[str, Any]) -> None:
-        from engines import SamplingParams
-
+    def _add(self, request_id: str, prompt_token_ids: list[int], encoded_params: list[Any]) -> None:
         try:
-            params = SamplingParams(**kwargs)
+            params = ipc.decode_params(encoded_params)
             self.engine.add_request(request_id, prompt_token_ids, params)
         except ValueError as exc:  # the engine's way of saying "this request can never run"
             self._emit([ipc.ERROR, request_id, 400, str(exc)])
@@ -155,6 +136,14 @@ class WorkerLoop:
             return
         queue_times: dict[str, float] = {}
         changed = False  # a request started or finished: the gauges moved, send them now
+        failed = [out for out in outputs if out.finish_reason == "error"]
+        for out in failed:
+            # The engine traced a failed step to this request and ended it alone.
+            if self.active.pop(out.request_id, None) is not None:
+                changed = True
+                self._emit([ipc.ERROR, out.request_id, 500, f"the engine failed on this request ({out.error})"])
+        if failed:
+            outputs = [out for out in outputs if out.finish_reason != "error"]
         for out in outputs:
             state = self.active.get(out.request_id)
             if state is None:
@@ -216,13 +205,17 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         "pid": os.getpid(),
         "load_seconds": round(load_s, 3),
         "eos_token_id": getattr(tokenizer, "eos_token_id", None),
+        "vocab_size": int(engine.vocab_size),
+        "kernels": engine.runner.kernels.report(),
     }
 
 
 def run_worker(spec: WorkerSpec) -> None:
     """Entry point of the spawned worker process."""
-    # Ctrl-C reaches the whole process group; the server shuts its workers down in order instead.
+    # Ctrl-C reaches the whole process group, and so does SIGTERM from a service manager that stops
+    # a control group (systemd): the server drains its requests, then shuts its workers down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.update(spec.env)
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{spec.label}] %(message)s")
     ctx = zmq.Context()
@@ -238,6 +231,8 @@ def run_worker(spec: WorkerSpec) -> None:
     except BaseException as exc:  # noqa: BLE001  whatever broke loading is reported, then we exit
         logger.error("loading %s on %s failed:\n%s", spec.model_name, spec.device, traceback.format_exc())
         send.send(ipc.pack([ipc.FAILED, f"{type(exc).__name__}: {exc}"]))
+        # Every socket must be closed, or ctx.term() blocks forever and the failed worker lingers.
+        recv.close(linger=0)
         send.close()
         ctx.term()
         raise SystemExit(1) from None

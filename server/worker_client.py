@@ -4,9 +4,16 @@ It spawns the worker, keeps its state (starting -> ready, or failed / dead / sto
 engine stats and its load (sequences in flight), and fans the worker's per-step OUTPUTS messages
 out to one asyncio queue per request. Sending never awaits: aborts are issued from ``finally``
 blocks of cancelled tasks, where an await would be cancelled again.
+
+It also supervises the process: one that dies is started again after a backoff
+(``restart_policy``), and the requests it held fail with a retryable error, which
+``Generation`` retries elsewhere if they had produced no token yet. A worker whose first load
+failed (bad path, bad config) is not restarted: it would fail the same way; one that has served
+before and then fails to load again is retried with the same backoff.
 """
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import time
@@ -15,7 +22,10 @@ from typing import Any
 
 import zmq
 
+from engines.outputs import EngineStats
+from engines.sampling_params import SamplingParams
 from server import ipc
+from server.restart_policy import RestartBackoff
 from server.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger("xinserve.server")
@@ -39,11 +49,13 @@ class WorkerError:
 
     status: int
     message: str
+    # True when the worker went away without a verdict on the request: it may run elsewhere.
+    retryable: bool = False
 
 
 @dataclass(slots=True)
 class RequestStream:
-    """Items of one request as they arrive: ``ipc.TokenOutput`` or ``WorkerError``."""
+    """Items of one request as they arrive: ``StepOutput`` or ``WorkerError``."""
 
     request_id: str
     n: int
@@ -57,28 +69,33 @@ class RequestStream:
 
 
 class WorkerClient:
-    def __init__(self, spec: WorkerSpec, max_num_seqs: int, max_waiting_requests: int) -> None:
-        self.spec = spec
+    """One worker of a model on one device; its process is described by the ``WorkerSpec`` that
+    ``start`` receives once the model's files are known."""
+
+    def __init__(self, model_name: str, label: str, device: str, max_num_seqs: int, max_waiting_requests: int) -> None:
+        self.model_name = model_name
+        self.label = label  # "cpu", "npu:0", or "cpu#1" when a model lists a device twice
+        self.device = device
+        self.spec: WorkerSpec | None = None  # set by start()
         self.capacity = max_num_seqs + max_waiting_requests
         self.state = STARTING
         self.last_error: str | None = None
         self.info: dict[str, Any] = {}
-        self.stats: dict[str, float] = {}
+        self.stats: EngineStats | None = None  # the latest the worker sent
         self.load = 0  # sequences submitted and not finished
         self.last_message_at: float | None = None
         self.started_at = time.time()
+        self.restarts = 0
+        self._backoff = RestartBackoff()
+        self._ready_since: float | None = None  # monotonic time the current process became ready
+        self._has_served = False  # some process of this worker has been ready
+        self._incarnation = 0  # processes started so far; names each one's input socket
+        self._supervisor: asyncio.Task | None = None  # the exit report and the restart after it
+        self._refusal: str | None = None  # set when the server ends its requests: new ones fail
         self._streams: dict[str, RequestStream] = {}
         self._send: zmq.Socket | None = None
         self._recv: zmq.Socket | None = None
         self._proc: mp.process.BaseProcess | None = None
-
-    @property
-    def label(self) -> str:
-        return self.spec.label
-
-    @property
-    def model_name(self) -> str:
-        return self.spec.model_name
 
     @property
     def ready(self) -> bool:
@@ -87,7 +104,7 @@ class WorkerClient:
     def has_capacity(self, n: int) -> bool:
         return self.load + n <= self.capacity
 
-    def listen(self) -> None:
+    def listen(self, output_addr: str) -> None:
         """Bind the output socket and read it from the event loop.
 
         A plain socket whose file descriptor the loop watches, drained in one callback, rather than
@@ -96,32 +113,67 @@ class WorkerClient:
         """
         self._recv = _zmq_context().socket(zmq.PULL)
         self._recv.setsockopt(zmq.RCVHWM, 0)
-        self._recv.bind(self.spec.output_addr)
+        self._recv.bind(output_addr)
         asyncio.get_running_loop().add_reader(self._recv.getsockopt(zmq.FD), self._on_readable)
 
-    def start(self) -> None:
-        """Bind the sockets and spawn the worker (never fork: NPUs and CUDA cannot survive it)."""
-        self.listen()
+    def start(self, spec: WorkerSpec) -> None:
+        """Bind the output socket and spawn the worker."""
+        self.spec = spec
+        self.listen(spec.output_addr)
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Start a worker process (never fork: NPUs and CUDA cannot survive it) on a fresh input socket.
+
+        Each process gets its own PUSH socket at its own address (``spec.input_addr`` plus a
+        number): adds queued for a dead process are dropped with its socket and can never reach
+        its successor as stale requests. The address is new rather than rebound because ZeroMQ
+        removes a closed socket's ipc file in the background, which could remove the new one's.
+        The output socket stays: messages of a dead process name requests that are gone.
+        """
+        assert self.spec is not None, "start() first"
+        if self._send is not None:
+            self._send.close(linger=0)
+        self._incarnation += 1
+        spec = dataclasses.replace(self.spec, input_addr=f"{self.spec.input_addr}-{self._incarnation}")
         # Sending never blocks either: no high-water mark, NOBLOCK, on a plain socket.
         self._send = _zmq_context().socket(zmq.PUSH)
         self._send.setsockopt(zmq.SNDHWM, 0)
         self._send.setsockopt(zmq.LINGER, 0)
-        self._send.bind(self.spec.input_addr)
+        self._send.bind(spec.input_addr)
+        self.state, self.info, self.stats = STARTING, {}, None
+        self.started_at = time.time()
         self._proc = mp.get_context("spawn").Process(
-            target=run_worker, args=(self.spec,), name=f"xinserve-{self.model_name}-{self.label}", daemon=True
+            target=run_worker, args=(spec,), name=f"xinserve-{self.model_name}-{self.label}", daemon=True
         )
         self._proc.start()
         logger.info("spawned worker %s/%s (pid %s) on %s", self.model_name, self.label, self._proc.pid,
-                    self.spec.device)
+                    self.device)
         asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_exit)
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: dict[str, Any]) -> RequestStream:
-        stream = RequestStream(request_id, int(params.get("n", 1)))
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight on {self.label}")
+        # Encoded before anything is counted: a value the wire format cannot carry leaks no load.
+        frame = ipc.pack([ipc.ADD, request_id, prompt_token_ids, ipc.encode_params(params)])
+        stream = RequestStream(request_id, params.n)
         self._streams[request_id] = stream
         self.load += stream.n
-        if not self._post([ipc.ADD, request_id, prompt_token_ids, params]):
-            self._fail(request_id, WorkerError(503, f"worker {self.label} is not accepting requests"))
+        if self._refusal is not None:
+            self._fail(request_id, WorkerError(503, self._refusal))
+        elif not self._post_frame(frame):
+            self._fail(request_id, WorkerError(503, f"worker {self.label} is not accepting requests",
+                                               retryable=True))
         return stream
+
+    def end_requests(self, message: str) -> None:
+        """Fail every request in flight with a 503 ``message`` and refuse new ones (a drain's end)."""
+        self._refusal = message
+        ended = list(self._streams)
+        for request_id in ended:
+            self._fail(request_id, WorkerError(503, message))
+        if ended:
+            self._post([ipc.ABORT, [[request_id, None] for request_id in ended]])
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
@@ -143,10 +195,13 @@ class WorkerClient:
         self._post([ipc.ABORT, [[request_id, index]]])
 
     def _post(self, message: list[Any]) -> bool:
+        return self._post_frame(ipc.pack(message))
+
+    def _post_frame(self, frame: bytes) -> bool:
         if self._send is None or self.state != READY:
             return False
         try:
-            self._send.send(ipc.pack(message), flags=zmq.NOBLOCK)
+            self._send.send(frame, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.error("worker %s/%s: send failed: %s", self.model_name, self.label, exc)
             return False
@@ -185,8 +240,12 @@ class WorkerClient:
         elif kind == ipc.ERROR:
             self._fail(message[1], WorkerError(int(message[2]), message[3]))
         elif kind == ipc.READY:
+            if self.state != STARTING:  # e.g. its model failed (tokenizer) while it was loading
+                logger.info("worker %s/%s ready while %s; ignored", self.model_name, self.label, self.state)
+                return
             self.info = message[1]
             self.state = READY
+            self._ready_since = time.monotonic()
             logger.info("worker %s/%s ready in %.1fs (max_model_len=%s)", self.model_name, self.label,
                         time.time() - self.started_at, self.info.get("max_model_len"))
         elif kind == ipc.FAILED:
@@ -213,22 +272,37 @@ class WorkerClient:
                     del streams[out.request_id]
 
     def _on_exit(self) -> None:
-        assert self._proc is not None
-        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
-        if self.state not in (FAILED, STOPPED):
+        proc = self._proc
+        assert proc is not None
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
+        healthy_for = 0.0 if self._ready_since is None else time.monotonic() - self._ready_since
+        self._has_served |= self._ready_since is not None
+        self._ready_since = None
+        if self.state == STOPPED:
+            return
+        # A first load that failed is a configuration error; anything else is worth another start.
+        restart = self.state != FAILED or self._has_served
+        if self.state != FAILED:
             self.state = DEAD
             self.last_error = "worker process exited"
-            asyncio.ensure_future(self._report_exit_code())
         for request_id in list(self._streams):
-            self._fail(request_id, WorkerError(503, f"worker {self.label} of {self.model_name} died"))
+            self._fail(request_id, WorkerError(503, f"worker {self.label} of {self.model_name} died",
+                                               retryable=True))
+        self._supervisor = asyncio.ensure_future(self._after_exit(proc, restart, healthy_for))
 
-    async def _report_exit_code(self) -> None:
-        # The sentinel can fire a moment before the child is reapable; wait off the event loop.
-        assert self._proc is not None
-        await asyncio.to_thread(self._proc.join, 5)
-        code = self._proc.exitcode
-        self.last_error = f"worker process exited with code {code}"
-        logger.error("worker %s/%s died (exit code %s)", self.model_name, self.label, code)
+    async def _after_exit(self, proc: mp.process.BaseProcess, restart: bool, healthy_for: float) -> None:
+        if self.state == DEAD:
+            # The sentinel can fire a moment before the child is reapable; wait off the event loop.
+            await asyncio.to_thread(proc.join, 5)
+            self.last_error = f"worker process exited with code {proc.exitcode}"
+            logger.error("worker %s/%s died (exit code %s)", self.model_name, self.label, proc.exitcode)
+        if not restart:
+            return
+        delay = self._backoff.next_delay(healthy_for)
+        logger.warning("restarting worker %s/%s in %gs", self.model_name, self.label, delay)
+        await asyncio.sleep(delay)
+        self.restarts += 1
+        self._spawn()
 
     def describe(self) -> dict[str, Any]:
         """Per-worker detail for /health."""
@@ -236,20 +310,25 @@ class WorkerClient:
         return {
             "model": self.model_name,
             "worker": self.label,
-            "device": self.spec.device,
+            "device": self.device,
             "state": self.state,
             "pid": self._proc.pid if self._proc else None,
             "load": self.load,
+            "restarts": self.restarts,
             "last_error": self.last_error,
             "seconds_since_last_message": age,
-            "num_requests_running": self.stats.get("num_running"),
-            "num_requests_waiting": self.stats.get("num_waiting"),
-            "kv_cache_usage": self.stats.get("kv_cache_usage"),
-            "info": self.info,
+            "num_requests_running": None if self.stats is None else self.stats.num_running,
+            "num_requests_waiting": None if self.stats is None else self.stats.num_waiting,
+            "kv_cache_usage": None if self.stats is None else self.stats.kv_cache_usage,
+            # The kernel registry's choice on this worker's device: op -> chosen, rejected with reasons.
+            "kernels": self.info.get("kernels"),
+            "info": {k: v for k, v in self.info.items() if k != "kernels"},
         }
 
     async def close(self, timeout_s: float = 10.0) -> None:
-        """Ask the worker to stop, wait, then terminate it; release the sockets."""
+        """Ask the worker to stop, wait, then kill it; release the sockets."""
+        if self._supervisor is not None:
+            self._supervisor.cancel()  # no restart after this
         proc = self._proc
         if proc is not None and proc.is_alive():
             was_ready = self.state == READY
@@ -263,10 +342,8 @@ class WorkerClient:
             while proc.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()  # SIGTERM would be ignored: workers leave on SHUTDOWN (see run_worker)
                 await asyncio.to_thread(proc.join, 5)
-            if proc.is_alive():
-                proc.kill()
         self.state = STOPPED
         if proc is not None:
             asyncio.get_running_loop().remove_reader(proc.sentinel)

@@ -10,6 +10,9 @@ import pytest
 # Tests never reach the Hub, and the tokenizers thread pool would warn after every fork.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# Triton kernels run on CPU tensors under Triton's interpreter; set for the whole session (it is read
+# when kernels.triton is imported) so no test's outcome depends on which test imported it first.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # so a bare `pytest` imports the in-tree packages too

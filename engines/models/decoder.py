@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-import kernels
 from engines.attention_metadata import AttentionMetadata
 from engines.models.layers import Attention, GatedMLP, MergedLinear, RMSNorm
 from engines.models.rope import build_cos_sin_cache, rotary_dim
+from kernels.ops import REFERENCE_OPS, KernelOps
+from kernels.probes import ModelShapes
 
 # checkpoint projection -> (our fused projection, shard index in its output_sizes)
 FUSED_SHARDS = {
@@ -40,37 +41,35 @@ class DecoderSpec:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, spec: DecoderSpec, head_dim: int) -> None:
+    def __init__(self, config: Any, spec: DecoderSpec, head_dim: int, ops: KernelOps) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Attention(
             hidden, config.num_attention_heads, config.num_key_value_heads, head_dim,
             qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, qk_norm_eps=eps if spec.qk_norm else None,
-            rope_is_neox=spec.rope_is_neox,
+            rope_is_neox=spec.rope_is_neox, ops=ops,
         )
-        self.mlp = GatedMLP(hidden, config.intermediate_size, bias=spec.mlp_bias)
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.post_self_attn_layernorm = RMSNorm(hidden, eps) if spec.sandwich_norm else None
-        self.post_mlp_layernorm = RMSNorm(hidden, eps) if spec.sandwich_norm else None
+        self.mlp = GatedMLP(hidden, config.intermediate_size, bias=spec.mlp_bias, ops=ops)
+        self.input_layernorm = RMSNorm(hidden, eps, ops)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
+        self.post_self_attn_layernorm = RMSNorm(hidden, eps, ops) if spec.sandwich_norm else None
+        self.post_mlp_layernorm = RMSNorm(hidden, eps, ops) if spec.sandwich_norm else None
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
-        cos_sin: torch.Tensor | None = None,
+        cos_sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately and added inside the next norm (fused add).
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, key_cache, value_cache, metadata, cos_sin_cache, cos_sin)
+        hidden = self.self_attn(hidden, key_cache, value_cache, metadata, cos_sin)
         if self.post_self_attn_layernorm is not None:
             hidden = self.post_self_attn_layernorm(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -81,12 +80,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, spec: DecoderSpec, head_dim: int) -> None:
+    def __init__(self, config: Any, spec: DecoderSpec, head_dim: int, ops: KernelOps) -> None:
         super().__init__()
         self.rope_is_neox = spec.rope_is_neox
+        self.rotary_cos_sin = ops.rotary_cos_sin
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, spec, head_dim) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, spec, head_dim, ops) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(
         self,
@@ -99,33 +101,53 @@ class DecoderModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None  # hidden: [T, hidden]
         # Everything that depends only on the step is built here once, not in every layer: the
         # rotation of each position and the per-layer cache views (kv_cache[0][i]: [N, BS, KVH, D]).
-        cos_sin = kernels.rotary_cos_sin(positions, cos_sin_cache, self.rope_is_neox, hidden.dtype)
+        cos_sin = self.rotary_cos_sin(positions, cos_sin_cache, self.rope_is_neox, hidden.dtype)
         for layer, key_cache, value_cache in zip(self.layers, kv_cache[0].unbind(0), kv_cache[1].unbind(0)):
-            hidden, residual = layer(
-                positions, hidden, residual, key_cache, value_cache, metadata, cos_sin_cache, cos_sin
-            )
+            hidden, residual = layer(hidden, residual, key_cache, value_cache, metadata, cos_sin)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
 class CausalLM(nn.Module):
-    """Llama-shaped causal LM. Subclasses choose the architecture's ``spec``."""
+    """Llama-shaped causal LM. Subclasses choose the architecture's ``spec``; ``ops`` are the
+    kernels it calls (the registry's choice for the device)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"only the silu activation is supported, got {config.hidden_act!r}")
         self.config = config
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = self.config_head_dim(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = DecoderModel(config, self.spec(config), self.head_dim)
+        self.model = DecoderModel(config, self.spec(config), self.head_dim, ops)
         # Tied: the logits reuse the embedding matrix, there is no separate lm_head.
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False
         )
         self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
+
+    @staticmethod
+    def config_head_dim(config: Any) -> int:
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    @classmethod
+    def kernel_shapes(cls, config: Any, block_size: int = 16) -> ModelShapes:
+        """What this model's kernels will see, for the kernel registry's probes."""
+        head_dim = cls.config_head_dim(config)
+        return ModelShapes(
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            rotary_dim=rotary_dim(config, head_dim),
+            rope_is_neox=cls.spec(config).rope_is_neox,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            block_size=block_size,
+            rms_norm_eps=config.rms_norm_eps,
+        )
 
     @staticmethod
     def spec(config: Any) -> DecoderSpec:

@@ -1,25 +1,27 @@
 """Building blocks shared by every decoder model: norms, fused projections, paged attention, MLP.
 
-Kernels are looked up on the ``kernels`` module at call time, so a platform can swap them.
+Each block calls the kernels it is given at construction (``KernelOps``, the kernel registry's
+choice for the worker's device; the pure-torch reference by default).
 """
 
 import torch
 from torch import nn
 
-import kernels
 from engines.attention_metadata import AttentionMetadata
+from kernels.ops import REFERENCE_OPS, KernelOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps = REFERENCE_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.rms_norm = ops.rms_norm
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return self.rms_norm(x, self.weight, self.eps, residual)
 
 
 class MergedLinear(nn.Linear):
@@ -46,28 +48,28 @@ class Attention(nn.Module):
         o_bias: bool,
         qk_norm_eps: float | None,
         rope_is_neox: bool,
+        ops: KernelOps = REFERENCE_OPS,
     ) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         self.rope_is_neox = rope_is_neox
         self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, ops) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, ops) if qk_norm_eps is not None else None
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
-        cos_sin: torch.Tensor | None = None,
+        cos_sin: torch.Tensor,
     ) -> torch.Tensor:
-        """``cos_sin``: the step's ``kernels.rotary_cos_sin``, built once for all layers."""
+        """``cos_sin``: the step's ``ops.rotary_cos_sin``, built once for all layers."""
         num_tokens = hidden.shape[0]
         # qkv: [T, (H + 2 * KVH) * D]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -76,8 +78,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache, self.rope_is_neox, cos_sin)
-        kernels.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        q, k = self.ops.rotary_embedding(q, k, cos_sin, self.rope_is_neox)
+        self.ops.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = self._attend(q, key_cache, value_cache, metadata)  # [T, H, D]
         return self.o_proj(out.view(num_tokens, self.q_size))
 
@@ -86,19 +88,19 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_decode = metadata.num_decode_seqs
         if not metadata.num_prefill_seqs:  # a pure decode step: no slicing
-            return kernels.paged_decode_attention(
+            return self.ops.paged_decode_attention(
                 q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, self.scale,
-                gather=metadata.decode_gather,
+                metadata.decode_gather,
             )
-        prefill = kernels.paged_prefill_attention(
+        prefill = self.ops.paged_prefill_attention(
             q[num_decode:], key_cache, value_cache, metadata.block_tables[num_decode:],
             metadata.prefill_query_start_loc, metadata.prefill_seq_lens, self.scale,
         )
         if not num_decode:
             return prefill
-        decode = kernels.paged_decode_attention(
+        decode = self.ops.paged_decode_attention(
             q[:num_decode], key_cache, value_cache, metadata.block_tables[:num_decode],
-            metadata.seq_lens[:num_decode], self.scale, gather=metadata.decode_gather,
+            metadata.seq_lens[:num_decode], self.scale, metadata.decode_gather,
         )
         return torch.cat((decode, prefill), dim=0)
 
@@ -106,10 +108,11 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up fused into one projection."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops: KernelOps = REFERENCE_OPS) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.silu_and_mul = ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))

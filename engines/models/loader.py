@@ -3,7 +3,7 @@
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -12,16 +12,22 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from engines.models import MODEL_REGISTRY
+from kernels.ops import REFERENCE_OPS, KernelOps
+from kernels.probes import ModelShapes
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def load_model(
-    path: str, dtype: torch.dtype | None, device: torch.device
+    path: str,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    choose_ops: Callable[[ModelShapes, torch.dtype], KernelOps] | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Load the model at ``path`` onto ``device`` in ``dtype`` (None: the config's dtype, else
-    float32), in eval mode without gradients. Raises ValueError for an unsupported architecture
-    or dtype and for missing or mismatched weights."""
+    float32), in eval mode without gradients. ``choose_ops`` picks the kernels for the model's
+    shapes and dtype (the worker's kernel registry); None: the reference kernels. Raises
+    ValueError for an unsupported architecture or dtype and for missing or mismatched weights."""
     config = AutoConfig.from_pretrained(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture not in MODEL_REGISTRY:
@@ -31,9 +37,11 @@ def load_model(
     dtype = dtype or _config_dtype(config)
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
+    model_cls = MODEL_REGISTRY[architecture]
+    ops = REFERENCE_OPS if choose_ops is None else choose_ops(model_cls.kernel_shapes(config), dtype)
     # Build on the meta device, then allocate once on the target: no random init, no second copy.
     with torch.device("meta"):
-        model = MODEL_REGISTRY[architecture](config)
+        model = model_cls(config, ops)
     model = model.to(dtype=dtype).to_empty(device=torch.device(device))
     model.load_weights(_iter_safetensors(path))
     model.reset_buffers()

@@ -1,25 +1,22 @@
-"""POST /v1/chat/completions: validate -> template + tokenize -> route -> stream or collect."""
+"""POST /v1/chat/completions: the messages through the chat template, then the shared handler."""
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from server import responses
 from server.chat_template import chat_prompt_ids
-from server.generation import Generation
+from server.generation import Delta, Generation
+from server.limits import cap_max_tokens, check_chat
 from server.protocol import ChatCompletionRequest
-from server.routes.common import (
-    ClientDisconnected,
-    collect,
-    log_fields,
-    max_tokens_for,
-    new_request_id,
-    run_until_disconnect,
-    sse_response,
-)
+from server.responses import TokenTexts
+from server.routes.common import max_tokens_for, new_request_id
+from server.routes.generate import GenerationGroup, respond
+from server.routes.prompt import route_encoded
 
 router = APIRouter()
 
@@ -28,72 +25,65 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     body.check()
     state = request.app.state
-    pool, worker = state.router.route(body.model, body.n)
-    prompt_ids = chat_prompt_ids(pool.tokenizer, body)
-    max_model_len = int(worker.info["max_model_len"])
-    max_tokens = max_tokens_for(
-        len(prompt_ids), body.requested_max_tokens, max_model_len, prompt_param="messages",
+    check_chat(body, state.config.limits)
+    pool, worker, prompt_ids = await route_encoded(
+        state.router, body.model, body.n, lambda p: chat_prompt_ids(p.tokenizer, body)
+    )
+    max_tokens = cap_max_tokens(max_tokens_for(
+        len(prompt_ids), body.requested_max_tokens, int(worker.info["max_model_len"]), prompt_param="messages",
         param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
-    )
+    ), state.config.limits)
+    request_id = new_request_id("chatcmpl")
     gen = Generation(
-        worker,
-        new_request_id(request, "chatcmpl"),
-        prompt_ids,
-        body.sampling_kwargs(max_tokens, body.num_logprobs),
-        pool.tokenizer,
-        stop=body.stop_list,
-        skip_special_tokens=body.skip_special_tokens,
-        timeout_s=state.config.server.request_timeout_s,
+        worker, request_id, prompt_ids, body.sampling_params(max_tokens, body.num_logprobs), pool.tokenizer,
+        timeout_s=state.config.server.request_timeout_s, retry=partial(state.router.replacement, pool),
     )
-    texts = pool.token_texts
-    created = int(time.time())
-    gen.start()
-    try:
-        if body.stream:
-            # Wait for the first tokens so that an error still gets a real HTTP status.
-            first = await run_until_disconnect(request, gen.next_deltas())
-            return sse_response(request, gen, _frames(gen, body, pool.name, created, first, texts), state.metrics)
-        await run_until_disconnect(request, collect(gen))
-    except ClientDisconnected:
-        gen.abort()
-        log_fields(request, gen, "disconnected")
-        return Response(status_code=499)
-    except BaseException:
-        gen.abort()
-        raise
-    log_fields(request, gen, "ok")
-    state.metrics.observe(gen, time.perf_counter())
-    choices = [
-        responses.chat_choice(
-            i, c.text, c.finish_reason,
-            responses.chat_logprobs(c.token_ids, c.logprobs, texts, body.top_logprobs or 0),
-        )
-        for i, c in enumerate(gen.choices)
-    ]
-    usage = responses.usage(gen.prompt_tokens, gen.completion_tokens)
-    return JSONResponse(responses.chat_completion(gen.request_id, created, pool.name, choices, usage))
+    view = _ChatView(body, pool.name, pool.token_texts)
+    return await respond(request, GenerationGroup(request_id, [gen]), bool(body.stream), view.frames, view.body)
 
 
-async def _frames(
-    gen: Generation, body: ChatCompletionRequest, model: str, created: int, first: list, texts: Any
-) -> AsyncIterator[dict[str, Any]]:
-    with_usage = body.include_usage
-    top = body.top_logprobs or 0
+class _ChatView:
+    """How a chat answer looks: a message per choice, or chunks with deltas."""
 
-    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return responses.chat_chunk(gen.request_id, created, model, choices, with_usage=with_usage)
+    def __init__(self, body: ChatCompletionRequest, model: str, texts: TokenTexts) -> None:
+        self.model, self.texts = model, texts
+        self.top = body.top_logprobs or 0
+        self.with_usage = body.include_usage
+        self.created = int(time.time())
 
-    # The first delta of every choice carries the role, as OpenAI's do.
-    for i in range(len(gen.choices)):
-        yield chunk([responses.chunk_choice(i, {"role": "assistant", "content": ""})])
-    deltas = first
-    while deltas:
-        for d in deltas:
-            logprobs = responses.chat_logprobs(d.token_ids, d.logprobs, texts, top)
-            if d.text or d.finish_reason is not None or logprobs is not None:
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                yield chunk([responses.chunk_choice(d.index, delta, d.finish_reason, logprobs)])
-        deltas = await gen.next_deltas()
-    if with_usage:
-        usage = responses.usage(gen.prompt_tokens, gen.completion_tokens)
-        yield responses.chat_chunk(gen.request_id, created, model, [], with_usage=True, usage_=usage)
+    def body(self, group: GenerationGroup) -> dict[str, Any]:
+        (gen,) = group.gens
+        choices = [
+            responses.chat_choice(
+                i, c.text, c.finish_reason, responses.chat_logprobs(c.token_ids, c.logprobs, self.texts, self.top),
+            )
+            for i, c in enumerate(gen.choices)
+        ]
+        usage = responses.usage(group.prompt_tokens, group.completion_tokens)
+        return responses.chat_completion(group.request_id, self.created, self.model, choices, usage)
+
+    async def frames(self, group: GenerationGroup, firsts: list[list[Delta]]) -> AsyncIterator[dict[str, Any]]:
+        (gen,) = group.gens
+        # The first delta of every choice carries the role, as OpenAI's do.
+        for i in range(len(gen.choices)):
+            yield self._chunk(group, [responses.chunk_choice(i, {"role": "assistant", "content": ""})])
+        for d in firsts[0]:
+            if (chunk := self._delta_chunk(group, d)) is not None:
+                yield chunk
+        async for _, deltas in group.merged():
+            for d in deltas:
+                if (chunk := self._delta_chunk(group, d)) is not None:
+                    yield chunk
+        if self.with_usage:
+            usage = responses.usage(group.prompt_tokens, group.completion_tokens)
+            yield responses.chat_chunk(group.request_id, self.created, self.model, [], with_usage=True, usage_=usage)
+
+    def _chunk(self, group: GenerationGroup, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return responses.chat_chunk(group.request_id, self.created, self.model, choices, with_usage=self.with_usage)
+
+    def _delta_chunk(self, group: GenerationGroup, d: Delta) -> dict[str, Any] | None:
+        logprobs = responses.chat_logprobs(d.token_ids, d.logprobs, self.texts, self.top)
+        if not d.text and d.finish_reason is None and logprobs is None:
+            return None
+        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+        return self._chunk(group, [responses.chunk_choice(d.index, delta, d.finish_reason, logprobs)])

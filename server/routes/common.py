@@ -12,7 +12,6 @@ from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
 from server.errors import APIError, error_body
-from server.generation import Generation
 
 logger = logging.getLogger("xinserve.server")
 
@@ -23,9 +22,11 @@ class ClientDisconnected(Exception):
     """The client went away before the response was ready."""
 
 
-def new_request_id(request: Request, prefix: str) -> str:
-    base = getattr(request.state, "request_id", None) or uuid.uuid4().hex
-    return f"{prefix}-{base}"
+def new_request_id(prefix: str) -> str:
+    """A fresh id for the response and the engine. Never the client's ``X-Request-Id``: two
+    requests may send the same one, and the engine needs each id to be unique (the header is for
+    logs and the response header)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def dumps(obj: Any) -> str:
@@ -83,17 +84,13 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
-async def collect(gen: Generation) -> None:
-    while not gen.done:
-        await gen.next_deltas()
-
-
 def log_fields(request: Request, gen: Any, status: str) -> None:
     """Fill in the fields of the request's log line (written by the request-log middleware).
 
-    ``gen`` is a Generation, or anything with its ``worker`` and token counts (several prompts).
+    ``gen``: a ``GenerationGroup`` (its request id, worker and token counts).
     """
     request.state.log = {
+        "id": gen.request_id,
         "model": gen.worker.model_name,
         "worker": gen.worker.label,
         "prompt_tokens": gen.prompt_tokens,
@@ -126,8 +123,7 @@ def sse_response(
 ) -> EventSourceResponse:
     """Stream ``frames`` as ``data: {json}`` events ending with ``data: [DONE]``.
 
-    ``gen`` is what ``log_fields`` takes, with ``request_id`` and ``abort()``; ``metrics`` has
-    ``observe(gen, end)``.
+    ``gen``: a ``GenerationGroup`` (``request_id``, ``abort()``, ``observe(metrics, end)``).
 
     An error after the first frame is sent as an error frame (OpenAI's envelope), then [DONE].
     A disconnect cancels the generator; its ``finally`` aborts the request in the worker.
@@ -149,7 +145,7 @@ def sse_response(
         finally:
             gen.abort()
             log_fields(request, gen, status)
-            metrics.observe(gen, time.perf_counter())
+            gen.observe(metrics, time.perf_counter())
         yield b"data: [DONE]\n\n"
 
     return _EventStream(events(), sep="\n", ping=15, headers={"Cache-Control": "no-cache"})

@@ -1,26 +1,22 @@
-"""POST /v1/completions: one engine request per prompt; choice index = prompt_index * n + i."""
+"""POST /v1/completions: one engine request per prompt, then the shared handler."""
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from server import responses
 from server.errors import APIError
 from server.generation import Delta, Generation
+from server.limits import cap_max_tokens, check_completion
 from server.protocol import CompletionRequest
 from server.responses import TokenTexts
-from server.routes.common import (
-    ClientDisconnected,
-    log_fields,
-    max_tokens_for,
-    new_request_id,
-    run_until_disconnect,
-    sse_response,
-)
+from server.routes.common import max_tokens_for, new_request_id
+from server.routes.generate import GenerationGroup, respond
+from server.routes.prompt import route_encoded
 
 router = APIRouter()
 
@@ -35,140 +31,80 @@ def _prompt_ids(tokenizer: Any, prompt: str | list[int], vocab_size: int) -> lis
     return prompt
 
 
-async def _merged(gens: list[Generation]) -> AsyncIterator[tuple[int, list[Delta]]]:
-    """Deltas of several generations as they come, tagged with the generation's position."""
-    pending = {asyncio.ensure_future(g.next_deltas()): i for i, g in enumerate(gens) if not g.done}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                i = pending.pop(task)
-                yield i, task.result()
-                if not gens[i].done:
-                    pending[asyncio.ensure_future(gens[i].next_deltas())] = i
-    finally:
-        for task in pending:
-            task.cancel()
-
-
-class _Combined:
-    """Several generations seen as one for logging and metrics (first one's worker and timings)."""
-
-    def __init__(self, gens: list[Generation]) -> None:
-        self.gens = gens
-        self.request_id = gens[0].request_id
-        self.worker = gens[0].worker
-
-    def abort(self) -> None:
-        for g in self.gens:
-            g.abort()
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(g.prompt_tokens for g in self.gens)
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(g.completion_tokens for g in self.gens)
-
-
-class _AllMetrics:
-    def __init__(self, metrics: Any) -> None:
-        self.metrics = metrics
-
-    def observe(self, combined: _Combined, end: float) -> None:
-        for g in combined.gens:
-            self.metrics.observe(g, end)
-
-
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     body.check()
     state = request.app.state
+    check_completion(body, state.config.limits)
     prompts = body.prompts()
-    pool, worker = state.router.route(body.model, body.n * len(prompts))
+    pool, worker, prompt_ids = await route_encoded(
+        state.router, body.model, body.n * len(prompts),
+        lambda p: [_prompt_ids(p.tokenizer, prompt, len(p.tokenizer)) for prompt in prompts],
+    )
     tokenizer = pool.tokenizer
     max_model_len = int(worker.info["max_model_len"])
     texts: TokenTexts = pool.token_texts
-    request_id = new_request_id(request, "cmpl")
+    request_id = new_request_id("cmpl")
     gens, echoes = [], []
-    for k, prompt in enumerate(prompts):
-        ids = _prompt_ids(tokenizer, prompt, len(tokenizer))
-        max_tokens = max_tokens_for(len(ids), body.max_tokens, max_model_len, prompt_param="prompt",
-                                    param="max_tokens")
+    for k, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+        max_tokens = cap_max_tokens(max_tokens_for(len(ids), body.max_tokens, max_model_len,
+                                                   prompt_param="prompt", param="max_tokens"), state.config.limits)
         gens.append(Generation(
             worker,
             request_id if len(prompts) == 1 else f"{request_id}-{k}",
             ids,
-            body.sampling_kwargs(max_tokens, body.logprobs),
+            body.sampling_params(max_tokens, body.logprobs),
             tokenizer,
-            stop=body.stop_list,
-            skip_special_tokens=body.skip_special_tokens,
             timeout_s=state.config.server.request_timeout_s,
+            retry=partial(state.router.replacement, pool),
         ))
         echoes.append((prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if body.echo else "")
-    combined = _Combined(gens)
-    created = int(time.time())
-    for g in gens:
-        g.start()
-    try:
-        # Streams wait for every prompt's first tokens, so errors still get a real HTTP status.
-        firsts = await run_until_disconnect(request, asyncio.gather(*(g.next_deltas() for g in gens)))
-        if body.stream:
-            frames = _frames(gens, body, pool.name, request_id, created, firsts, echoes, texts)
-            return sse_response(request, combined, frames, _AllMetrics(state.metrics))
-        await run_until_disconnect(request, _collect_all(gens))
-    except ClientDisconnected:
-        combined.abort()
-        log_fields(request, combined, "disconnected")
-        return Response(status_code=499)
-    except BaseException:
-        combined.abort()
-        raise
-    log_fields(request, combined, "ok")
-    end = time.perf_counter()
-    for g in gens:
-        state.metrics.observe(g, end)
-    choices = []
-    for k, g in enumerate(gens):
-        for i, c in enumerate(g.choices):
-            logprobs = responses.completion_logprobs(c.token_ids, c.logprobs, texts, len(echoes[k]))
-            choices.append(responses.completion_choice(k * body.n + i, echoes[k] + c.text, c.finish_reason,
-                                                       logprobs))
-    usage = responses.usage(combined.prompt_tokens, combined.completion_tokens)
-    return JSONResponse(responses.completion(request_id, created, pool.name, choices, usage))
+    view = _CompletionView(body, pool.name, request_id, echoes, texts)
+    return await respond(request, GenerationGroup(request_id, gens), bool(body.stream), view.frames, view.body)
 
 
-async def _collect_all(gens: list[Generation]) -> None:
-    async for _ in _merged(gens):
-        pass
+class _CompletionView:
+    """How a completions answer looks: choice index = prompt_index * n + i; echo; legacy log-probs."""
 
+    def __init__(self, body: CompletionRequest, model: str, request_id: str, echoes: list[str],
+                 texts: TokenTexts) -> None:
+        self.n, self.model, self.request_id = body.n, model, request_id
+        self.echoes, self.texts = echoes, texts
+        self.with_usage = body.include_usage
+        self.created = int(time.time())
 
-async def _frames(
-    gens: list[Generation], body: CompletionRequest, model: str, request_id: str, created: int,
-    firsts: list[list[Delta]], echoes: list[str], texts: TokenTexts,
-) -> AsyncIterator[dict[str, Any]]:
-    n = body.n
-    offsets = [[len(echoes[k])] * n for k in range(len(gens))]
+    def body(self, group: GenerationGroup) -> dict[str, Any]:
+        choices = []
+        for k, g in enumerate(group.gens):
+            echo = self.echoes[k]
+            for i, c in enumerate(g.choices):
+                logprobs = responses.completion_logprobs(c.token_ids, c.logprobs, self.texts, len(echo))
+                choices.append(responses.completion_choice(k * self.n + i, echo + c.text, c.finish_reason, logprobs))
+        usage = responses.usage(group.prompt_tokens, group.completion_tokens)
+        return responses.completion(self.request_id, self.created, self.model, choices, usage)
 
-    def frame(k: int, d: Delta, prefix: str) -> dict[str, Any]:
-        logprobs = responses.completion_logprobs(d.token_ids, d.logprobs, texts, offsets[k][d.index])
-        offsets[k][d.index] += len(d.text)
-        choice = responses.completion_choice(k * n + d.index, prefix + d.text, d.finish_reason, logprobs)
-        return responses.completion(request_id, created, model, [choice], None)
+    async def frames(self, group: GenerationGroup, firsts: list[list[Delta]]) -> AsyncIterator[dict[str, Any]]:
+        n, echoes = self.n, self.echoes
+        offsets = [[len(echoes[k])] * n for k in range(len(group.gens))]
 
-    for k, deltas in enumerate(firsts):
-        echoed = set()
-        for d in deltas:
-            yield frame(k, d, echoes[k])
-            echoed.add(d.index)
-        for i in range(n):  # a choice with no first delta yet still echoes first
-            if echoes[k] and i not in echoed:
-                yield responses.completion(request_id, created, model,
-                                           [responses.completion_choice(k * n + i, echoes[k], None, None)], None)
-    async for k, deltas in _merged(gens):
-        for d in deltas:
-            yield frame(k, d, "")
-    if body.include_usage:
-        usage = responses.usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens))
-        yield responses.completion(request_id, created, model, [], usage)
+        def frame(k: int, d: Delta, prefix: str) -> dict[str, Any]:
+            logprobs = responses.completion_logprobs(d.token_ids, d.logprobs, self.texts, offsets[k][d.index])
+            offsets[k][d.index] += len(d.text)
+            choice = responses.completion_choice(k * n + d.index, prefix + d.text, d.finish_reason, logprobs)
+            return responses.completion(self.request_id, self.created, self.model, [choice], None)
+
+        for k, deltas in enumerate(firsts):
+            echoed = set()
+            for d in deltas:
+                yield frame(k, d, echoes[k])
+                echoed.add(d.index)
+            for i in range(n):  # a choice with no first delta yet still echoes first
+                if echoes[k] and i not in echoed:
+                    choice = responses.completion_choice(k * n + i, echoes[k], None, None)
+                    yield responses.completion(self.request_id, self.created, self.model, [choice], None)
+        async for k, deltas in group.merged():
+            for d in deltas:
+                yield frame(k, d, "")
+        if self.with_usage:
+            usage = responses.usage(group.prompt_tokens, group.completion_tokens)
+            yield responses.completion(self.request_id, self.created, self.model, [], usage)

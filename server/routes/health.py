@@ -1,24 +1,57 @@
-"""GET /health: 200 when every worker is ready, else 503 with each worker's state and last error.
+"""GET /health (readiness: can this server answer requests?) and GET /health/live (liveness).
 
-It reads only state the HTTP process already holds, so a busy or hung worker cannot block it.
+``/health`` is 200 "ok" when every worker is ready; 200 "degraded" when some are not but every model
+can still answer, itself or through its fallback chain; 503 "unavailable" when some model cannot
+(also while models load); 503 "draining" during shutdown. It carries each model's state and each
+worker's state, load, restarts and last error. ``/health/live`` is 200 whenever the HTTP process
+answers at all: a dead worker is restarted by the server itself, so an orchestrator should restart
+the server only when this fails.
+
+Both read only state the HTTP process already holds, so a busy or hung worker cannot block them.
 """
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from server.router import Router
+
 router = APIRouter()
+
+
+def model_state(models: Router, name: str) -> str:
+    """"ready" (every worker), "degraded" (some), "fallback" (none, a fallback answers), "unavailable"."""
+    pool = models.pools[name]
+    ready = len(pool.ready_workers())
+    if ready:
+        return "ready" if ready == len(pool.workers) else "degraded"
+    if any(p.ready_workers() for p in models.chain(name)[1:]):
+        return "fallback"
+    return "unavailable"
 
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    pools = request.app.state.router.pools.values()
-    workers = [w.describe() for pool in pools for w in pool.workers]
+    state = request.app.state
+    pools = state.router.pools.values()
+    models = {name: model_state(state.router, name) for name in state.router.pools}
+    if state.drain.draining:
+        status = "draining"
+    elif all(s == "ready" for s in models.values()):
+        status = "ok"
+    elif "unavailable" in models.values():
+        status = "unavailable"
+    else:
+        status = "degraded"
+    body = {"status": status, "models": models, "workers": [w.describe() for pool in pools for w in pool.workers]}
     problems = [pool.error for pool in pools if pool.error]
-    tokenizers_loading = [pool.name for pool in pools if pool.tokenizer is None and not pool.error]
-    ok = not problems and not tokenizers_loading and all(w["state"] == "ready" for w in workers)
-    body = {"status": "ok" if ok else "unavailable", "workers": workers}
     if problems:
         body["errors"] = problems
+    tokenizers_loading = [pool.name for pool in pools if pool.tokenizer is None and not pool.error]
     if tokenizers_loading:
         body["loading_tokenizers"] = tokenizers_loading
-    return JSONResponse(body, status_code=200 if ok else 503)
+    return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
+
+
+@router.get("/health/live")
+async def live() -> dict[str, str]:
+    return {"status": "alive"}

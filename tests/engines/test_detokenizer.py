@@ -57,3 +57,27 @@ def test_real_sentencepiece_tokenizer_keeps_leading_space(stories_dir):
     detok = IncrementalDetokenizer(tok, prompt)
     out, _ = stream(detok, ids)
     assert out + detok.flush() == " there was a dog"
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    ids = tokenizer.encode("on the cat sat on the mat", add_special_tokens=False)
+    early = len(tokenizer.encode("on the", add_special_tokens=False))
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["on the"], min_tokens=early + 1)
+    out, stopped = stream(detok, ids)
+    assert stopped and out == "on the cat sat "  # the first "on the" came before min_tokens
+
+
+def test_stop_string_kept_when_asked(tokenizer):
+    ids = tokenizer.encode("The cat sat on the mat.", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["on the"], include_stop_str_in_output=True)
+    out, stopped = stream(detok, ids)
+    assert stopped and out == "The cat sat on the"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_is_left_out_unless_asked(tokenizer, include):
+    ids = tokenizer.encode("The cat sat", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], include_stop_str_in_output=include)
+    out, _ = detok.add(ids[:-1])
+    last, _ = detok.add(ids[-1:], ends_with_stop_token=True)
+    assert out + last + detok.flush() == ("The cat sat" if include else tokenizer.decode(ids[:-1]))

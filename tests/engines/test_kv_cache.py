@@ -102,3 +102,16 @@ def test_child_shares_parent_prompt_blocks():
     bm.free(parent)
     bm.free(child)
     assert bm.num_free_blocks == 8
+
+
+def test_preempted_child_adopts_only_the_parents_prompt_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    parent = make_seq(list(range(10)), 0)
+    admit(bm, parent)
+    parent.token_ids += [100, 101, 102, 103, 104, 105]  # the parent's own outputs: 16 tokens
+    bm.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 16
+    # A child re-admitted after preemption with outputs of its own (different from the parent's).
+    child = Sequence(1, "r0", list(range(10)), SamplingParams(), index=1, parent=parent)
+    child.token_ids += [200, 201, 202, 203, 204]
+    assert bm.computed_blocks(child) == parent.block_table[:2]  # 8 prompt tokens, none of 100..105

@@ -124,3 +124,19 @@ def test_first_token_logprobs_match_prefill_logits(model_dir, reference):
     assert lp.top_token_ids == top.indices.tolist()
     assert torch.allclose(torch.tensor(lp.top_logprobs), top.values, atol=1e-4)
     assert abs(lp.logprob - expected[out.token_ids[0]].item()) < 1e-4
+
+
+def test_seeded_n4_sampling_is_the_same_with_preemption(model_dir, reference):
+    """Extra choices that are preempted resume on their own context, not on another choice's."""
+    prompts = random_prompts(3, reference.vocab_size, seed=8, lengths=(9, 14))
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    ample = LLM(model_dir, num_kv_blocks=256, block_size=4).generate(prompts, params)
+    tight = LLM(model_dir, num_kv_blocks=20, block_size=4)
+    squeezed = tight.generate(prompts, params)
+    assert tight.engine.stats().num_preemptions_total > 0
+    for a, b in zip(ample, squeezed):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        for ca, cb in zip(a.outputs, b.outputs):
+            assert [lp.logprob for lp in ca.logprobs] == pytest.approx([lp.logprob for lp in cb.logprobs],
+                                                                      abs=1e-4)
+    assert_all_blocks_free(tight)

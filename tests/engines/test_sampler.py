@@ -268,3 +268,12 @@ def test_suppressed_tokens_are_never_chosen() -> None:
     tokens = Sampler()(flat, [make_row(suppress=banned) for _ in range(2000)]).token_ids
     assert not set(tokens.tolist()) & set(banned)
     assert len(set(tokens.tolist())) == VOCAB - len(banned)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-6])
+def test_vanishing_temperature_is_greedy(temperature: float) -> None:
+    logits = random_logits(3, seed=9)
+    rows = [make_row(temperature=temperature), make_row(temperature=1.0, seed=1), make_row(temperature=0)]
+    tokens = Sampler()(logits, rows).token_ids
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+    assert rows[0].params.greedy and not rows[1].params.greedy

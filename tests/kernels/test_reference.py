@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from engines.attention_metadata import DecodeGather, build_decode_gather
 from kernels import reference as ref
 
 NUM_BLOCKS, BLOCK_SIZE, KVH, H, D = 24, 4, 2, 6, 8  # GQA: 3 query heads per KV head
@@ -62,6 +63,12 @@ def test_write_kv_into_a_layer_view_of_the_shared_cache() -> None:
     assert float(kv_cache.sum()) == float(key.sum() + value.sum())
 
 
+def decode(query, key_cache, value_cache, tables, lens, scale):
+    """The reference decode with the runner's gather plan built from host copies."""
+    gather = build_decode_gather(tables.numpy(), lens.numpy(), key_cache.shape[1], torch.device("cpu"))
+    return ref.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, gather)
+
+
 def test_paged_decode_attention_mixed_lengths_gqa_scrambled_blocks() -> None:
     torch.manual_seed(1)
     seq_lens = [1, 7, 13]
@@ -71,9 +78,8 @@ def test_paged_decode_attention_mixed_lengths_gqa_scrambled_blocks() -> None:
     key_cache, value_cache = fill_paged(keys, block_ids), fill_paged(values, block_ids)
     query = torch.randn(len(seq_lens), H, D)
     scale = D**-0.5
-    out = ref.paged_decode_attention(
-        query, key_cache, value_cache, block_table(block_ids), torch.tensor(seq_lens, dtype=torch.int32), scale
-    )
+    out = decode(query, key_cache, value_cache, block_table(block_ids), torch.tensor(seq_lens, dtype=torch.int32),
+                 scale)
     assert out.shape == (len(seq_lens), H, D)
     for i in range(len(seq_lens)):
         expected = naive_attention(query[i : i + 1], keys[i], values[i], scale)
@@ -81,23 +87,22 @@ def test_paged_decode_attention_mixed_lengths_gqa_scrambled_blocks() -> None:
 
 
 @pytest.mark.parametrize("seq_lens", [[7, 13, 2], [9, 9, 9]])
-def test_paged_decode_attention_with_a_precomputed_gather(seq_lens: list[int]) -> None:
-    """The runner's plan (only the blocks the longest context needs, no mask when all lengths are
-    equal) gives what the kernel derives itself from the padded block table."""
+def test_gather_plan_needs_only_the_longest_context(seq_lens: list[int]) -> None:
+    """The plan gathers only the blocks the longest context needs (the table is padded wider), with
+    no mask when all lengths are equal, and gives the same attention as a plan over every block."""
     torch.manual_seed(8)
     block_ids = [[5, 19, 3, 0], [8, 22, 1, 14], [11, 0, 0, 0]]  # padded wider than any context needs
     key_cache, value_cache = (torch.randn(NUM_BLOCKS, BLOCK_SIZE, KVH, D) for _ in range(2))
     query = torch.randn(len(seq_lens), H, D)
     tables, lens = block_table(block_ids), torch.tensor(seq_lens, dtype=torch.int32)
-    expected = ref.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.4)
-    context_len = max(seq_lens)
-    needed = -(-context_len // BLOCK_SIZE)
-    mask = None
-    if min(seq_lens) < context_len:
-        mask = (torch.arange(context_len)[None, :] < lens[:, None]).view(len(seq_lens), 1, 1, context_len)
-    gather = ref.DecodeGather(tables[:, :needed].reshape(-1).long(), context_len, mask)
-    # block_tables and seq_lens are not read when a plan is given
-    out = ref.paged_decode_attention(query, key_cache, value_cache, tables[:, :0], lens[:0], 0.4, gather)
+    plan = build_decode_gather(tables.numpy(), lens.numpy(), BLOCK_SIZE, torch.device("cpu"))
+    assert plan.block_ids.numel() == len(seq_lens) * -(-max(seq_lens) // BLOCK_SIZE)
+    assert (plan.mask is None) == (len(set(seq_lens)) == 1)
+    width = tables.shape[1] * BLOCK_SIZE
+    full_mask = (torch.arange(width)[None, :] < lens[:, None]).view(len(seq_lens), 1, 1, width)
+    full = DecodeGather(tables.reshape(-1).long(), width, full_mask)
+    expected = ref.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.4, full)
+    out = ref.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.4, plan)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
@@ -132,9 +137,9 @@ def test_decode_equals_last_row_of_prefill() -> None:
     key_cache, value_cache = fill_paged(keys, block_ids), fill_paged(values, block_ids)
     query = torch.randn(1, H, D)
     tables = block_table(block_ids)
-    decode = ref.paged_decode_attention(query, key_cache, value_cache, tables, torch.tensor([10]), 0.5)
+    decoded = decode(query, key_cache, value_cache, tables, torch.tensor([10]), 0.5)
     prefill = ref.paged_prefill_attention(query, key_cache, value_cache, tables, [0, 1], [10], 0.5)
-    torch.testing.assert_close(decode, prefill, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(decoded, prefill, atol=1e-6, rtol=1e-6)
 
 
 def test_rms_norm_plain_and_fused_residual() -> None:
@@ -190,7 +195,7 @@ def test_rotary_embedding_matches_complex_rotation(is_neox: bool, rotary_dim: in
     cache = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [64, rotary_dim]
     positions = torch.tensor([0, 3, 17, 63, 5])
     query, key = torch.randn(5, H, D), torch.randn(5, KVH, D)
-    q_out, k_out = ref.rotary_embedding(positions, query, key, cache, is_neox)
+    q_out, k_out = ref.rotary_embedding(query, key, ref.rotary_cos_sin(positions, cache, is_neox, query.dtype), is_neox)
     torch.testing.assert_close(q_out, naive_rope(query, positions, inv_freq, is_neox), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_out, naive_rope(key, positions, inv_freq, is_neox), atol=1e-5, rtol=1e-5)
     assert torch.equal(q_out[..., rotary_dim:], query[..., rotary_dim:])
@@ -199,19 +204,13 @@ def test_rotary_embedding_matches_complex_rotation(is_neox: bool, rotary_dim: in
 
 
 @pytest.mark.parametrize("is_neox", [True, False])
-@pytest.mark.parametrize("rotary_dim", [D, D // 2])
-def test_rotary_embedding_with_precomputed_cos_sin(is_neox: bool, rotary_dim: int) -> None:
-    torch.manual_seed(9)
-    cache = torch.randn(32, rotary_dim)
-    positions = torch.tensor([4, 0, 31])
-    query, key = torch.randn(3, H, D), torch.randn(3, KVH, D)
-    cos_sin = ref.rotary_cos_sin(positions, cache, is_neox, query.dtype)
-    assert cos_sin.shape == (2, 3, 1, rotary_dim)
-    expected = ref.rotary_embedding(positions, query, key, cache, is_neox)
-    # positions and the cache are not read when the step's table is given
-    got = ref.rotary_embedding(positions[:0], query, key, cache[:0], is_neox, cos_sin=cos_sin)
-    for e, g in zip(expected, got):
-        assert torch.equal(e, g)
+def test_rotary_table_layout(is_neox: bool) -> None:
+    cache = torch.randn(32, 8)
+    cos_sin = ref.rotary_cos_sin(torch.tensor([4, 0, 31]), cache, is_neox, torch.float32)
+    assert cos_sin.shape == (2, 3, 1, 8)
+    cos, sin = cache[4].chunk(2)
+    assert torch.equal(cos_sin[0, 0, 0], torch.cat((cos, cos)) if is_neox else cos.repeat_interleave(2))
+    assert torch.equal(cos_sin[1, 0, 0], torch.cat((-sin, sin)) if is_neox else torch.stack((-sin, sin), -1).flatten())
 
 
 def test_rotary_styles_differ() -> None:
@@ -219,8 +218,9 @@ def test_rotary_styles_differ() -> None:
     angles = torch.arange(8).float()[:, None] * torch.tensor([1.0, 0.1])[None, :]
     cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
     query, key = torch.randn(2, H, 4), torch.randn(2, KVH, 4)
-    neox, _ = ref.rotary_embedding(torch.tensor([3, 5]), query, key, cache, True)
-    interleaved, _ = ref.rotary_embedding(torch.tensor([3, 5]), query, key, cache, False)
+    positions = torch.tensor([3, 5])
+    neox, _ = ref.rotary_embedding(query, key, ref.rotary_cos_sin(positions, cache, True, query.dtype), True)
+    interleaved, _ = ref.rotary_embedding(query, key, ref.rotary_cos_sin(positions, cache, False, query.dtype), False)
     assert not torch.allclose(neox, interleaved)
 
 

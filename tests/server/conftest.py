@@ -61,9 +61,8 @@ class ServerProcess:
 
     @staticmethod
     def _settled(health: dict[str, Any], expect_status: int) -> bool:
-        if expect_status == 200:
-            return True
-        # Every worker has either come up or given up: no "starting" left.
+        # Every worker has either come up or given up: no "starting" left (200 comes as soon as one
+        # worker of each model is up, "degraded" while the others still load).
         return all(w["state"] != "starting" for w in health["workers"]) and not health.get("loading_tokenizers")
 
     def stop(self) -> None:

@@ -91,6 +91,8 @@ def test_health_is_open_and_reports_workers(server):
     body = r.json()
     assert body["status"] == "ok"
     assert [(w["model"], w["worker"], w["state"]) for w in body["workers"]] == [(MODEL, "cpu", "ready")]
+    kernels = body["workers"][0]["kernels"]  # the kernel registry's choice on the worker's device
+    assert kernels["decode_attention"] == {"chosen": "reference", "rejected": []}
 
 
 # ---------------------------------------------------------------- chat
@@ -106,7 +108,7 @@ def test_chat_non_stream(client, http, schemas):
     assert choice["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 8
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 8
-    assert raw.headers["x-request-id"] in body["id"]
+    assert body["id"].startswith("chatcmpl-") and raw.headers["x-request-id"]  # ids: made by the server
     # The SDK parses the same request, and greedy decoding repeats itself.
     sdk = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Tell me about the river."}], max_tokens=8,

@@ -43,6 +43,8 @@ def test_hybrid_mixes_devices():
     ({"models": [{"name": "a", "path": "/m", "max_num_seqs": 0}]}, "models.0.max_num_seqs"),
     ({"models": [{"name": "a", "path": "/m"}], "server": {"prot": 1}}, "server.prot"),
     ({"models": [{"name": "a", "path": "/m"}], "monitoring": {"metrics": "maybe"}}, "monitoring.metrics"),
+    ({"models": [{"name": "a", "path": "/m"}], "limits": {"max_body_byts": 1}}, "limits.max_body_byts"),
+    ({"models": [{"name": "a", "path": "/m"}], "limits": {"max_n": 0}}, "limits.max_n"),
     ({"models": [{"name": "a"}]}, "models.0.path"),
     ({"models": []}, "models"),
     ({"models": [{"name": "a", "path": "/m", "fallback": ["b"]}]}, "models.0.fallback"),

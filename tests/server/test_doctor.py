@@ -15,12 +15,17 @@ def test_report_names_what_is_missing_and_why():
             assert module in report[kind]["reason"]
     if not report["cuda"]["available"]:
         assert report["cuda"]["reason"]
-    assert "write_kv" in report["kernels"]
+    cpu_kernels = report["kernels"]["cpu"]
+    assert cpu_kernels["dtype"] == "float32"
+    assert {op: e["chosen"] for op, e in cpu_kernels["ops"].items()}["decode_attention"] == "reference"
 
 
 def test_cli_output(capsys):
     assert doctor.run(argparse.Namespace(json=False)) == 0
     out = capsys.readouterr().out
     assert out.startswith("cpu   :") and "workers you can configure: cpu" in out
+    assert "kernels on cpu (float32):" in out and "decode_attention" in out and "versions: torch 2." in out
     assert doctor.run(argparse.Namespace(json=True)) == 0
-    assert set(json.loads(capsys.readouterr().out)) == {"cpu", "cuda", "npu", "musa", "kernels"}
+    found = json.loads(capsys.readouterr().out)
+    assert set(found) == {"cpu", "cuda", "npu", "musa", "versions", "kernels"}
+    assert found["versions"]["torch"].startswith("2.") and {"torch_npu", "cann", "torch_musa"} <= set(found["versions"])

@@ -8,9 +8,10 @@ import asyncio
 
 import pytest
 
+from engines.outputs import StepOutput
+from engines.sampling_params import SamplingParams
 from server.errors import APIError
 from server.generation import Generation
-from server.ipc import TokenOutput
 from server.worker_client import RequestStream, WorkerError
 
 TEXT = "The river runs to the sea."
@@ -24,7 +25,7 @@ class RecordingWorker:
         self.stream: RequestStream | None = None
 
     def add(self, request_id, prompt_token_ids, params) -> RequestStream:
-        self.stream = RequestStream(request_id, params["n"])
+        self.stream = RequestStream(request_id, params.n)
         return self.stream
 
     def abort(self, request_id) -> None:
@@ -34,12 +35,12 @@ class RecordingWorker:
         self.calls.append(("abort_choice", request_id, index))
 
     def feed(self, index: int, tokens: list[int], finished: bool = False, reason: str | None = None) -> None:
-        self.stream.queue.put_nowait(TokenOutput("r", index, tokens, finished, reason, None))
+        self.stream.queue.put_nowait(StepOutput("r", index, tokens, finished, reason, None))
 
 
 def make(tok, n: int = 1, stop: list[str] | None = None, timeout_s: float = 60) -> tuple[Generation, RecordingWorker]:
     worker = RecordingWorker()
-    gen = Generation(worker, "r", [0], {"n": n}, tok, stop=stop or [], timeout_s=timeout_s)
+    gen = Generation(worker, "r", [0], SamplingParams(n=n, stop=stop or []), tok, timeout_s=timeout_s)
     gen.start()
     return gen, worker
 
@@ -91,12 +92,42 @@ def test_held_back_text_is_flushed_at_the_end(tiny_tokenizer):
         for t in ids[:-1]:
             worker.feed(0, [t])
         first = await gen.next_deltas()
-        worker.feed(0, [ids[-1]], finished=True, reason="stop")
+        worker.feed(0, [ids[-1]], finished=True, reason="length")
         return first, await drain(gen), gen
 
     first, rest, gen = asyncio.run(go())
     assert "".join(d.text for d in first) + "".join(rest) == "The river runs to the sea"
-    assert gen.choices[0].finish_reason == "stop"
+    assert gen.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_is_left_out_unless_asked(tiny_tokenizer, include):
+    """The engine's "stop" means its last token is EOS or a stop_token_ids hit."""
+    async def go():
+        worker = RecordingWorker()
+        params = SamplingParams(include_stop_str_in_output=include, skip_special_tokens=False)
+        gen = Generation(worker, "r", [0], params, tiny_tokenizer)
+        gen.start()
+        worker.feed(0, [*text_ids(tiny_tokenizer), tiny_tokenizer.eos_token_id], finished=True, reason="stop")
+        await drain(gen)
+        return gen
+
+    gen = asyncio.run(go())
+    assert gen.choices[0].text == TEXT + (tiny_tokenizer.eos_token if include else "")
+    assert gen.choices[0].token_ids[-1] == tiny_tokenizer.eos_token_id
+
+
+def test_stop_strings_wait_for_min_tokens(tiny_tokenizer):
+    async def go():
+        worker = RecordingWorker()
+        gen = Generation(worker, "r", [0], SamplingParams(min_tokens=4, stop=["river"]), tiny_tokenizer)
+        gen.start()
+        for t in tiny_tokenizer.encode("The river and the river", add_special_tokens=False):
+            worker.feed(0, [t])
+        await drain(gen)
+        return gen
+
+    assert asyncio.run(go()).choices[0].text == "The river and the "
 
 
 def test_n2_one_choice_stops_early_the_other_runs_on(tiny_tokenizer):

@@ -3,6 +3,7 @@
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.outputs import EngineStats
 from server.metrics import EngineStatsCollector, RequestMetrics
 
 DESIGN_NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
@@ -12,8 +13,9 @@ DESIGN_NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_
 
 
 class Worker:
-    def __init__(self, model, label, ready, stats):
+    def __init__(self, model, label, ready, stats, restarts=0):
         self.model_name, self.label, self.ready, self.stats = model, label, ready, stats
+        self.restarts = restarts
 
 
 class Pool:
@@ -44,9 +46,11 @@ def scrape(registry) -> dict[str, dict]:
 
 
 def test_every_design_metric_is_exported_with_model_and_worker_labels():
-    up = Worker("glm", "npu:0", True, {"num_running": 3, "num_waiting": 1, "kv_cache_usage": 0.25,
-                                       "generation_tokens_total": 99, "prompt_tokens_total": 7})
-    down = Worker("glm", "musa:0", False, {"num_running": 5, "generation_tokens_total": 4})
+    up = Worker("glm", "npu:0", True, EngineStats(num_running=3, num_waiting=1, kv_cache_usage=0.25,
+                                                  num_preemptions_total=0, prefix_cache_queries_total=0,
+                                                  prefix_cache_hits_total=0, prompt_tokens_total=7,
+                                                  generation_tokens_total=99))
+    down = Worker("glm", "musa:0", False, EngineStats(5, 0, 0.0, 0, 0, 0, 0, 4), restarts=2)
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector({"glm": Pool([up, down])}))
     metrics = RequestMetrics(registry)
@@ -65,3 +69,5 @@ def test_every_design_metric_is_exported_with_model_and_worker_labels():
     assert samples["xinserve:inter_token_latency_seconds_count"][("glm", "npu:0", None, None)] == 2
     assert samples["xinserve:e2e_request_latency_seconds_sum"][("glm", "npu:0", None, None)] == 1.0
     assert samples["xinserve:worker_ready"][("glm", "musa:0", None, None)] == 0
+    restarts = samples["xinserve:worker_restarts_total"]
+    assert restarts[("glm", "musa:0", None, None)] == 2 and restarts[("glm", "npu:0", None, None)] == 0

@@ -1,8 +1,9 @@
 """A config with one model on two CPU workers, a broken model and a broken one with a fallback.
 
 Pins: least-loaded routing over both workers, 429 when every queue is full, 503 for a model with no
-ready worker, the fallback chain, /health's 503 detail, and the mid-stream error frame (a request
-running past ``request_timeout_s``).
+ready worker, the fallback chain, /health's 503 detail (a model without a fallback is down, so the
+server is "unavailable"; the rescued one counts as answering), the mid-stream error frame (a
+request running past ``request_timeout_s``), and a killed worker coming back.
 """
 
 import asyncio
@@ -70,6 +71,7 @@ def test_health_reports_the_broken_model(server):
     states = {(w["model"], w["worker"]): w["state"] for w in body["workers"]}
     assert states == {("tiny2", "cpu#0"): "ready", ("tiny2", "cpu#1"): "ready",
                       ("broken", "cpu"): "failed", ("rescued", "cpu"): "failed"}
+    assert body["models"] == {"tiny2": "ready", "broken": "unavailable", "rescued": "fallback"}
     broken = next(w for w in body["workers"] if w["model"] == "broken")
     assert "/nonexistent/model" in broken["last_error"]
 
@@ -147,20 +149,29 @@ def test_concurrent_load_spreads_then_429_then_error_frame(server, schemas):
     assert short_chat(server).status_code == 200
 
 
-def test_dead_worker_is_reported_and_avoided(server):
+def test_dead_worker_is_reported_then_restarted(server):
     # Destructive, so it runs last: kill one worker outright, as an OOM killer would.
     victim = next(w for w in health(server)["workers"] if w["worker"] == "cpu#1")
     os.kill(victim["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        dead = next(w for w in health(server)["workers"] if w["worker"] == "cpu#1")
-        if dead["state"] == "dead" and "code" in dead["last_error"]:
+        body = health(server)
+        dead = next(w for w in body["workers"] if w["worker"] == "cpu#1")
+        if dead["state"] != "ready":
             break
         time.sleep(0.1)
-    assert dead["state"] == "dead" and dead["last_error"].endswith("code -9")
+    assert dead["state"] in ("dead", "starting") and body["models"]["tiny2"] == "degraded"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        back = next(w for w in health(server)["workers"] if w["worker"] == "cpu#1")
+        if back["state"] == "ready":
+            break
+        time.sleep(0.2)
+    assert back["state"] == "ready" and back["restarts"] == 1 and back["pid"] != victim["pid"]
+    assert back["last_error"].endswith("code -9")  # why it was restarted stays visible
+    assert health(server)["models"]["tiny2"] == "ready"
     before = success_by_worker(server)
-    for _ in range(3):
-        assert short_chat(server).status_code == 200  # the surviving worker takes everything
+    for _ in range(4):
+        assert short_chat(server).status_code == 200
     after = success_by_worker(server)
-    assert after["cpu#0"] - before.get("cpu#0", 0) == 3
-    assert after.get("cpu#1", 0) == before.get("cpu#1", 0)
+    assert {w: after.get(w, 0) - before.get(w, 0) for w in ("cpu#0", "cpu#1")} == {"cpu#0": 2, "cpu#1": 2}

@@ -41,8 +41,8 @@ def test_messages_rules():
     assert bad_loc(messages=[])[0] == "messages"
     assert bad_loc(messages=[{"role": "wizard", "content": "x"}])[:3] == ("messages", 0, "role")
     assert bad_loc(messages=[{"role": "user"}])[:2] == ("messages", 0)
-    assert bad_loc(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])[:2] == (
-        "messages", 0)
+    assert bad_loc(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]) == (
+        "messages", 0, "content")
     # An assistant turn that only calls tools may have no content.
     req = chat(messages=[*MSG, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
     assert req.messages[1].text() == ""
@@ -56,6 +56,18 @@ def test_stop_forms():
     assert chat().stop_list == []
     assert bad_loc(stop=["a", "b", "c", "d", "e"]) == ("stop",)
     assert bad_loc(stop=[""]) == ("stop",)
+
+
+def test_logit_bias_is_capped_at_openais_300_entries_before_being_refused():
+    def message(bias: dict) -> str:
+        with pytest.raises(ValidationError) as info:
+            chat(logit_bias=bias)
+        assert info.value.errors()[0]["loc"] == ("logit_bias",)
+        return info.value.errors()[0]["msg"]
+
+    assert "at most 300" in message({str(i): 1.0 for i in range(301)})
+    assert "not supported" in message({str(i): 1.0 for i in range(300)})
+    assert chat(logit_bias={}).logit_bias == {}
 
 
 def test_cross_field_checks_name_the_param():
@@ -77,16 +89,23 @@ def test_max_tokens_precedence_and_logprobs():
     assert chat(logprobs=True, top_logprobs=5).num_logprobs == 5
 
 
-def test_sampling_kwargs_build_valid_engine_params():
+def test_sampling_params_are_built_in_the_http_process():
     req = chat(n=2, temperature=0, top_p=0.9, top_k=-1, seed=3, stop="x", presence_penalty=0.5, ignore_eos=True,
-               min_tokens=2, stop_token_ids=[7], repetition_penalty=1.1)
-    params = SamplingParams(**req.sampling_kwargs(max_tokens=12, logprobs=3))
+               min_tokens=2, stop_token_ids=[7], repetition_penalty=1.1, skip_special_tokens=False)
+    params = req.sampling_params(max_tokens=12, logprobs=3)
+    assert isinstance(params, SamplingParams)
     assert (params.n, params.temperature, params.top_p, params.top_k, params.seed) == (2, 0, 0.9, 0, 3)
     assert (params.max_tokens, params.logprobs, params.ignore_eos, params.min_tokens) == (12, 3, True, 2)
-    assert params.stop == []  # stop strings are matched by the HTTP process, not the engine
-    assert params.stop_token_ids == [7] and params.repetition_penalty == 1.1
-    defaults = SamplingParams(**chat().sampling_kwargs(max_tokens=1, logprobs=None))
+    assert params.stop == ["x"]  # matched by the HTTP process's detokenizer, not the engine
+    assert params.stop_token_ids == [7] and params.repetition_penalty == 1.1 and not params.skip_special_tokens
+    defaults = chat().sampling_params(max_tokens=1, logprobs=None)
     assert (defaults.temperature, defaults.top_p, defaults.top_k) == (1.0, 1.0, 0)
+
+
+def test_a_value_the_engine_refuses_is_a_400_before_any_worker_sees_it():
+    with pytest.raises(APIError) as info:
+        chat(seed=None).sampling_params(max_tokens=0, logprobs=None)
+    assert info.value.status == 400 and "max_tokens" in info.value.message
 
 
 def test_completion_prompts_and_checks():
@@ -107,4 +126,13 @@ def test_completion_prompts_and_checks():
     with pytest.raises(ValidationError):
         comp(prompt=[1, "a"])
     with pytest.raises(ValidationError):
-        comp(prompt="a", logprobs=21)
+        comp(prompt="a", logprobs=6)  # OpenAI's limit for completions is 5 (chat's top_logprobs: 20)
+    assert comp(prompt="a", logprobs=5).logprobs == 5
+
+
+def test_image_part_error_names_the_part_type():
+    with pytest.raises(ValidationError) as info:
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                    {"type": "image_url", "image_url": {"url": "x"}}]}])
+    errors = info.value.errors()
+    assert len(errors) == 1 and "content part type 'image_url' is not supported" in errors[0]["msg"]

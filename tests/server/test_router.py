@@ -1,4 +1,7 @@
-"""Routing: least-loaded ready worker, ties taken in turn, 429 when full, 503 and the fallback chain."""
+"""Routing: least-loaded ready worker, ties taken in turn, 429 when full, 503 and the fallback chain;
+a replacement worker for a retried request."""
+
+import asyncio
 
 import pytest
 
@@ -89,3 +92,24 @@ def test_cyclic_fallbacks_all_down_end_in_503():
 def test_worker_labels():
     assert worker_labels(["npu:0", "npu:1", "musa:0"]) == ["npu:0", "npu:1", "musa:0"]
     assert worker_labels(["cpu", "npu:0", "cpu"]) == ["cpu#0", "npu:0", "cpu#1"]
+
+
+def test_replacement_is_the_least_loaded_ready_worker_of_the_same_pool():
+    pool = Pool("m", [Worker("dead", ready=False), Worker("busy", load=3), Worker("idle", load=1)], ["f"])
+    r = router(pool, Pool("f", [Worker("x")]))
+    assert asyncio.run(r.replacement(pool, 1, wait_s=0)).label == "idle"
+    assert asyncio.run(r.replacement(pool, 4, wait_s=0)) is None  # no room, and never a fallback model
+
+
+def test_replacement_waits_for_a_worker_to_come_back():
+    restarted = Worker("a", ready=False)
+    pool = Pool("m", [restarted])
+
+    async def go():
+        pending = asyncio.ensure_future(router(pool).replacement(pool, 1, wait_s=60))
+        await asyncio.sleep(0)
+        assert not pending.done()
+        restarted.ready = True
+        return await pending
+
+    assert asyncio.run(go()) is restarted

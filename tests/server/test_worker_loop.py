@@ -11,8 +11,8 @@ import time
 import pytest
 import zmq
 
-from engines.engine import EngineStats
-from engines.outputs import StepOutput
+from engines.outputs import EngineStats, StepOutput
+from engines.sampling_params import SamplingParams
 from server import ipc
 from server.worker import WorkerLoop
 
@@ -95,11 +95,11 @@ def loop_io():
     ctx.term()
 
 
-def params(n: int = 1, max_tokens: int = 3) -> dict:
-    return {"n": n, "max_tokens": max_tokens, "temperature": 0}
+def params(n: int = 1, max_tokens: int = 3) -> list:
+    return ipc.encode_params(SamplingParams(n=n, max_tokens=max_tokens, temperature=0))
 
 
-def outputs(messages: list[list]) -> list[ipc.TokenOutput]:
+def outputs(messages: list[list]) -> list[StepOutput]:
     return [ipc.decode_output(o) for m in messages if m[0] == ipc.OUTPUTS for o in m[1]]
 
 
@@ -113,7 +113,7 @@ def test_tokens_flow_one_message_per_step(loop_io):
     post(ipc.ADD, "b", [1], params(max_tokens=2))
     got = until(finished("a"))
     outs = outputs(got)
-    assert [o.token_ids[0] for o in outs if o.request_id == "a"] == [101, 102, 103]
+    assert [o.new_token_ids[0] for o in outs if o.request_id == "a"] == [101, 102, 103]
     assert [o.finish_reason for o in outs if o.request_id == "b"] == [None, "length"]
     steps = [m for m in got if m[0] == ipc.OUTPUTS]
     assert len(steps) == 3  # both requests share the messages of the steps they ran in
@@ -127,7 +127,9 @@ def test_bad_request_is_an_error_and_the_loop_lives_on(loop_io):
     post(ipc.ADD, "bad", [], params())
     err = until(lambda m: m[0] == ipc.ERROR)[-1]
     assert err[1:3] == ["bad", 400] and "empty" in err[3]
-    post(ipc.ADD, "bad-params", [1], {"n": 0})
+    bad = params()
+    bad[0] = 0  # n, the first field: what a client of the wire format could send
+    post(ipc.ADD, "bad-params", [1], bad)
     err = until(lambda m: m[0] == ipc.ERROR)[-1]
     assert err[1:3] == ["bad-params", 400]
     post("nonsense", 1, 2)
@@ -159,7 +161,7 @@ def test_abort_whole_request_and_single_choice(loop_io):
     post(ipc.ABORT, [["r", None], ["unknown", None]])
     # After the abort the engine is idle: the next message is a STATS with nothing running.
     stats = until(lambda m: m[0] == ipc.STATS)[-1]
-    assert ipc.decode_stats(stats[1])["num_running"] == 0
+    assert ipc.decode_stats(stats[1]).num_running == 0
     assert not engine.seqs
 
 

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -15,7 +16,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from engines.attention_metadata import AttentionMetadata
+from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from engines.models.loader import load_model
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 32
@@ -95,13 +96,19 @@ class PagedRun:
             self.computed[name] = seq_len
         width = max(len(t) for t in tables)
         prefill_lens = [len(new) for _, new in chunks[num_decode:]]
+        block_tables = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+        lens = np.array(seq_lens, dtype=np.int32)
+        gather = None
+        if num_decode:
+            gather = build_decode_gather(block_tables[:num_decode], lens[:num_decode], BLOCK_SIZE, torch.device("cpu"))
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.from_numpy(block_tables),
+            seq_lens=torch.from_numpy(lens),
             num_decode_seqs=num_decode,
             prefill_query_start_loc=[sum(prefill_lens[:i]) for i in range(len(prefill_lens) + 1)],
             prefill_seq_lens=seq_lens[num_decode:],
+            decode_gather=gather,
         )
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_cache, metadata)

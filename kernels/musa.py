@@ -1,0 +1,116 @@
+"""Attention over the paged KV cache on Moore Threads GPUs (torch_musa; MATE for decode).
+
+Prefill: one ``scaled_dot_product_attention`` call per prefill sequence over its gathered blocks.
+torch_musa routes SDPA to muDNN's flash kernel for float16/bfloat16 with head dims <= 128 (or 160)
+on MP22 and later, GQA included (``enable_gqa``) and with a plain ``is_causal`` or a 2-D boolean
+mask; anything else runs its math path. One call per sequence rather than one padded batch, which
+would pay the longest sequence's length for every sequence and need a mask on all of them, or the
+varlen flash op, which torch_musa exposes only as the private ``aten._flash_attention_forward``
+with no documented causal alignment after a cached prefix. The price is a gather and one launch
+per prefill sequence per layer, and the token budget keeps a step's prefill sequences few.
+
+Decode: MATE's ``flash_attn_with_kvcache`` (github.com/MooreThreads/mate, ``mate/mha_interface.py``)
+reads the cache in place through the block tables. MATE mirrors the FlashAttention-3 interface, so
+the table is ``page_table`` (int32 [S, B]; FlashAttention-2 calls it ``block_table``), the lengths
+``cache_seqlens`` (int32 [S]), and any page size works: unlike FlashAttention-2, which wants
+multiples of 256, MATE's own tests cover pages of 1 to 111 tokens (64 takes its fastest load path).
+MATE is built for MP31 (Pinghu) GPUs; where ``mate`` does not import, decode is declared
+unsupported here and the registry falls through to Triton, then the reference.
+
+Same signatures as ``kernels.reference``. Importing this module needs torch_musa.
+"""
+
+import torch
+import torch.nn.functional as F
+import torch_musa  # noqa: F401  registers the musa device and routes SDPA to muDNN's flash kernel
+
+from engines.attention_metadata import DecodeGather
+from kernels.probes import ModelShapes
+
+try:
+    from mate import flash_attn_with_kvcache
+except ImportError as exc:  # MATE missing, or built for another GPU architecture
+    flash_attn_with_kvcache = None
+    _MATE_MISSING = f"not installed (mate: {exc})"
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for P prefill (or chunked-prefill) sequences; see the reference for the
+    layouts. query: [T, H, D]; key_cache, value_cache: [N, BS, KVH, D]; block_tables: [P, B] int32.
+    Returns [T, H, D]."""
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    tables = block_tables.long()  # index_select takes int64 on every backend
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        q_len = end - start
+        blocks = tables[i, : -(-seq_len // block_size)]
+        # k, v: [n * BS, KVH, D] -> [KVH, L, D]; whole blocks copy as contiguous runs
+        k = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        v = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        q = query[start:end].transpose(0, 1)  # [H, q_len, D]; the H / KVH query heads of a group share k, v
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # After a cached prefix, query j sits at position prefix + j and sees keys [0, prefix + j]:
+            # SDPA's is_causal would align the triangle to the top left instead, so the mask is explicit.
+            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - q_len)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    gather: DecodeGather,
+) -> torch.Tensor:
+    """One new token per sequence over its cached context, read in place by MATE (``gather``, the
+    reference's plan, is not needed). query: [S, H, D]; key_cache, value_cache: [N, BS, KVH, D];
+    block_tables: [S, B] int32; seq_lens: [S] int32. Returns [S, H, D]."""
+    # q: [S, 1, H, D], MATE's (batch, seqlen_q, heads, head_dim). A lone query sees its whole
+    # context, so no causal mask is needed.
+    out = flash_attn_with_kvcache(
+        query.unsqueeze(1), key_cache, value_cache,
+        cache_seqlens=seq_lens, page_table=block_tables, softmax_scale=scale, causal=False,
+    )
+    return out.view_as(query)
+
+
+def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    """Why this module cannot serve ``op`` for the model, or None (the registry then probes it)."""
+    head_dim = shapes.head_dim
+    if op == "prefill_attention":
+        if dtype not in FLASH_DTYPES:
+            return f"{dtype} has no flash path (torch_musa's flash SDPA takes float16 and bfloat16)"
+        if head_dim > 128 and head_dim != 160:
+            return f"head_dim {head_dim} unsupported (torch_musa's flash SDPA: <= 128 or 160)"
+    if op == "decode_attention":
+        if flash_attn_with_kvcache is None:
+            return _MATE_MISSING
+        if dtype not in FLASH_DTYPES:
+            return f"{dtype} unsupported (MATE's flash_attn_with_kvcache takes float16 and bfloat16)"
+        # MATE rounds head dims up to 64, 128, 192, 256 and has no 192-wide kernel when K and V
+        # share the head dim. Multiples of 8 (16-byte rows): FlashAttention-3, whose interface MATE
+        # mirrors, requires them; MATE's own tests only use 128 and 256.
+        if head_dim % 8 or head_dim > 256 or 128 < head_dim <= 192:
+            return f"head_dim {head_dim} unsupported (MATE: a multiple of 8, <= 128 or 193..256)"
+    return None
+
+
+# function name -> function, as every implementation module exposes (kernels/ops.py)
+OPS = {fn.__name__: fn for fn in (paged_prefill_attention, paged_decode_attention)}

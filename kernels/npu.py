@@ -1,0 +1,235 @@
+"""Ascend implementations through torch_npu, with the signatures of ``kernels.reference``.
+
+The argument conventions follow how vllm-ascend calls these operators (attention backend, device
+adaptor, rotary and sampler); the limits in ``unsupported`` come from the torch_npu / CANN operator
+documentation, so the registry skips a case the operator would reject instead of calling into it.
+Importing this module raises ImportError where torch_npu is not installed.
+
+Shape letters as in kernels/reference.py: T tokens, S sequences, H query heads, KVH key/value
+heads, D head dim, N KV blocks, BS block size, B blocks per sequence, V vocabulary.
+"""
+
+from functools import cache
+from typing import TYPE_CHECKING
+
+import torch
+import torch_npu
+
+from kernels.probes import ModelShapes
+
+if TYPE_CHECKING:
+    from engines.attention_metadata import DecodeGather
+
+# sparse_mode 3 (right-down causal) reads a fixed 2048 x 2048 mask: 1 above the diagonal = masked.
+# Aligned at the bottom right, it lets a chunk after a cached prefix see the prefix and itself causally.
+CAUSAL_MASK_SIZE = 2048
+RIGHT_DOWN_CAUSAL = 3
+HALF_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key, value: [T, KVH, D]; key_cache, value_cache: [N, BS, KVH, D]; slot_mapping: [T] int64."""
+    if not slot_mapping.numel():  # the operator rejects empty tensors
+        return
+    # The operator reads raw memory: value is a strided view of the fused qkv output, and the
+    # slot indices must be int32.
+    torch_npu._npu_reshape_and_cache(
+        key=key.contiguous(),
+        value=value.contiguous(),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_indices=slot_mapping.to(torch.int32),
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """query: [T, H, D] (P sequences back to back); block_tables: [P, B] int32; host lists
+    query_start_loc [P + 1] and seq_lens [P]. Returns [T, H, D]."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    out, _ = torch_npu.npu_fused_infer_attention_score(
+        query,
+        # PageAttention reads the cache as [N, BS, KVH * D] ("BnBsH") through the block table.
+        key_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
+        value_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
+        atten_mask=_causal_mask(query.device),
+        block_table=block_tables,
+        input_layout="TND",
+        block_size=block_size,
+        # TND: query lengths are cumulative (the end of each sequence's tokens); with a block
+        # table the key/value lengths are each sequence's own context length.
+        actual_seq_lengths=query_start_loc[1:],
+        actual_seq_lengths_kv=seq_lens,
+        num_heads=query.shape[1],
+        num_key_value_heads=num_kv_heads,
+        scale=scale,
+        sparse_mode=RIGHT_DOWN_CAUSAL,
+    )
+    return out
+
+
+@cache
+def _causal_mask(device: torch.device) -> torch.Tensor:
+    # [2048, 2048] int8, built once per device
+    return torch.ones(CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE, dtype=torch.int8, device=device).triu_(1)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    gather: "DecodeGather",
+) -> torch.Tensor:
+    """query: [S, H, D]; block_tables: [S, B] int32. The context lengths are read from the step's
+    host copy (``gather.host_seq_lens``), as the operator wants them: a device copy would sync."""
+    out = torch.empty_like(query)
+    torch_npu._npu_paged_attention(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        num_kv_heads=key_cache.shape[2],
+        num_heads=query.shape[1],
+        scale_value=scale,
+        block_table=block_tables,
+        context_lens=gather.host_seq_lens,
+        out=out,
+    )
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., H]; weight: [H]. With ``residual``: ``(norm(x + residual), x + residual)``."""
+    if residual is None:
+        normed, _ = torch_npu.npu_rms_norm(x, weight, epsilon=eps)
+        return normed
+    normed, _, added = torch_npu.npu_add_rms_norm(x, residual, weight, epsilon=eps)
+    return normed, added
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [T], cache [max_positions, rotary_dim] in dtype): npu_mrope gathers the rows
+    itself. The model's cache is already in its dtype, so this copies nothing per step."""
+    return positions, cos_sin_cache.to(dtype)
+
+
+def rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], is_neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """query: [T, H, D]; key: [T, KVH, D]. The operator rotates the first rotary_dim dims (the
+    cache's width) and passes the rest through."""
+    positions, cos_sin_cache = cos_sin
+    num_tokens, _, head_dim = query.shape
+    # npu_mrope takes [T, heads * D]; mrope_section [0, 0, 0] is plain (one position per token) RoPE.
+    rotated_query, rotated_key = torch_npu.npu_mrope(
+        positions,
+        query.reshape(num_tokens, -1),
+        key.reshape(num_tokens, -1),
+        cos_sin_cache,
+        head_dim,
+        mrope_section=[0, 0, 0],
+        rotary_mode="half" if is_neox else "interleaved",
+    )
+    return rotated_query.view(query.shape), rotated_key.view(key.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] (gate then up) -> [T, I]."""
+    return torch_npu.npu_swiglu(x, dim=-1)
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits: [N, V] float32; top_k: [N, 1] int64, 0 = keep all; top_p: [N, 1] float32."""
+    # The operator takes k as [N] int32 with no "disabled" value: k = V keeps every token (vllm-ascend
+    # passes V the same way); p as [N] in the logits' dtype.
+    k = top_k.view(-1).masked_fill(top_k.view(-1) <= 0, logits.shape[1]).to(torch.int32)
+    return torch_npu.npu_top_k_top_p(logits, p=top_p.view(-1).to(logits.dtype), k=k)
+
+
+# function name -> function, as every implementation module exposes (kernels/ops.py)
+OPS = {
+    fn.__name__: fn
+    for fn in (write_kv, paged_prefill_attention, paged_decode_attention, rms_norm, rotary_cos_sin,
+               rotary_embedding, silu_and_mul, top_k_top_p)
+}
+
+
+def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    """Why the operator behind ``op`` rejects this model's shapes or dtype; None when it takes them."""
+    check = _LIMITS.get(op)
+    return None if check is None else check(shapes, dtype)
+
+
+def _half_precision_only(dtype: torch.dtype) -> str | None:
+    if dtype not in HALF_PRECISION:
+        return f"{str(dtype).removeprefix('torch.')} unsupported (float16 / bfloat16 only)"
+    return None
+
+
+def _write_kv_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    return _half_precision_only(dtype)  # ReshapeAndCache: float16 / bfloat16 / int8 caches
+
+
+def _prefill_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    # npu_fused_infer_attention_score with Q_S > 1 and PageAttention: block size a multiple of 128
+    # in [128, 512]; D 16-byte aligned and at most 512 (vllm-ascend moves D = 512 off this path);
+    # at most 256 query heads and 64 query heads per KV head.
+    bs, d = shapes.block_size, shapes.head_dim
+    if bs % 128 or not 128 <= bs <= 512:
+        return f"block_size {bs} unsupported (a multiple of 128 up to 512)"
+    if d % 8 or d >= 512:
+        return f"head_dim {d} unsupported (a multiple of 8 below 512)"
+    if shapes.num_heads > 256 or shapes.num_heads // shapes.num_kv_heads > 64:
+        return (f"{shapes.num_heads} heads over {shapes.num_kv_heads} KV heads unsupported "
+                "(at most 256 heads, 64 per KV head)")
+    return _half_precision_only(dtype)
+
+
+def _decode_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    # ATB PagedAttention: block size a multiple of 16, head size in (0, 256] and head size * block
+    # size at most 128 * 128.
+    bs, d = shapes.block_size, shapes.head_dim
+    if bs % 16:
+        return f"block_size {bs} unsupported (a multiple of 16)"
+    if d > 256 or d * bs > 128 * 128:
+        return f"head_dim {d} unsupported at block_size {bs} (at most 256, and head_dim * block_size 16384)"
+    return _half_precision_only(dtype)
+
+
+def _rotary_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    # npu_mrope: head size and rotary dim multiples of 32 in half precision, of 16 in float32.
+    multiple = 16 if dtype == torch.float32 else 32
+    if shapes.head_dim % multiple or shapes.rotary_dim % multiple:
+        dims = f"head_dim {shapes.head_dim} / rotary_dim {shapes.rotary_dim}"
+        return f"{dims} unsupported (multiples of {multiple})"
+    return None
+
+
+_LIMITS = {
+    "write_kv": _write_kv_limits,
+    "prefill_attention": _prefill_limits,
+    "decode_attention": _decode_limits,
+    "rotary": _rotary_limits,
+}

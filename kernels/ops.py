@@ -1,0 +1,48 @@
+"""The ops a model calls, grouped as the kernel registry chooses them, and the table of chosen
+functions a model is built with.
+
+An op is one or more functions that are chosen together: rotary is ``rotary_cos_sin`` (the step's
+table, built once for all layers) plus ``rotary_embedding`` (applied per layer), because a vendor
+kernel wants its own table layout. Every implementation module (``kernels.reference``,
+``kernels.triton``, ``kernels.npu``, ``kernels.musa``) exposes ``OPS``: function name -> function,
+for the functions it implements, with the reference signatures.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from kernels import reference
+
+# op -> the functions that make it up, in ``KernelOps`` field names
+OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "write_kv": ("write_kv",),
+    "prefill_attention": ("paged_prefill_attention",),
+    "decode_attention": ("paged_decode_attention",),
+    "rms_norm": ("rms_norm",),
+    "rotary": ("rotary_cos_sin", "rotary_embedding"),
+    "silu_and_mul": ("silu_and_mul",),
+    "top_k_top_p": ("top_k_top_p",),
+}
+OPS = tuple(OP_FUNCTIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOps:
+    """The functions a model and the sampler call, one per field, bound once at build time (the
+    step's hot path looks nothing up). Signatures: those of ``kernels.reference``."""
+
+    write_kv: Callable
+    paged_prefill_attention: Callable
+    paged_decode_attention: Callable
+    rms_norm: Callable
+    rotary_cos_sin: Callable
+    rotary_embedding: Callable
+    silu_and_mul: Callable
+    top_k_top_p: Callable
+
+    @classmethod
+    def from_functions(cls, functions: dict[str, Callable]) -> "KernelOps":
+        return cls(**{f.name: functions[f.name] for f in fields(cls)})
+
+
+REFERENCE_OPS = KernelOps.from_functions(reference.OPS)

@@ -1,0 +1,195 @@
+"""One check per op: run a candidate on the worker's device, in the model's dtype, on random inputs
+shaped like the model's, and measure how far it lands from the reference.
+
+The reference runs on the same inputs in float32 (on the host), so the error is the candidate's
+own. Inputs cover what a step can hold: GQA, the model's head dim and block size, contexts that
+cross block boundaries, a prefill after a cached prefix (chunked prefill), a batch without a decode
+part, the fused residual add of RMSNorm, partial and interleaved rotary.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engines.attention_metadata import build_decode_gather
+from kernels import reference
+
+# Largest tolerated max-abs error against the float32 reference, for inputs of order one.
+TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShapes:
+    """What a model's kernels will see; the probes build their inputs from it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_is_neox: bool
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    rms_norm_eps: float = 1e-6
+
+
+class _Inputs:
+    """Seeded random tensors made on the host (so every device sees the same values) and copied."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.generator = torch.Generator().manual_seed(0)
+
+    def randn(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator).to(self.device, dtype or self.dtype)
+
+
+def max_error(candidate: object, expected: object) -> float:
+    """Max abs difference over (nested tuples of) tensors; inf when the -inf patterns differ."""
+    if isinstance(expected, tuple):
+        return max(max_error(c, e) for c, e in zip(candidate, expected, strict=True))
+    got, want = candidate.detach().float().cpu(), expected.detach().float().cpu()
+    if got.shape != want.shape:
+        return float("inf")
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)):
+        return float("inf")
+    return float((got[finite] - want[finite]).abs().max()) if finite.any() else 0.0
+
+
+def _to_host32(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().float() if value.is_floating_point() else value.detach().cpu()
+    return value
+
+
+def _paged_cache(x: _Inputs, shapes: ModelShapes, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # key_cache, value_cache: [N, BS, KVH, D]
+    shape = (num_blocks, shapes.block_size, shapes.num_kv_heads, shapes.head_dim)
+    return x.randn(*shape), x.randn(*shape)
+
+
+def _block_tables(lens: list[int], block_size: int, num_blocks: int, seed: int) -> np.ndarray:
+    """[S, B] int32 tables over a scrambled pool, so no kernel can rely on contiguous blocks."""
+    needed = [-(-n // block_size) for n in lens]
+    order = np.random.default_rng(seed).permutation(num_blocks)[: sum(needed)]
+    width = max(needed)
+    table, start = np.zeros((len(lens), width), np.int32), 0
+    for i, n in enumerate(needed):
+        table[i, :n] = order[start : start + n]
+        start += n
+    return table
+
+
+def probe_write_kv(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+    num_blocks, bs = 4, shapes.block_size
+    key_cache, value_cache = _paged_cache(x, shapes, num_blocks)
+    # Slots scattered over every block, both ends of a block included.
+    slots = torch.tensor([0, bs - 1, bs, 2 * bs + 3, 4 * bs - 1], dtype=torch.int64, device=x.device)
+    key = x.randn(len(slots), shapes.num_kv_heads, shapes.head_dim)
+    value = x.randn(len(slots), shapes.num_kv_heads, shapes.head_dim)
+    got_k, got_v = key_cache.clone(), value_cache.clone()
+    fn["write_kv"](key, value, got_k, got_v, slots)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    reference.write_kv(key, value, want_k, want_v, slots)
+    return max_error((got_k, got_v), (want_k, want_v))
+
+
+def probe_prefill_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+    bs = shapes.block_size
+    # A whole 7-token prompt, then a 5-token chunk after a cached prefix that ends mid-block.
+    q_lens, seq_lens = [7, 5], [7, bs + 8]
+    num_blocks = 8
+    key_cache, value_cache = _paged_cache(x, shapes, num_blocks)
+    tables = torch.from_numpy(_block_tables(seq_lens, bs, num_blocks, seed=1)).to(x.device)
+    query = x.randn(sum(q_lens), shapes.num_heads, shapes.head_dim)
+    query_start_loc = [0, q_lens[0], sum(q_lens)]
+    scale = shapes.head_dim**-0.5
+    got = fn["paged_prefill_attention"](query, key_cache, value_cache, tables, query_start_loc, seq_lens, scale)
+    args = [_to_host32(a) for a in (query, key_cache, value_cache, tables)]
+    want = reference.paged_prefill_attention(*args, query_start_loc, seq_lens, scale)
+    return max_error(got, want)
+
+
+def probe_decode_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+    bs = shapes.block_size
+    lens = [1, bs + 1, 2 * bs + 3]  # one token, just past a block, deep into the third block
+    num_blocks = 8
+    key_cache, value_cache = _paged_cache(x, shapes, num_blocks)
+    tables_np = _block_tables(lens, bs, num_blocks, seed=2)
+    lens_np = np.array(lens, np.int32)
+    tables = torch.from_numpy(tables_np).to(x.device)
+    seq_lens = torch.from_numpy(lens_np).to(x.device)
+    query = x.randn(len(lens), shapes.num_heads, shapes.head_dim)
+    scale = shapes.head_dim**-0.5
+    gather = build_decode_gather(tables_np, lens_np, bs, x.device)
+    got = fn["paged_decode_attention"](query, key_cache, value_cache, tables, seq_lens, scale, gather)
+    host_gather = build_decode_gather(tables_np, lens_np, bs, torch.device("cpu"))
+    args = [_to_host32(a) for a in (query, key_cache, value_cache, tables, seq_lens)]
+    want = reference.paged_decode_attention(*args, scale, host_gather)
+    return max_error(got, want)
+
+
+def probe_rms_norm(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+    errors = []
+    for size in {shapes.hidden_size, shapes.head_dim}:  # the layer norms and Qwen3's per-head q/k norm
+        hidden, residual = x.randn(5, size), x.randn(5, size)
+        weight = 1 + 0.1 * x.randn(size)
+        eps = shapes.rms_norm_eps
+        errors.append(max_error(fn["rms_norm"](hidden, weight, eps),
+                                reference.rms_norm(*map(_to_host32, (hidden, weight)), eps)))
+        got = fn["rms_norm"](hidden, weight, eps, residual)
+        want = reference.rms_norm(*map(_to_host32, (hidden, weight)), eps, _to_host32(residual))
+        errors.append(max_error(got, want))
+    return max(errors)
+
+
+def probe_rotary(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+    positions = torch.tensor([0, 1, 17, 130, 511], dtype=torch.int64)
+    half = shapes.rotary_dim // 2
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float32) / half))
+    angles = torch.arange(512, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [512, rotary_dim]
+    query = x.randn(len(positions), shapes.num_heads, shapes.head_dim)
+    key = x.randn(len(positions), shapes.num_kv_heads, shapes.head_dim)
+    is_neox = shapes.rope_is_neox
+    table = fn["rotary_cos_sin"](positions.to(x.device), cache.to(x.device), is_neox, x.dtype)
+    got = fn["rotary_embedding"](query, key, table, is_neox)
+    want_table = reference.rotary_cos_sin(positions, cache, is_neox, torch.float32)
+    want = reference.rotary_embedding(_to_host32(query), _to_host32(key), want_table, is_neox)
+    return max_error(got, want)
+
+
+def probe_silu_and_mul(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+    gate_up = x.randn(5, 2 * shapes.intermediate_size)
+    return max_error(fn["silu_and_mul"](gate_up), reference.silu_and_mul(_to_host32(gate_up)))
+
+
+def probe_top_k_top_p(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+    # Logits are float32 in the sampler whatever the model's dtype.
+    logits = 3 * x.randn(4, shapes.vocab_size, dtype=torch.float32)
+    top_k = torch.tensor([[0], [5], [1], [min(50, shapes.vocab_size)]], dtype=torch.int64)
+    top_p = torch.tensor([[1.0], [0.9], [0.5], [0.8]], dtype=torch.float32)
+    got = fn["top_k_top_p"](logits, top_k.to(x.device), top_p.to(x.device))
+    return max_error(got, reference.top_k_top_p(logits.cpu(), top_k, top_p))
+
+
+PROBES: dict[str, Callable[[dict[str, Callable], ModelShapes, _Inputs], float]] = {
+    "write_kv": probe_write_kv,
+    "prefill_attention": probe_prefill_attention,
+    "decode_attention": probe_decode_attention,
+    "rms_norm": probe_rms_norm,
+    "rotary": probe_rotary,
+    "silu_and_mul": probe_silu_and_mul,
+    "top_k_top_p": probe_top_k_top_p,
+}
+
+
+def probe(op: str, functions: dict[str, Callable], shapes: ModelShapes, device: torch.device,
+          dtype: torch.dtype) -> float:
+    """Max abs error of ``functions`` (the op's candidate functions) against the reference."""
+    with torch.inference_mode():
+        return PROBES[op](functions, shapes, _Inputs(device, dtype))

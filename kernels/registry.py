@@ -1,0 +1,151 @@
+"""Which implementation of each op a worker uses: the first of its platform's candidates that
+imports, accepts the model's shapes, runs on the device and agrees with the reference.
+
+A fused vendor operator can be missing or broken on a given chip or driver version; then the
+next candidate is taken and the reason is kept (``not installed: ...``, ``raised AclError: ...``,
+``max abs err 3e-01 > 3e-02``, ``head_dim 8 unsupported``), for the start-up log, ``/health`` and
+``xinserve doctor``. The pure-torch reference closes every list and is never probed (it is what
+the others are compared with).
+
+``XINSERVE_KERNELS="op=impl,..."`` and a model's ``kernels:`` config force a choice; a forced
+choice that cannot be used fails start-up with its reason.
+"""
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+
+from kernels.ops import OP_FUNCTIONS, OPS, KernelOps
+from kernels.probes import TOLERANCE, ModelShapes, probe
+
+# implementation name -> module exposing ``OPS`` (and optionally ``unsupported(op, shapes, dtype)``)
+MODULES = {
+    "reference": "kernels.reference",
+    "triton": "kernels.triton",
+    "npu": "kernels.npu",
+    "musa": "kernels.musa",
+}
+# Candidates per platform, most preferred first; "reference" always comes last.
+PREFERENCE = {
+    "cpu": ("reference",),
+    "cuda": ("triton", "reference"),
+    "npu": ("npu", "reference"),
+    "musa": ("musa", "triton", "reference"),
+}
+ENV_VAR = "XINSERVE_KERNELS"
+
+
+class KernelSelectionError(ValueError):
+    """A forced kernel choice that cannot be used here, or a malformed forcing."""
+
+
+@dataclass(slots=True)
+class KernelSelection:
+    chosen: dict[str, str]  # op -> implementation name
+    rejected: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # op -> [(impl, reason)]
+    ops: KernelOps | None = None  # the chosen functions, for the model and the sampler
+
+    def report(self) -> dict[str, dict]:
+        """Per op: the chosen implementation and the rejected ones with their reasons (JSON-ready)."""
+        return {
+            op: {"chosen": name, "rejected": [{"impl": i, "reason": r} for i, r in self.rejected.get(op, [])]}
+            for op, name in self.chosen.items()
+        }
+
+    def table(self) -> str:
+        """A few log lines: one per op."""
+        lines = []
+        for op, name in self.chosen.items():
+            rejected = "; ".join(f"{i}: {r}" for i, r in self.rejected.get(op, []))
+            lines.append(f"  {op:<18} {name:<10} {('(rejected ' + rejected + ')') if rejected else ''}".rstrip())
+        return "\n".join(lines)
+
+
+def parse_forced(text: str | None) -> dict[str, str]:
+    """``"op=impl,op=impl"`` -> {op: impl}; unknown ops or implementations are an error."""
+    forced: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        op, sep, impl = (part.strip() for part in item.partition("="))
+        if not sep or op not in OP_FUNCTIONS or impl not in MODULES:
+            raise KernelSelectionError(
+                f"bad kernel choice {item.strip()!r}: expected op=impl with op in {', '.join(OPS)} "
+                f"and impl in {', '.join(MODULES)}"
+            )
+        forced[op] = impl
+    return forced
+
+
+def select(
+    platform: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    shapes: ModelShapes,
+    forced: dict[str, str] | None = None,
+) -> KernelSelection:
+    """Probe the platform's candidates for every op and return the selection.
+
+    ``forced`` (a model's ``kernels:`` config) wins over ``XINSERVE_KERNELS``, which wins over the
+    platform's preference. Raises KernelSelectionError when a forced choice cannot be used.
+    """
+    if platform not in PREFERENCE:
+        raise KernelSelectionError(f"unknown platform {platform!r}; expected one of {', '.join(PREFERENCE)}")
+    forced = {**parse_forced(os.environ.get(ENV_VAR)), **(forced or {})}
+    selection = KernelSelection(chosen={})
+    functions: dict[str, Callable] = {}
+    for op in OPS:
+        names = (forced[op],) if op in forced else PREFERENCE[platform]
+        for name in names:
+            candidate, reason = _try(op, name, shapes, device, dtype)
+            if candidate is not None:
+                selection.chosen[op] = name
+                functions.update(candidate)
+                break
+            if reason is not None:
+                selection.rejected.setdefault(op, []).append((name, reason))
+        else:
+            if op in forced:
+                raise KernelSelectionError(f"kernel {op}={forced[op]} was forced but cannot be used on "
+                                           f"{device} in {dtype}: {reason}")
+            raise KernelSelectionError(f"no implementation of {op} on {platform}")  # reference is last
+    selection.ops = KernelOps.from_functions(functions)
+    return selection
+
+
+def _try(
+    op: str, name: str, shapes: ModelShapes, device: torch.device, dtype: torch.dtype
+) -> tuple[dict[str, Callable] | None, str | None]:
+    """(the op's functions, None) when usable; (None, reason) when not; (None, None) when the
+    implementation does not provide the op at all (not a candidate, nothing to report)."""
+    try:
+        module = importlib.import_module(MODULES[name])
+    except ImportError as exc:
+        return None, f"not installed ({exc})"
+    available = getattr(module, "OPS", {})
+    if not all(f in available for f in OP_FUNCTIONS[op]):
+        return None, None
+    functions = {f: available[f] for f in OP_FUNCTIONS[op]}
+    if name == "reference":
+        return functions, None
+    reason = _unsupported(module, op, shapes, dtype)
+    if reason is not None:
+        return None, reason
+    try:
+        error = probe(op, functions, shapes, device, dtype)
+    except Exception as exc:  # noqa: BLE001  a vendor op may raise anything: that is the finding
+        first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+        return None, f"raised {type(exc).__name__}: {first_line}"
+    tolerance = TOLERANCE[dtype]
+    if not error <= tolerance:  # also catches NaN
+        return None, f"max abs err {error:.1e} > {tolerance:.0e}"
+    return functions, None
+
+
+def _unsupported(module: ModuleType, op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    check = getattr(module, "unsupported", None)
+    return None if check is None else check(op, shapes, dtype)

@@ -1,0 +1,14 @@
+"""Triton kernels over the paged KV cache, drop-in for the references of the same names in
+kernels/reference.py: KV write, paged decode attention (split-K flash-decoding) and varlen prefill
+attention after a cached prefix. They run on any device with a Triton backend, and on CPU tensors
+under Triton's interpreter when TRITON_INTERPRET=1 is set before this package is imported.
+Importing it raises ImportError where Triton is not installed."""
+
+from kernels.triton.decode_attention import paged_decode_attention
+from kernels.triton.kv_write import write_kv
+from kernels.triton.prefill_attention import paged_prefill_attention
+
+# function name -> function, as every implementation module exposes (kernels/ops.py)
+OPS = {fn.__name__: fn for fn in (write_kv, paged_prefill_attention, paged_decode_attention)}
+
+__all__ = ["OPS", "paged_decode_attention", "paged_prefill_attention", "write_kv"]

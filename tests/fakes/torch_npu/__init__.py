@@ -1,0 +1,268 @@
+"""FAKE torch_npu, for tests only: importable as ``torch_npu`` when tests/fakes is put on sys.path.
+
+It implements exactly the torch_npu functions that kernels/npu.py calls, with their documented
+signatures, on CPU tensors. Each function first checks what the real operator checks (from the
+torch_npu / CANN operator documentation and from how vllm-ascend calls it) and raises as the real
+one would (RuntimeError naming the aclnn / ATB operator; TypeError where the Python binding itself
+refuses an argument): layouts and shapes, dtypes (half precision for the attention operators, int32
+slot indices, block tables and lengths, int lists for the TND lengths), contiguity, the block sizes
+the paged kernels accept, and the TND / PageAttention length conventions.
+
+Then it reads its arguments the way the operator does (caches through block tables, cumulative
+query ends, per-sequence context lengths, the right-down causal mask, the two rotary pairings) and
+computes the operator's documented formula with the pure-torch reference (kernels/reference.py), in
+the reference's order of roundings, so a whole generation through the fake can be compared with the
+CPU path token for token. Real kernels round differently (within the registry's tolerance).
+
+What a fake cannot check: device placement (every tensor is on the CPU, so the host
+``context_lens`` of the paged attention looks like any other), nor the real kernels' numerics,
+speed or memory.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from engines.attention_metadata import build_decode_gather
+from kernels import reference
+
+MASK_SIZE = 2048
+# What sparse_mode 3 must be given: 1 (masked) strictly above the diagonal.
+UPPER_TRIANGLE = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool).triu_(1)
+MAX_INT32 = 2147483647
+HALF = (torch.float16, torch.bfloat16)
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check(ok: bool, op: str, detail: str) -> None:
+    # 161002 is ACLNN_ERR_PARAM_INVALID, the code CANN reports for a rejected argument.
+    if not ok:
+        raise RuntimeError(f"call {op} failed, error code 161002: {detail}")
+
+
+def _dense(op: str, name: str, tensor: torch.Tensor, dims: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    _check(tensor.dim() == dims, op, f"{name} must be {dims}-D, got shape {tuple(tensor.shape)}")
+    _check(tensor.dtype in dtypes, op, f"{name} dtype {tensor.dtype} unsupported")
+    _check(tensor.is_contiguous(), op, f"{name} must be contiguous")
+
+
+def _int_list(name: str, value: object) -> list[int]:
+    """A SymInt[] argument: the binding takes a list of Python ints, never a tensor."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) for v in value):
+        raise TypeError(f"npu_fused_infer_attention_score(): argument '{name}' must be tuple of ints, "
+                        f"not {type(value).__name__}")
+    return list(value)
+
+
+# ---- KV cache write (ATB ReshapeAndCache) ----
+
+def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices) -> None:
+    """Scatter key/value [T, KVH, D] into caches [N, BS, KVH, D] (ND) at int32 slot indices [T]."""
+    op = "atb ReshapeAndCacheOperation"
+    for name, t in (("key", key), ("value", value)):
+        _dense(op, name, t, 3, HALF + (torch.int8,))
+    _check(value.shape == key.shape and key.shape[0] > 0, op, "key and value must be non-empty, same shape")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _dense(op, name, t, 4, (key.dtype,))
+        _check(t.shape[2:] == key.shape[1:], op,
+               f"{name} {tuple(t.shape)} is not [N, BS, KVH, D] for key {tuple(key.shape)}")
+    _dense(op, "slot_indices", slot_indices, 1, (torch.int32,))
+    _check(slot_indices.shape[0] == key.shape[0], op, "one slot per token expected")
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    _check(bool(((slot_indices >= 0) & (slot_indices < num_slots)).all()), op, "slot index out of range")
+    reference.write_kv(key, value, key_cache, value_cache, slot_indices.long())
+
+
+# ---- decode attention (ATB PagedAttention) ----
+
+def _npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
+                         context_lens, out) -> None:
+    """One query token per sequence over its paged context; writes out [S, H, D] in place."""
+    op = "atb PagedAttentionOperation"
+    _dense(op, "query", query, 3, HALF)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _dense(op, name, t, 4, (query.dtype,))
+    num_seqs, heads, head_dim = query.shape
+    block_size, kv_heads, cache_dim = key_cache.shape[1:]
+    _check(heads == num_heads and kv_heads == num_kv_heads and cache_dim == head_dim, op,
+           f"query {tuple(query.shape)} and cache {tuple(key_cache.shape)} do not match num_heads "
+           f"{num_heads}, num_kv_heads {num_kv_heads} in the [N, BS, KVH, D] layout")
+    _check(num_kv_heads > 0 and num_heads % num_kv_heads == 0, op, "num_heads must divide by num_kv_heads")
+    _check(block_size % 16 == 0, op, f"block_size {block_size} must be a multiple of 16")
+    _check(0 < head_dim <= 256 and head_dim * block_size <= 128 * 128, op,
+           f"head_size {head_dim} with block_size {block_size} exceeds head_size * block_size <= 128 * 128")
+    _dense(op, "block_table", block_table, 2, (torch.int32,))
+    _dense(op, "context_lens", context_lens, 1, (torch.int32,))
+    _check(block_table.shape[0] == num_seqs == context_lens.shape[0], op,
+           "block_table and context_lens need one row per query")
+    _check(out.shape == query.shape and out.dtype == query.dtype, op, "out must match query")
+    capacity = block_table.shape[1] * block_size
+    _check(bool(((context_lens > 0) & (context_lens <= capacity)).all()), op, "context length out of range")
+    gather = build_decode_gather(block_table.numpy(), context_lens.numpy(), block_size, query.device)
+    out.copy_(reference.paged_decode_attention(query, key_cache, value_cache, block_table, context_lens,
+                                               scale_value, gather))
+
+
+# ---- prefill / mixed attention (aclnnFusedInferAttentionScore) ----
+
+def npu_fused_infer_attention_score(
+    query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+    actual_seq_lengths_kv=None, block_table=None, num_heads=1, scale=1.0, pre_tokens=MAX_INT32,
+    next_tokens=MAX_INT32, input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0,
+    block_size=0, softmax_lse_flag=False,
+):
+    """Modelled: input_layout "TND" with PageAttention and sparse_mode 3 (what kernels/npu.py uses).
+    query [T, H, D]; key and value caches [N, BS, KVH * D] (BnBsH) or [N, KVH, BS, D] (BnNBsD);
+    block_table [B, M] int32; actual_seq_lengths: cumulative query ends; actual_seq_lengths_kv: each
+    batch's own context length. Returns (attention_out [T, H, D], softmax_lse)."""
+    op = "aclnnFusedInferAttentionScore"
+    if input_layout != "TND" or block_table is None or sparse_mode != 3 or pse_shift is not None \
+            or softmax_lse_flag:
+        raise NotImplementedError("the fake models input_layout 'TND', PageAttention and sparse_mode 3 only")
+    _dense(op, "query", query, 3, HALF)
+    tokens, heads, head_dim = query.shape
+    kv_heads = num_key_value_heads or num_heads
+    _check(heads == num_heads, op, f"query has {heads} heads, num_heads is {num_heads}")
+    _check(num_heads % kv_heads == 0 and num_heads // kv_heads <= 64, op,
+           f"num_heads {num_heads} / num_key_value_heads {kv_heads} must be a whole ratio <= 64")
+    _check(head_dim % 8 == 0 and head_dim <= 512, op, f"head dim {head_dim} must be 16-byte aligned, <= 512")
+    for name, t in (("key", key), ("value", value)):
+        _check(t.dtype == query.dtype and t.is_contiguous(), op, f"{name} must be contiguous {query.dtype}")
+        if t.dim() == 3:  # BnBsH
+            _check(tuple(t.shape[1:]) == (block_size, kv_heads * head_dim), op,
+                   f"{name} {tuple(t.shape)} is not [N, BS {block_size}, KVH * D {kv_heads * head_dim}]")
+        else:  # BnNBsD
+            _check(t.dim() == 4 and tuple(t.shape[1:]) == (kv_heads, block_size, head_dim), op,
+                   f"{name} {tuple(t.shape)} is neither [N, BS, KVH * D] nor [N, KVH, BS, D]")
+    _check(key.shape == value.shape, op, "key and value shapes differ")
+
+    q_ends = _int_list("actual_seq_lengths", actual_seq_lengths)
+    kv_lens = _int_list("actual_seq_lengths_kv", actual_seq_lengths_kv)
+    batch = len(q_ends)
+    starts = [0] + q_ends
+    _check(0 < batch <= 4096, op, f"TND batch {batch} out of range")
+    _check(all(b >= a for a, b in zip(starts, q_ends)), op,
+           "actual_seq_lengths must be non-decreasing cumulative ends (TND)")
+    _check(q_ends[-1] == tokens, op, f"actual_seq_lengths ends at {q_ends[-1]}, query has {tokens} tokens")
+    q_lens = [b - a for a, b in zip(starts, q_ends)]
+    _check(len(kv_lens) == batch, op, f"actualSeqLengthsKv has {len(kv_lens)} entries for batch {batch}")
+    _dense(op, "block_table", block_table, 2, (torch.int32,))
+    _check(block_table.shape[0] == batch, op, f"block_table has {block_table.shape[0]} rows for {batch}")
+    if max(q_lens) > 1:
+        _check(block_size % 128 == 0 and 128 <= block_size <= 512, op,
+               f"block_size {block_size} must be a multiple of 128 in [128, 512] when Q_S > 1")
+    else:
+        _check(0 < block_size <= 512 and block_size * query.element_size() % 16 == 0, op,
+               f"block_size {block_size} unsupported")
+    capacity = block_table.shape[1] * block_size
+    _check(all(q <= n <= capacity for q, n in zip(q_lens, kv_lens)), op,
+           f"actual_seq_lengths_kv {kv_lens} must hold each batch's context length: at least its query "
+           f"length {q_lens}, at most {capacity}")
+    _check(atten_mask is not None and atten_mask.dtype in (torch.bool, torch.int8, torch.uint8), op,
+           "sparse_mode 3 needs the compressed bool / int8 / uint8 mask")
+    _check(atten_mask.shape[-2:] == (MASK_SIZE, MASK_SIZE) and atten_mask.numel() == MASK_SIZE**2, op,
+           f"sparse_mode 3 needs a (2048, 2048) mask, got {tuple(atten_mask.shape)}")
+    # Every 64th row (the whole mask per call would dominate a test's run time)
+    sampled = atten_mask.reshape(MASK_SIZE, MASK_SIZE)[::64].bool()
+    _check(torch.equal(sampled, UPPER_TRIANGLE[::64]), op,
+           "the sparse_mode 3 mask must be 1 strictly above the diagonal and 0 elsewhere")
+
+    # Right-down causal: batch i's queries are the last q_lens[i] of its kv_lens[i] positions.
+    if key.dim() == 3:
+        key_cache = key.view(key.shape[0], block_size, kv_heads, head_dim)
+        value_cache = value.view(value.shape[0], block_size, kv_heads, head_dim)
+    else:
+        key_cache, value_cache = key.transpose(1, 2).contiguous(), value.transpose(1, 2).contiguous()
+    out = reference.paged_prefill_attention(query, key_cache, value_cache, block_table, starts, kv_lens,
+                                            scale)
+    return out, torch.empty(0, dtype=torch.float32)
+
+
+# ---- norms, activation, rotary, sampling ----
+
+def npu_rms_norm(self, gamma, epsilon=1e-06):
+    """(x / rms(x) * gamma, 1 / rms(x)) over the last dim."""
+    op = "aclnnRmsNorm"
+    _check(2 <= self.dim() <= 8, op, f"self must have 2-8 dims, got {self.dim()}")
+    _check(gamma.dim() == 1 and gamma.shape[0] == self.shape[-1], op,
+           f"gamma {tuple(gamma.shape)} must match the last dim of self {tuple(self.shape)}")
+    _check(self.dtype in FLOATS and gamma.dtype in (self.dtype, torch.float32), op,
+           f"self {self.dtype} with gamma {gamma.dtype} unsupported")
+    return reference.rms_norm(self, gamma, epsilon).to(self.dtype), _rstd(self, epsilon)
+
+
+def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06):
+    """(rms_norm(x1 + x2) * gamma, 1 / rms, x1 + x2) over the last dim."""
+    op = "aclnnAddRmsNorm"
+    _check(x1.shape == x2.shape and x1.dtype == x2.dtype == gamma.dtype and x1.dtype in FLOATS, op,
+           f"x1 {x1.dtype}{tuple(x1.shape)}, x2 {x2.dtype}{tuple(x2.shape)}, gamma {gamma.dtype} must agree")
+    _check(1 <= x1.dim() <= 8 and x1.numel() > 0, op, "x1 must be non-empty with 1-8 dims")
+    _check(gamma.dim() == 1 and gamma.shape[0] == x1.shape[-1], op, "gamma must match the last dim")
+    normed, added = reference.rms_norm(x1, gamma, epsilon, x2)
+    return normed, _rstd(added, epsilon), added
+
+
+def _rstd(x: torch.Tensor, epsilon: float) -> torch.Tensor:
+    return torch.rsqrt(x.float().pow(2).mean(dim=-1, keepdim=True) + epsilon)
+
+
+def npu_swiglu(self, dim=-1):
+    """silu(A) * B, where A and B are the first and second halves of ``self`` along ``dim``."""
+    op = "aclnnSwiGlu"
+    _check(self.dtype in FLOATS and self.is_contiguous() and self.numel() > 0, op,
+           f"input must be a non-empty contiguous float tensor, got {self.dtype}")
+    _check(self.shape[dim] % 2 == 0, op, f"dim {dim} of {tuple(self.shape)} must be even")
+    gate, up = self.chunk(2, dim=dim)
+    return F.silu(gate) * up
+
+
+def npu_mrope(positions, query, key, cos_sin_cache, head_size, *, mrope_section=None, rotary_mode="half",
+              cache_mode="default"):
+    """Plain RoPE (1-D positions; mrope_section None or [0, 0, 0]) on query [T, Hq * head_size] and
+    key [T, Hk * head_size]: the first rotary_dim (the cache's width) dims of each head turn,
+    paired as halves ("half", NeoX) or neighbours ("interleaved", GPT-J); the rest pass through."""
+    op = "aclnnRopeWithSinCosCache"
+    if mrope_section not in (None, [0, 0, 0]) or positions.dim() != 1:
+        raise NotImplementedError("the fake models plain RoPE only (1-D positions)")
+    _check(positions.dtype in (torch.int32, torch.int64), op, f"positions dtype {positions.dtype}")
+    _check(rotary_mode in ("half", "interleaved"), op, f"rotary_mode {rotary_mode!r}")
+    _check(cache_mode == "default", op, "plain RoPE supports cache_mode 'default' only")
+    _check(query.dim() == 2 and key.dim() == 2 and cos_sin_cache.dim() == 2, op,
+           "query, key [T, heads * head_size] and cos_sin_cache [max_seq_len, rotary_dim] must be 2-D")
+    _check(query.dtype == key.dtype == cos_sin_cache.dtype and query.dtype in FLOATS, op,
+           f"query {query.dtype}, key {key.dtype} and cos_sin_cache {cos_sin_cache.dtype} must share a "
+           "float dtype")
+    rotary_dim = cos_sin_cache.shape[1]
+    multiple = 16 if query.dtype == torch.float32 else 32
+    _check(head_size % multiple == 0 and rotary_dim % multiple == 0 and rotary_dim <= head_size, op,
+           f"head_size {head_size} / rotary_dim {rotary_dim} must be multiples of {multiple}, rotary <= head")
+    _check(query.shape[1] % head_size == 0 and key.shape[1] % head_size == 0, op, "widths not whole heads")
+    _check(positions.shape[0] == query.shape[0] == key.shape[0], op, "one position per token")
+    _check(bool(((positions >= 0) & (positions < cos_sin_cache.shape[0])).all()), op, "position out of range")
+    is_neox = rotary_mode == "half"
+    table = reference.rotary_cos_sin(positions.long(), cos_sin_cache, is_neox, query.dtype)
+    tokens = query.shape[0]
+    q, k = reference.rotary_embedding(query.view(tokens, -1, head_size), key.view(tokens, -1, head_size),
+                                      table, is_neox)
+    return q.reshape(query.shape), k.reshape(key.shape)
+
+
+def npu_top_k_top_p(logits, p=None, k=None):
+    """Top-k then top-p filtering of logits [N, V]: filtered entries become -inf.
+
+    k: [N] int32. The documentation states k in [1, 1024]; vllm-ascend passes k = V to disable
+    top-k, so the fake accepts [1, V]. p: [N] in the logits' dtype."""
+    op = "aclnnApplyTopKTopP"
+    _check(logits.dim() == 2 and logits.dtype in FLOATS, op, f"logits must be 2-D float, got {logits.dtype}")
+    batch, vocab = logits.shape
+    if k is None:
+        k = torch.full((batch,), vocab, dtype=torch.int32)
+    if p is None:
+        p = torch.ones(batch, dtype=logits.dtype)
+    _check(k.dim() == 1 and k.shape[0] == batch and k.dtype == torch.int32, op,
+           f"k must be [{batch}] int32, got {k.dtype}{tuple(k.shape)}")
+    _check(bool(((k >= 1) & (k <= vocab)).all()), op, "k out of range")
+    _check(p.dim() == 1 and p.shape[0] == batch and p.dtype == logits.dtype, op,
+           f"p must be [{batch}] {logits.dtype}, got {p.dtype}{tuple(p.shape)}")
+    # k = V keeps every token, as the reference's k = 0 does.
+    filtered = reference.top_k_top_p(logits.float(), k.long()[:, None], p.float()[:, None])
+    return filtered.to(logits.dtype)

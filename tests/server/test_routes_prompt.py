@@ -1,0 +1,124 @@
+"""route_encoded: the prompt is tokenised in a thread, and the worker picked only after it."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from server.config import ModelSettings
+from server.errors import APIError
+from server.router import Router
+from server.routes.prompt import route_encoded
+
+
+class Worker:
+    def __init__(self, label: str, load: int = 0) -> None:
+        self.label, self.load, self.ready, self.capacity = label, load, True, 4
+
+    def has_capacity(self, n: int) -> bool:
+        return self.load + n <= self.capacity
+
+
+class Pool:
+    def __init__(self, name: str, workers: list[Worker], fallback: list[str] | None = None) -> None:
+        self.settings = ModelSettings(name=name, path="/m", fallback=fallback or [])
+        self.name = name
+        self.workers = workers
+
+    def ready_workers(self) -> list[Worker]:
+        return [w for w in self.workers if w.ready]
+
+
+def router(*pools: Pool) -> Router:
+    return Router({p.name: p for p in pools})
+
+
+async def start(r: Router, encode) -> str:
+    """One request: route, then start (which is what raises the worker's load)."""
+    _, worker, _ = await route_encoded(r, "m", 1, encode)
+    worker.load += 1
+    return worker.label
+
+
+def test_encoding_runs_off_the_event_loop():
+    threads = []
+
+    def slow_encode(pool: Pool) -> list[int]:
+        threads.append(threading.get_ident())
+        time.sleep(0.3)
+        return [1, 2, 3]
+
+    async def main() -> tuple[int, list[int]]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.ensure_future(ticker())
+        _, _, ids = await route_encoded(router(Pool("m", [Worker("a")])), "m", 1, slow_encode)
+        task.cancel()
+        return ticks, ids
+
+    ticks, ids = asyncio.run(main())
+    assert ids == [1, 2, 3]
+    assert threads[0] != threading.get_ident()
+    assert ticks >= 10  # the loop kept running while the prompt was encoded
+
+
+def test_worker_is_picked_after_encoding_so_concurrent_requests_spread():
+    # "a" is less loaded; the first request to start takes it, so the second must see that.
+    a, b = Worker("a", load=0), Worker("b", load=1)
+    r = router(Pool("m", [a, b]))
+
+    def encode(pool: Pool) -> list[int]:
+        time.sleep(0.05)
+        return [1]
+
+    async def main() -> list[str]:
+        return list(await asyncio.gather(start(r, encode), start(r, encode)))
+
+    assert sorted(asyncio.run(main())) == ["a", "b"]
+
+
+def test_looking_up_the_pool_does_not_take_a_round_robin_turn():
+    r = router(Pool("m", [Worker("a"), Worker("b")]))
+
+    async def main() -> list[str]:
+        labels = []
+        for _ in range(4):
+            _, worker, _ = await route_encoded(r, "m", 1, lambda pool: [1])
+            labels.append(worker.label)
+        return labels
+
+    assert asyncio.run(main()) == ["a", "b", "a", "b"]
+
+
+def test_a_pool_going_down_while_encoding_reencodes_for_the_fallback():
+    main_worker = Worker("main")
+    r = router(Pool("m", [main_worker], fallback=["f"]), Pool("f", [Worker("fb")]))
+    seen = []
+
+    def encode(pool: Pool) -> str:
+        seen.append(pool.name)
+        main_worker.ready = False  # the model's only worker dies while its tokenizer runs
+        return f"ids by {pool.name}"
+
+    pool, worker, ids = asyncio.run(route_encoded(r, "m", 1, encode))
+    assert (pool.name, worker.label, ids) == ("f", "fb", "ids by f")
+    assert seen == ["m", "f"]
+
+
+def test_no_ready_pool_is_a_503_without_encoding():
+    worker = Worker("a")
+    worker.ready = False
+
+    def encode(pool: Pool) -> list[int]:
+        raise AssertionError("encoded for a model with no ready worker")
+
+    with pytest.raises(APIError) as info:
+        asyncio.run(route_encoded(router(Pool("m", [worker])), "m", 1, encode))
+    assert info.value.status == 503

@@ -1,0 +1,55 @@
+"""A config none of whose workers can start ends `xinserve serve` with their errors; one worker
+whose device fails leaves the others serving, with the device's own error on /health."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args],
+        check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_every_worker_failing_exits_non_zero_with_the_device_error(tiny_model_dir):
+    start = time.monotonic()
+    done = serve("--model", str(tiny_model_dir), "--device", "npu:0")
+    assert done.returncode == 1
+    assert time.monotonic() - start < 60
+    err = done.stderr
+    assert "xinserve: no worker of any model could start:" in err
+    assert "npu:0" in err and "torch_npu is not installed" in err and "CANN" in err
+    assert "Traceback" not in err.split("xinserve: no worker")[1]
+
+
+def test_a_missing_model_directory_exits_non_zero():
+    done = serve("--model", "/nonexistent/model-dir")
+    assert done.returncode == 1 and "/nonexistent/model-dir does not exist" in done.stderr
+
+
+def test_one_failed_device_leaves_the_others_serving(start_server, tiny_model_dir):
+    srv = start_server(["--model", str(tiny_model_dir), "--device", "cpu", "--device", "musa:0",
+                        "--served-model-name", "tiny"])
+    deadline = time.monotonic() + 120
+    health = None
+    while health is None or any(w["state"] == "starting" for w in health["workers"]):
+        assert srv.proc.poll() is None and time.monotonic() < deadline, srv.log()[-2000:]
+        time.sleep(0.3)
+        try:
+            health = httpx.get(f"{srv.url}/health", timeout=5).json()
+        except httpx.HTTPError:
+            continue
+    states = {w["worker"]: (w["state"], w["last_error"]) for w in health["workers"]}
+    assert states["cpu"][0] == "ready"
+    assert states["musa:0"][0] == "failed" and "torch_musa is not installed" in states["musa:0"][1]
+    assert health["status"] == "degraded"
+    r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
+    srv.stop()
