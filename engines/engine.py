@@ -3,6 +3,7 @@
 import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -13,7 +14,9 @@ from engines.platforms import get_platform
 from engines.runner import ModelRunner, SampledToken
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledSeq, Scheduler
-from engines.sequence import Sequence
+from engines.sequence import Sequence, SequenceStatus
+from engines.structured.compiler import GrammarCompiler
+from engines.structured.schema import check_json_schema
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, list[Sequence]] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        # request_id -> (its grammar being compiled, its sequences): held back from the scheduler
+        self._compiling: dict[str, tuple[Future, list[Sequence]]] = {}
         self._seq_ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -101,14 +107,21 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs must be at most the vocabulary size {self.vocab_size}")
+        if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
+        if params.json_schema is not None:
+            check_json_schema(params.json_schema)
         now = time.monotonic()
         first = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, now)
         seqs = [first] + [
             Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, now, index=i, parent=first)
             for i in range(1, params.n)
         ]
-        for seq in seqs:
-            self.scheduler.add(seq)
+        if params.json_schema is None:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        else:
+            self._compiling[request_id] = (self.grammars.compile(params.json_schema), seqs)
         self.requests[request_id] = seqs
         self.prompt_tokens_total += len(prompt_token_ids)
 
@@ -119,12 +132,13 @@ class LLMEngine:
                 self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def step(self) -> list[StepOutput]:
+        not_compiled = self._admit_compiled() if self._compiling else []
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
+            return not_compiled
         failed: list[StepOutput] = []
         try:
             sampled = self.runner.execute(scheduled)
@@ -134,7 +148,29 @@ class LLMEngine:
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(s.seq)
-        return failed + [self._append_token(s) for s in sampled]
+        return not_compiled + failed + [self._append_token(s) for s in sampled]
+
+    def _admit_compiled(self) -> list[StepOutput]:
+        """Hand requests whose grammar is compiled to the scheduler, each sequence with its own matcher.
+        Returns an error output per sequence whose grammar failed to compile."""
+        if not self.scheduler.has_unfinished():
+            # Nothing else to run: wait a little for a compile instead of spinning the worker loop.
+            wait([future for future, _ in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+        failed: list[StepOutput] = []
+        for request_id, (future, seqs) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            if future.exception() is not None:
+                error = f"the JSON schema could not be compiled: {future.exception()}"
+                for seq in seqs:
+                    self._finish(seq, "error")
+                    failed.append(StepOutput(request_id, seq.index, [], True, "error", error=error))
+                continue
+            for seq in seqs:
+                seq.grammar = self.grammars.new_grammar(future.result())
+                self.scheduler.add(seq)
+        return failed
 
     def _execute_one_by_one(
         self, scheduled: list[ScheduledSeq]
@@ -168,7 +204,12 @@ class LLMEngine:
         seq, token = sampled.seq, sampled.token_id
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
-        reason = self._stop_reason(seq, token)
+        error = None
+        if seq.grammar is not None and not seq.grammar.matcher.accept_token(token):
+            # The mask allows only tokens the grammar accepts: this is a bug, not a bad request.
+            error = f"token {token} is outside the output's grammar"
+            logger.error("request %s: %s", seq.request_id, error)
+        reason = "error" if error else self._stop_reason(seq, token)
         if reason is not None:
             self._finish(seq, reason)
         return StepOutput(
@@ -178,12 +219,16 @@ class LLMEngine:
             finished=reason is not None,
             finish_reason=reason,
             logprobs=None if sampled.logprob is None else [sampled.logprob],
+            error=error,
+            prompt_logprobs=sampled.prompt_logprobs,
         )
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
+        if seq.grammar is not None and token in self.eos_token_ids:
+            return "stop"  # the grammar's end: its mask allows EOS only there, ignore_eos or not
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return "length"
         if seq.num_tokens >= self.max_model_len:
@@ -191,7 +236,13 @@ class LLMEngine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
+        if seq.request_id in self._compiling:  # never handed to the scheduler: nothing to free
+            self._compiling[seq.request_id][1].remove(seq)
+            if not self._compiling[seq.request_id][1]:
+                del self._compiling[seq.request_id]
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        else:
+            self.scheduler.finish(seq, reason)
         self.runner.release(seq)
         seqs = self.requests.get(seq.request_id, [])
         if all(s.is_finished for s in seqs):

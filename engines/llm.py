@@ -1,4 +1,8 @@
-"""Offline batch generation: ``LLM(model=PATH).generate(prompts, params)``."""
+"""Offline batch generation: ``LLM(model=PATH).generate(prompts, params)``.
+
+Structured output, logit bias and prompt log-probs are ``SamplingParams`` fields (``json_schema``,
+``logit_bias``, ``prompt_logprobs``), as on the server.
+"""
 
 from collections.abc import Sequence as Seq
 
@@ -50,6 +54,8 @@ class LLM:
                 choice.token_ids.extend(out.new_token_ids)
                 if out.logprobs is not None:
                     choice.logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    results[out.request_id].prompt_logprobs = out.prompt_logprobs
                 detok = detokenizers[out.request_id, out.index]
                 # The engine's own "stop" is always a stop token (EOS or stop_token_ids).
                 _, stopped = detok.add(out.new_token_ids, out.finished and out.finish_reason == "stop")

@@ -24,6 +24,8 @@ class StepOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # why the request failed (finish reason "error")
+    # With the first token of a request that asked for them: one entry per prompt token, None first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -44,6 +46,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for, one per prompt token
 
     @property
     def token_ids(self) -> list[int]:

@@ -16,7 +16,8 @@ from engines.platforms import Platform
 from engines.sampler import Sampler, SamplingRow
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledSeq
-from engines.sequence import Sequence
+from engines.sequence import Sequence, needs_prompt_logits
+from engines.structured.bitmask import apply_grammars
 from kernels.ops import KernelOps
 from kernels.probes import ModelShapes
 from kernels.registry import KernelSelection, select
@@ -43,6 +44,7 @@ class SampledToken:
     seq: Sequence
     token_id: int
     logprob: TokenLogprob | None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with a request's first token, when asked
 
 
 def parse_dtype(dtype: str | None) -> torch.dtype | None:
@@ -70,6 +72,8 @@ class ModelRunner:
         ).shape[-1]
         self.sampler = Sampler(self.kernels.ops.top_k_top_p)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded sequence
+        # seq_id -> log-probs of the prompt tokens computed so far (echo with logprobs; chunked prefill)
+        self.prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
         self.eos_token_ids = eos_token_ids  # suppressed until a sequence has min_tokens
         torch.manual_seed(config.seed)
         self.kv_cache = torch.empty(0)
@@ -127,10 +131,13 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
+        self.prompt_logprobs.pop(seq.seq_id, None)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
         batch = self._prepare(scheduled)
+        if any(needs_prompt_logits(s.seq) for s in scheduled):
+            return self._with_prompt_logprobs(batch, scheduled)
         if self.forward_seconds is None:
             logits = self._forward(batch)
         else:
@@ -138,10 +145,17 @@ class ModelRunner:
             logits = self._forward(batch)
             self.platform.synchronize()
             self.forward_seconds += time.perf_counter() - start
+        return self._sample(batch, logits)
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor | None) -> list[SampledToken]:
         if logits is None:
             return []
         if all(_plain_greedy(seq) for seq in batch.sampled):
-            # The all-greedy fast path: one argmax, no per-row sampling settings, one copy back.
+            # The all-greedy fast path: one argmax (over the grammar masks of constrained rows), no
+            # per-row sampling settings, one copy back.
+            grammars = [seq.grammar for seq in batch.sampled]
+            if any(g is not None for g in grammars):
+                logits = apply_grammars(logits, grammars)
             token_ids = logits.argmax(dim=-1).tolist()
             return [SampledToken(s, t, None) for s, t in zip(batch.sampled, token_ids)]
         out = self.sampler(logits, [self._sampling_row(seq) for seq in batch.sampled])
@@ -154,6 +168,44 @@ class ModelRunner:
                 if k is not None:
                     logprobs[i] = TokenLogprob(values[i][0], ids[i][1 : 1 + k], values[i][1 : 1 + k])
         return [SampledToken(s, t, lp) for s, t, lp in zip(batch.sampled, token_ids, logprobs)]
+
+    def _with_prompt_logprobs(self, batch: StepBatch, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
+        """``execute`` for a step in which a sequence asked for its prompt's log-probs (echo with
+        logprobs): the logits of its prompt positions too. Off the normal path, with a second copy
+        to the host for those log-probs."""
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
+        for seq, start, first_row, count in _flat_rows(scheduled, hidden.shape[0]):
+            if needs_prompt_logits(seq):
+                self._add_prompt_logprobs(seq, start, hidden[first_row : first_row + count])
+        logits = None
+        if batch.sampled:
+            if batch.logits_indices is not None:
+                hidden = hidden.index_select(0, batch.logits_indices)
+            logits = self.model.compute_logits(hidden)
+        sampled = self._sample(batch, logits)
+        for token in sampled:
+            token.prompt_logprobs = self.prompt_logprobs.pop(token.seq.seq_id, None)
+        return sampled
+
+    def _add_prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """Log-probs of the prompt tokens that the rows of ``hidden`` ([n, hidden], the positions from
+        ``start`` on) predict: row j predicts the token at ``start + j + 1``."""
+        entries = self.prompt_logprobs.setdefault(seq.seq_id, [])
+        if start == 0:
+            entries[:] = [None]  # the first prompt token has nothing before it (and a recompute restarts)
+        # The last prompt position predicts the first output token, not a prompt token.
+        targets = seq.token_ids[start + 1 : min(start + 1 + hidden.shape[0], seq.num_prompt_tokens)]
+        if not targets:
+            return
+        logprobs = self.model.compute_logits(hidden[: len(targets)]).float().log_softmax(dim=-1)  # [R, V]
+        target_ids = torch.tensor(targets, dtype=torch.int64, device=logprobs.device).unsqueeze(1)  # [R, 1]
+        values, ids = logprobs.gather(1, target_ids), target_ids
+        k = seq.params.prompt_logprobs
+        if k:
+            top_values, top_ids = logprobs.topk(k, dim=-1)  # [R, k]
+            values, ids = torch.cat([values, top_values], dim=1), torch.cat([ids, top_ids], dim=1)
+        for row_values, row_ids in zip(values.tolist(), ids.tolist()):
+            entries.append(TokenLogprob(row_values[0], row_ids[1:], row_values[1:]))
 
     def _forward(self, batch: StepBatch) -> torch.Tensor | None:
         """The model forward plus the logits of the sampled tokens ([N, vocab] float32; None when no
@@ -233,7 +285,8 @@ class ModelRunner:
                 self.generators[seq.seq_id] = generator
         needs_history = params.has_penalties
         suppress: list[int] = []
-        if seq.num_output_tokens < params.min_tokens:
+        # A grammar decides where a constrained output ends; suppressing its end would mask every token.
+        if seq.num_output_tokens < params.min_tokens and seq.grammar is None:
             suppress = [*self.eos_token_ids, *params.stop_token_ids]
         return SamplingRow(
             params=params,
@@ -241,12 +294,27 @@ class ModelRunner:
             output_token_ids=seq.output_token_ids if needs_history else [],
             generator=generator,
             suppress_token_ids=suppress,
+            grammar=seq.grammar,
         )
 
 
 def _plain_greedy(seq: Sequence) -> bool:
-    """Greedy with nothing that changes the logits or asks for more than the token."""
+    """Greedy with nothing that changes the logits (but a grammar mask) or asks for more than the token."""
     p = seq.params
     return (
         p.greedy and p.logprobs is None and not p.has_penalties and seq.num_output_tokens >= p.min_tokens
+        and not p.logit_bias
     )
+
+
+def _flat_rows(scheduled: list[ScheduledSeq], num_tokens: int) -> list[tuple[Sequence, int, int, int]]:
+    """(sequence, its first position, its first row, its row count) in the flat batch ``_prepare``
+    builds: single-token sequences first, then the multi-token ones, which end the batch."""
+    decodes = [s for s in scheduled if s.num_new_tokens == 1]
+    prefills = [s for s in scheduled if s.num_new_tokens > 1]
+    rows = [(s.seq, s.seq.num_computed_tokens, i, 1) for i, s in enumerate(decodes)]
+    row = num_tokens - sum(s.num_new_tokens for s in prefills)
+    for s in prefills:
+        rows.append((s.seq, s.seq.num_computed_tokens, row, s.num_new_tokens))
+        row += s.num_new_tokens
+    return rows

@@ -1,4 +1,5 @@
-"""Token sampling on the device: penalties, temperature, top-k / top-p / min-p, seeded draws, log-probs.
+"""Token sampling on the device: penalties, logit bias, grammar masks, temperature, top-k / top-p / min-p,
+seeded draws, log-probs.
 
 Batched over the rows of the logits, and nothing here copies from the device to the host: per-row
 settings go host -> device as small tensors, and the runner makes the step's one device -> host copy
@@ -14,6 +15,8 @@ import numpy as np
 import torch
 
 from engines.sampling_params import SamplingParams
+from engines.structured.bitmask import apply_grammars
+from engines.structured.compiler import OutputGrammar
 from kernels import reference
 
 
@@ -26,6 +29,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # owned by the runner, one per seeded sequence, on the logits' device
     suppress_token_ids: list[int]  # e.g. EOS while fewer than min_tokens are generated
+    grammar: OutputGrammar | None = None  # the sequence's grammar state when its output is constrained
 
 
 @dataclass(slots=True)
@@ -51,6 +55,10 @@ class Sampler:
             logits = apply_penalties(logits, rows)
         if any(row.suppress_token_ids for row in rows):
             logits = suppress_tokens(logits, rows)
+        if any(row.params.logit_bias for row in rows):
+            logits = apply_logit_bias(logits, rows)
+        if any(row.grammar is not None for row in rows):
+            logits = apply_grammars(logits, [row.grammar for row in rows])
         greedy = [row.params.greedy for row in rows]
         if all(greedy):
             token_ids = logits.argmax(dim=-1)
@@ -118,6 +126,17 @@ def suppress_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     logits = logits.clone()
     logits[row_index.to(logits.device), token_ids.to(logits.device)] = float("-inf")
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A copy of ``logits`` with each row's ``logit_bias`` values added to its tokens' logits."""
+    biases = [row.params.logit_bias or {} for row in rows]
+    row_index = torch.from_numpy(np.repeat(np.arange(len(biases)), [len(b) for b in biases]))
+    token_ids = torch.tensor(list(chain.from_iterable(biases)), dtype=torch.int64)
+    values = torch.tensor(list(chain.from_iterable(b.values() for b in biases)), dtype=torch.float32)
+    return logits.index_put(
+        (row_index.to(logits.device), token_ids.to(logits.device)), values.to(logits.device), accumulate=True
+    )
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Per-request sampling settings, validated once when the request is created."""
 
+import json
 from dataclasses import dataclass, field
 
 # Temperatures this small are greedy, as in vLLM: dividing logits by 1e-40 overflows to inf and NaN.
@@ -12,7 +13,12 @@ class SamplingParams:
 
     ``temperature`` below ``GREEDY_BELOW`` (0 included) means greedy. ``top_k <= 0`` disables top-k.
     ``logprobs`` is the number of alternatives returned with each token (None: no log-probs; 0: only
-    the chosen token's).
+    the chosen token's); ``prompt_logprobs`` the same for every prompt token (the first has none).
+
+    ``json_schema``: the output must be JSON matching this JSON Schema (its JSON text; a dict is
+    serialised here, key order kept), enforced token by token; the grammar decides where the output
+    ends (``min_tokens`` does not hold it open). ``logit_bias``: token id -> value added to its logit
+    before sampling (-100 and 100 in effect forbid and force a token).
     """
 
     n: int = 1
@@ -32,12 +38,19 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False  # keep the matched stop string / stop token's text
     skip_special_tokens: bool = True  # in the detokenized text
+    json_schema: str | None = None
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(v) for t, v in dict(self.logit_bias).items()} or None
         self.validate()
 
     def validate(self) -> None:
@@ -68,6 +81,10 @@ class SamplingParams:
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engines.kv_cache import BlockManager
-from engines.sequence import Sequence, SequenceStatus
+from engines.sequence import Sequence, SequenceStatus, needs_prompt_logits
 
 
 @dataclass(slots=True)
@@ -65,7 +65,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self._waits_for_parent(seq):
                 break
-            computed = self.block_manager.computed_blocks(seq)
+            # A prompt whose log-probs are asked for is computed whole: a prefix-cache hit has no logits.
+            computed = [] if needs_prompt_logits(seq) else self.block_manager.computed_blocks(seq)
             cached_tokens = len(computed) * self.block_manager.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - cached_tokens, budget)
             if not self.block_manager.allocate_slots(seq, num_new, computed):

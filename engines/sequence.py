@@ -1,6 +1,7 @@
 """One generated sequence: its tokens, KV blocks and progress. Plain Python, no torch."""
 
 from enum import Enum, auto
+from typing import Any
 
 from engines.sampling_params import SamplingParams
 
@@ -17,12 +18,15 @@ class Sequence:
     ``num_computed_tokens`` counts tokens whose KV is in the cache; the scheduler makes it catch up
     with ``num_tokens`` (there is no separate prefill phase). ``parent`` is set on the extra choices
     of an ``n > 1`` request: they wait for the parent's prompt and share its full prompt blocks.
+    ``grammar`` is the matcher of a constrained output, advanced by each accepted token; it stays with
+    the sequence through preemption (recomputing the KV accepts no token again).
     """
 
     __slots__ = (
         "arrival_time",
         "block_table",
         "finish_reason",
+        "grammar",
         "index",
         "num_computed_tokens",
         "num_prompt_tokens",
@@ -56,6 +60,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.parent = parent
+        self.grammar: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,3 +87,12 @@ class Sequence:
             f"Sequence({self.request_id}#{self.index}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, {self.status.name})"
         )
+
+
+def needs_prompt_logits(seq: Sequence) -> bool:
+    """Whether the next computed prompt tokens of ``seq`` must yield log-probs (echo with logprobs).
+
+    Asked once per request, of its first choice, and only until its first token: the prompt is then
+    done, and a recompute after preemption needs no second copy.
+    """
+    return seq.params.prompt_logprobs is not None and seq.parent is None and seq.num_output_tokens == 0

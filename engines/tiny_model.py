@@ -17,10 +17,14 @@ from transformers import (
     GenerationConfig,
     Glm4Config,
     Glm4ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -28,6 +32,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -175,6 +181,18 @@ ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # q/k/v biases are built into Qwen2
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),  # per-head q/k RMSNorm is built into Qwen3
     "glm4": (Glm4Config, Glm4ForCausalLM, {"partial_rotary_factor": 0.5, "attention_bias": True}),
+    # Mixture-of-experts, small and odd on purpose: 8 experts top-2 with a dense first layer;
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "mlp_only_layers": [0]}),
+    # 6 experts top-2 on every layer;
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 6, "num_experts_per_tok": 2}),
+    # 8 experts in 2 groups (top-2 from the best group), a shared expert, a dense first layer, scaled
+    # weights, q/k norm and partial rotary.
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, {
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
+        "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5}),
 }
 
 
@@ -238,7 +256,8 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
 
     Hugging Face initialises norms to 1 and biases to 0; random values here make an engine that
     forgets a bias or a norm weight produce different tokens, so the tests can catch it.
-    Parameters are drawn in name order from one generator, independent of HF's init order.
+    Parameters are drawn in name order from one generator, independent of HF's init order, then the
+    learned buffers (GLM-4.5's router bias, zero at init), so that the choice of experts depends on it.
     """
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -251,6 +270,9 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
                 param.copy_(LM_HEAD_GAIN * std * noise)
             else:
                 param.copy_(std * noise)
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):  # of the order of the sigmoid scores' spread
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen, dtype=torch.float32))
 
 
 def make_tiny_model(

@@ -94,6 +94,8 @@ def paged_decode_attention(
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     """Why this module cannot serve ``op`` for the model, or None (the registry then probes it)."""
     head_dim = shapes.head_dim
+    if shapes.sliding_window is not None:  # both attention kernels here attend to the whole context
+        return "sliding window unsupported (not implemented for MUSA attention here)"
     if op == "prefill_attention":
         if dtype not in FLASH_DTYPES:
             return f"{dtype} has no flash path (torch_musa's flash SDPA takes float16 and bfloat16)"

@@ -1,12 +1,14 @@
 """Ascend implementations through torch_npu, with the signatures of ``kernels.reference``.
 
 The argument conventions follow how vllm-ascend calls these operators (attention backend, device
-adaptor, rotary and sampler); the limits in ``unsupported`` come from the torch_npu / CANN operator
+adaptor, rotary, sampler, and its fused-MoE router, all-gather token dispatcher and unquantised expert
+MLP); the limits in ``unsupported`` come from the torch_npu / CANN operator
 documentation, so the registry skips a case the operator would reject instead of calling into it.
 Importing this module raises ImportError where torch_npu is not installed.
 
 Shape letters as in kernels/reference.py: T tokens, S sequences, H query heads, KVH key/value
-heads, D head dim, N KV blocks, BS block size, B blocks per sequence, V vocabulary.
+heads, D head dim, N KV blocks, BS block size, B blocks per sequence, V vocabulary; E experts, K
+experts per token, Hd hidden size, I one expert's intermediate size.
 """
 
 from functools import cache
@@ -16,6 +18,7 @@ import torch
 import torch_npu
 
 from kernels.probes import ModelShapes
+from kernels.routing import MoeRouting
 
 if TYPE_CHECKING:
     from engines.attention_metadata import DecodeGather
@@ -25,6 +28,9 @@ if TYPE_CHECKING:
 CAUSAL_MASK_SIZE = 2048
 RIGHT_DOWN_CAUSAL = 3
 HALF_PRECISION = (torch.float16, torch.bfloat16)
+# MoeGatingTopK: at most 2048 experts, and a group's width rounded up to 32 times the groups as well
+MAX_GATING_EXPERTS = 2048
+GROUP_BY_TOP2_SUM = 1  # group_select_mode: a group ranks by the sum of its two best experts
 
 
 def write_kv(
@@ -160,6 +166,66 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch_npu.npu_swiglu(x, dim=-1)
 
 
+def select_experts(
+    router_logits: torch.Tensor, routing: MoeRouting, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] float32; correction_bias: [E] float32 or None. Returns (weights [T, K]
+    float32, ids [T, K] int32)."""
+    softmax = routing.scoring == "softmax"
+    # The operator divides sigmoid weights by their sum (+ eps) itself and then scales them, but
+    # leaves softmax weights as they are (renorm only 0 is supported): those are divided and scaled
+    # here, as vllm-ascend does.
+    weights, ids, _ = torch_npu.npu_moe_gating_top_k(
+        router_logits,
+        k=routing.top_k,
+        bias=correction_bias,
+        k_group=routing.topk_groups,
+        group_count=routing.num_groups,
+        group_select_mode=GROUP_BY_TOP2_SUM,
+        renorm=0,
+        norm_type=0 if softmax else 1,
+        out_flag=False,
+        routed_scaling_factor=1.0 if softmax else routing.scaling_factor,
+        eps=1e-20,
+    )
+    if softmax:
+        if routing.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * routing.scaling_factor
+    return weights, ids
+
+
+def fused_moe(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """hidden: [T, Hd]; w13: [E, 2I, Hd]; w2: [E, Hd, I]; topk_weights: [T, K] float32; topk_ids:
+    [T, K] int32. Returns [T, Hd]."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    # expanded: [T * K, Hd], the rows sorted by expert; row_map: [T * K] int32, where each (token, k)
+    # row went (a gather index); counts: [E], each expert's rows
+    expanded, row_map, counts, _ = torch_npu.npu_moe_init_routing_v2(
+        hidden,
+        topk_ids,
+        active_num=num_tokens * top_k,
+        expert_num=num_experts,
+        expert_tokens_num_type=1,  # counts, not their running sum
+        expert_tokens_num_flag=True,
+        active_expert_range=[0, num_experts],
+        quant_mode=-1,  # not quantised
+    )
+    counts = counts.to(torch.int64)
+    # One grouped matmul per projection over every expert; the weights are passed transposed
+    # ([E, Hd, 2I] and [E, I, Hd] views), as vllm-ascend passes checkpoint-layout weights.
+    grouped = {"split_item": 2, "group_type": 0, "group_list_type": 1, "group_list": counts}
+    gate_up = torch_npu.npu_grouped_matmul([expanded], [w13.transpose(1, 2)], **grouped)[0]  # [T * K, 2I]
+    down = torch_npu.npu_grouped_matmul([torch_npu.npu_swiglu(gate_up)], [w2.transpose(1, 2)], **grouped)[0]
+    # each token's K rows back in place, weighted and summed: [T, Hd]
+    return torch_npu.npu_moe_token_unpermute(
+        permuted_tokens=down, sorted_indices=row_map, probs=topk_weights.to(down.dtype)
+    )
+
+
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """logits: [N, V] float32; top_k: [N, 1] int64, 0 = keep all; top_p: [N, 1] float32."""
     # The operator takes k as [N] int32 with no "disabled" value: k = V keeps every token (vllm-ascend
@@ -172,7 +238,7 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 OPS = {
     fn.__name__: fn
     for fn in (write_kv, paged_prefill_attention, paged_decode_attention, rms_norm, rotary_cos_sin,
-               rotary_embedding, silu_and_mul, top_k_top_p)
+               rotary_embedding, silu_and_mul, select_experts, fused_moe, top_k_top_p)
 }
 
 
@@ -197,6 +263,8 @@ def _prefill_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     # in [128, 512]; D 16-byte aligned and at most 512 (vllm-ascend moves D = 512 off this path);
     # at most 256 query heads and 64 query heads per KV head.
     bs, d = shapes.block_size, shapes.head_dim
+    if shapes.sliding_window is not None:
+        return _NO_WINDOW
     if bs % 128 or not 128 <= bs <= 512:
         return f"block_size {bs} unsupported (a multiple of 128 up to 512)"
     if d % 8 or d >= 512:
@@ -211,6 +279,8 @@ def _decode_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     # ATB PagedAttention: block size a multiple of 16, head size in (0, 256] and head size * block
     # size at most 128 * 128.
     bs, d = shapes.block_size, shapes.head_dim
+    if shapes.sliding_window is not None:
+        return _NO_WINDOW
     if bs % 16:
         return f"block_size {bs} unsupported (a multiple of 16)"
     if d > 256 or d * bs > 128 * 128:
@@ -227,9 +297,30 @@ def _rotary_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     return None
 
 
+def _fused_moe_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    # MoeGatingTopK (aclnn documentation): at most 2048 experts in equal groups of more than one
+    # expert (group_select_mode 1), align_32(E / groups) * groups <= 2048, 1 <= k_group <= groups,
+    # k <= E / groups * k_group, and only renorm 0: sigmoid weights are always divided by their sum.
+    routing, experts = shapes.moe_routing, shapes.num_experts
+    groups = routing.num_groups
+    if experts > MAX_GATING_EXPERTS or experts % groups or experts // groups < 2:
+        return f"{experts} experts in {groups} groups unsupported (MoeGatingTopK: <= 2048, equal groups of 2+)"
+    if -(-(experts // groups) // 32) * 32 * groups > MAX_GATING_EXPERTS:
+        return f"{groups} groups of {experts // groups} experts unsupported (32-aligned groups <= 2048)"
+    if not 1 <= routing.topk_groups <= groups or routing.top_k > experts // groups * routing.topk_groups:
+        return f"top {routing.top_k} of {routing.topk_groups} / {groups} groups unsupported"
+    if routing.scoring == "sigmoid" and not routing.renormalize:
+        return "sigmoid scores without renormalisation unsupported (MoeGatingTopK always renormalises them)"
+    return None
+
+
+# the message of the attention kernels for a model with a sliding window (they take no window here)
+_NO_WINDOW = "sliding window unsupported (not implemented for the Ascend attention operators here)"
+
 _LIMITS = {
     "write_kv": _write_kv_limits,
     "prefill_attention": _prefill_limits,
     "decode_attention": _decode_limits,
     "rotary": _rotary_limits,
+    "fused_moe": _fused_moe_limits,
 }

@@ -3,9 +3,10 @@ functions a model is built with.
 
 An op is one or more functions that are chosen together: rotary is ``rotary_cos_sin`` (the step's
 table, built once for all layers) plus ``rotary_embedding`` (applied per layer), because a vendor
-kernel wants its own table layout. Every implementation module (``kernels.reference``,
-``kernels.triton``, ``kernels.npu``, ``kernels.musa``) exposes ``OPS``: function name -> function,
-for the functions it implements, with the reference signatures.
+kernel wants its own table layout; fused_moe is ``select_experts`` (routing) plus ``fused_moe`` (the
+experts), because a vendor's routing output is laid out for its own expert kernels. Every
+implementation module (``kernels.reference``, ``kernels.triton``, ``kernels.npu``, ...) exposes
+``OPS``: function name -> function, for the functions it implements, with the reference signatures.
 """
 
 from collections.abc import Callable
@@ -21,6 +22,7 @@ OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("rms_norm",),
     "rotary": ("rotary_cos_sin", "rotary_embedding"),
     "silu_and_mul": ("silu_and_mul",),
+    "fused_moe": ("select_experts", "fused_moe"),
     "top_k_top_p": ("top_k_top_p",),
 }
 OPS = tuple(OP_FUNCTIONS)
@@ -38,6 +40,8 @@ class KernelOps:
     rotary_cos_sin: Callable
     rotary_embedding: Callable
     silu_and_mul: Callable
+    select_experts: Callable
+    fused_moe: Callable
     top_k_top_p: Callable
 
     @classmethod

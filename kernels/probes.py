@@ -4,7 +4,9 @@ shaped like the model's, and measure how far it lands from the reference.
 The reference runs on the same inputs in float32 (on the host), so the error is the candidate's
 own. Inputs cover what a step can hold: GQA, the model's head dim and block size, contexts that
 cross block boundaries, a prefill after a cached prefix (chunked prefill), a batch without a decode
-part, the fused residual add of RMSNorm, partial and interleaved rotary.
+part, the fused residual add of RMSNorm, partial and interleaved rotary, the model's sliding window
+(both with and without it: some layers of a model may have none) with contexts that cross its edge,
+and for mixture-of-experts models the model's routing with experts that receive no token.
 """
 
 from collections.abc import Callable
@@ -15,6 +17,7 @@ import torch
 
 from engines.attention_metadata import build_decode_gather
 from kernels import reference
+from kernels.routing import MoeRouting
 
 # Largest tolerated max-abs error against the float32 reference, for inputs of order one.
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -34,6 +37,15 @@ class ModelShapes:
     vocab_size: int
     block_size: int
     rms_norm_eps: float = 1e-6
+    sliding_window: int | None = None  # the window of the model's windowed layers; None: no window
+    num_experts: int = 0  # routed experts of a mixture-of-experts layer; 0: a dense model
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    moe_routing: MoeRouting | None = None
+
+
+def applies(op: str, shapes: ModelShapes) -> bool:
+    """Whether a model of these shapes calls ``op`` at all (a dense model never calls fused_moe)."""
+    return op != "fused_moe" or shapes.num_experts > 0
 
 
 class _Inputs:
@@ -98,26 +110,43 @@ def probe_write_kv(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> 
     return max_error((got_k, got_v), (want_k, want_v))
 
 
+def _windows(shapes: ModelShapes) -> list[dict[str, int]]:
+    """The attention calls to probe: without a window, and with the model's window when it has one
+    (passed as a keyword, as the model passes it on windowed layers only)."""
+    window = shapes.sliding_window
+    return [{}] if window is None else [{}, {"sliding_window": window}]
+
+
+def _num_blocks(lens: list[int], block_size: int) -> int:
+    return max(8, sum(-(-n // block_size) for n in lens))
+
+
 def probe_prefill_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
     bs = shapes.block_size
-    # A whole 7-token prompt, then a 5-token chunk after a cached prefix that ends mid-block.
-    q_lens, seq_lens = [7, 5], [7, bs + 8]
-    num_blocks = 8
+    # A whole 7-token prompt, then a 5-token chunk after a cached prefix that ends mid-block (and
+    # reaches past the model's window, whose edge then cuts into the prefix).
+    q_lens, seq_lens = [7, 5], [7, max(bs, shapes.sliding_window or 0) + 8]
+    num_blocks = _num_blocks(seq_lens, bs)
     key_cache, value_cache = _paged_cache(x, shapes, num_blocks)
     tables = torch.from_numpy(_block_tables(seq_lens, bs, num_blocks, seed=1)).to(x.device)
     query = x.randn(sum(q_lens), shapes.num_heads, shapes.head_dim)
     query_start_loc = [0, q_lens[0], sum(q_lens)]
     scale = shapes.head_dim**-0.5
-    got = fn["paged_prefill_attention"](query, key_cache, value_cache, tables, query_start_loc, seq_lens, scale)
     args = [_to_host32(a) for a in (query, key_cache, value_cache, tables)]
-    want = reference.paged_prefill_attention(*args, query_start_loc, seq_lens, scale)
-    return max_error(got, want)
+    errors = []
+    for window in _windows(shapes):
+        got = fn["paged_prefill_attention"](query, key_cache, value_cache, tables, query_start_loc, seq_lens,
+                                            scale, **window)
+        want = reference.paged_prefill_attention(*args, query_start_loc, seq_lens, scale, **window)
+        errors.append(max_error(got, want))
+    return max(errors)
 
 
 def probe_decode_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
     bs = shapes.block_size
-    lens = [1, bs + 1, 2 * bs + 3]  # one token, just past a block, deep into the third block
-    num_blocks = 8
+    # one token, just past a block, deep into the third block (and 3 tokens past the window)
+    lens = [1, bs + 1, max(2 * bs, shapes.sliding_window or 0) + 3]
+    num_blocks = _num_blocks(lens, bs)
     key_cache, value_cache = _paged_cache(x, shapes, num_blocks)
     tables_np = _block_tables(lens, bs, num_blocks, seed=2)
     lens_np = np.array(lens, np.int32)
@@ -126,11 +155,14 @@ def probe_decode_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _Inp
     query = x.randn(len(lens), shapes.num_heads, shapes.head_dim)
     scale = shapes.head_dim**-0.5
     gather = build_decode_gather(tables_np, lens_np, bs, x.device)
-    got = fn["paged_decode_attention"](query, key_cache, value_cache, tables, seq_lens, scale, gather)
     host_gather = build_decode_gather(tables_np, lens_np, bs, torch.device("cpu"))
     args = [_to_host32(a) for a in (query, key_cache, value_cache, tables, seq_lens)]
-    want = reference.paged_decode_attention(*args, scale, host_gather)
-    return max_error(got, want)
+    errors = []
+    for window in _windows(shapes):
+        got = fn["paged_decode_attention"](query, key_cache, value_cache, tables, seq_lens, scale, gather, **window)
+        want = reference.paged_decode_attention(*args, scale, host_gather, **window)
+        errors.append(max_error(got, want))
+    return max(errors)
 
 
 def probe_rms_norm(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
@@ -168,6 +200,28 @@ def probe_silu_and_mul(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs)
     return max_error(fn["silu_and_mul"](gate_up), reference.silu_and_mul(_to_host32(gate_up)))
 
 
+def probe_fused_moe(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+    # The model's experts and routing, with one expert's matrices cut to at most 256 x 128: a real
+    # model's full expert stack would cost gigabytes here, and a matmul's accuracy does not depend
+    # on its size. 7 tokens leave some experts without a row; a lone token is a decode step.
+    routing, num_experts = shapes.moe_routing, shapes.num_experts
+    hidden_size, inter = min(shapes.hidden_size, 256), min(shapes.moe_intermediate_size, 128)
+    # weights scaled so that every intermediate value stays of order one
+    w13 = x.randn(num_experts, 2 * inter, hidden_size) * hidden_size**-0.5
+    w2 = x.randn(num_experts, hidden_size, inter) * inter**-0.5
+    bias = 0.1 * x.randn(num_experts, dtype=torch.float32) if routing.correction_bias else None
+    errors = []
+    for tokens in (7, 1):
+        hidden = x.randn(tokens, hidden_size)
+        logits = x.randn(tokens, num_experts, dtype=torch.float32)
+        weights, ids = fn["select_experts"](logits, routing, bias)
+        got = fn["fused_moe"](hidden, w13, w2, weights, ids)
+        want_weights, want_ids = reference.select_experts(logits.cpu(), routing, _to_host32(bias))
+        want = reference.fused_moe(*map(_to_host32, (hidden, w13, w2)), want_weights, want_ids)
+        errors.append(max_error(got, want))
+    return max(errors)
+
+
 def probe_top_k_top_p(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
     # Logits are float32 in the sampler whatever the model's dtype.
     logits = 3 * x.randn(4, shapes.vocab_size, dtype=torch.float32)
@@ -184,6 +238,7 @@ PROBES: dict[str, Callable[[dict[str, Callable], ModelShapes, _Inputs], float]] 
     "rms_norm": probe_rms_norm,
     "rotary": probe_rotary,
     "silu_and_mul": probe_silu_and_mul,
+    "fused_moe": probe_fused_moe,
     "top_k_top_p": probe_top_k_top_p,
 }
 

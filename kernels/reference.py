@@ -6,13 +6,21 @@ are also the CPU path and the fallback of every other.
 
 Shape letters: T = new tokens this step, S = sequences, H = query heads, KVH = key/value heads
 (H = KVH * G for grouped-query attention), D = head dim, N = KV blocks, BS = block size,
-B = max blocks per sequence.
+B = max blocks per sequence; for mixture-of-experts E = experts, K = experts per token, Hd = hidden
+size, I = one expert's intermediate size.
+
+Sliding-window attention (Mistral, Qwen2's upper layers) is the ``sliding_window`` keyword of the two
+attention functions: a query at position q sees the keys at positions q - sliding_window < p <= q,
+as transformers defines the window. The model passes the keyword only on windowed layers, so an
+implementation without windows need not accept it (its ``unsupported`` declines windowed models).
 """
 
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from kernels.routing import MoeRouting
 
 if TYPE_CHECKING:
     from engines.attention_metadata import DecodeGather
@@ -44,14 +52,16 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     gather: "DecodeGather",
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over its whole cached context.
+    """Attention of one new token per sequence over its cached context (the last
+    ``sliding_window`` positions of it when set).
 
     query: [S, H, D] (the new token's key/value are already in the cache);
     key_cache, value_cache: [N, BS, KVH, D]; block_tables: [S, B] int32; seq_lens: [S] int32
     (context length including the new token). ``gather``: the step's gather plan, which this
-    implementation reads instead of block_tables and seq_lens (kernels that read the cache in
-    place take those and ignore the plan). Returns [S, H, D].
+    implementation reads instead of block_tables (kernels that read the cache in place take those
+    and ignore the plan). Returns [S, H, D].
 
     Vectorised over sequences: every sequence gathers the same number of blocks and positions at or
     past its seq_len are masked, so there is no Python loop and no device-to-host sync.
@@ -69,7 +79,14 @@ def paged_decode_attention(
     # GQA without repeating K/V: the G query heads sharing a KV head act as G query rows.
     # q: [S, KVH, G, D]
     q = query.view(num_seqs, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=gather.mask, scale=scale)
+    mask = gather.mask
+    if sliding_window is not None:
+        # the new token sits at seq_len - 1 and sees positions >= seq_len - window (per layer: the
+        # plan is shared by windowed and full layers)
+        positions = torch.arange(gather.context_len, device=seq_lens.device)
+        inside = (positions[None, :] >= seq_lens[:, None] - sliding_window).view(num_seqs, 1, 1, -1)
+        mask = inside if mask is None else mask & inside
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     # out: [S, KVH, G, D] -> [S, H, D]
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -82,8 +99,10 @@ def paged_prefill_attention(
     query_start_loc: list[int],
     seq_lens: list[int],
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention for P prefill (or chunked-prefill) sequences.
+    """Causal attention for P prefill (or chunked-prefill) sequences, over the last
+    ``sliding_window`` positions up to each query when set.
 
     query: [T, H, D], the new tokens of P sequences back to back; query_start_loc: P + 1 host
     offsets into query, from 0; seq_lens: P host context lengths including the new tokens, so the
@@ -98,22 +117,28 @@ def paged_prefill_attention(
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len = end - start
-        num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[i, :num_blocks].long()
-        # k, v: [L, KVH, D] -> [H, L, D] (each KV head repeated for its G query heads)
-        k = key_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len]
-        v = value_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len]
+        prefix = seq_len - q_len
+        # keys [first, seq_len) are all that any query of the chunk can see; blocks before are skipped
+        first = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
+        first_block, num_blocks = first // block_size, -(-seq_len // block_size)
+        blocks = block_tables[i, first_block:num_blocks].long()
+        offset = first_block * block_size
+        # k, v: [L', KVH, D] -> [H, L', D] (each KV head repeated for its G query heads), L' = seq_len - first
+        k = key_cache[blocks].view(-1, num_kv_heads, head_dim)[first - offset : seq_len - offset]
+        v = value_cache[blocks].view(-1, num_kv_heads, head_dim)[first - offset : seq_len - offset]
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         q = query[start:end].transpose(0, 1)  # [H, q_len, D]
-        if q_len == seq_len:
+        if q_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
-            # query j sits at absolute position prefix + j and sees keys [0, prefix + j]
-            prefix = seq_len - q_len
-            q_pos = torch.arange(prefix, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, L]
+            # query j sits at absolute position prefix + j and sees keys [0, prefix + j], or only
+            # those past prefix + j - window
+            q_pos = torch.arange(prefix, seq_len, device=query.device)[:, None]
+            k_pos = torch.arange(first, seq_len, device=query.device)[None, :]
+            mask = k_pos <= q_pos  # [q_len, L']
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
@@ -191,6 +216,62 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def select_experts(
+    router_logits: torch.Tensor, routing: MoeRouting, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and their weights (``MoeRouting`` says how).
+
+    router_logits: [T, E] float32; correction_bias: [E] float32 when ``routing.correction_bias``.
+    Returns (weights [T, K] float32, ids [T, K] int64). The order of operations is transformers'
+    (Qwen3-MoE, Mixtral, GLM-4.5 routers), so float32 routing picks the same experts.
+    """
+    scores = router_logits.softmax(dim=-1) if routing.scoring == "softmax" else router_logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias
+    if routing.num_groups > 1:
+        num_tokens, num_experts = choice.shape
+        # grouped: [T, groups, E / groups]; a group ranks by the sum of its two best experts
+        grouped = choice.view(num_tokens, routing.num_groups, num_experts // routing.num_groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, groups]
+        best = group_scores.topk(routing.topk_groups, dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = grouped.masked_fill(~kept[:, :, None], float("-inf")).view(num_tokens, num_experts)
+    ids = choice.topk(routing.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if routing.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routing.scaling_factor, ids
+
+
+def fused_moe(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts' SwiGLU MLPs, weighted and summed per token.
+
+    hidden: [T, Hd]; w13: [E, 2I, Hd] (each expert's gate rows, then its up rows); w2: [E, Hd, I];
+    topk_weights: [T, K] float32; topk_ids: [T, K] int32 or int64. Returns [T, Hd]:
+    sum over k of weight_k * w2[e_k] @ (silu(gate_e_k x) * up_e_k x).
+
+    The T * K (token, expert) rows are sorted by expert, so each expert's rows are one slice and run
+    as one matmul pair; the weighted results are added back to their tokens (in float32). The
+    per-expert row counts are read on the host once (to slice, and to skip experts without a row).
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)  # [T * K]: sorted row -> its (token, k) slot
+    tokens = order // top_k  # [T * K]: the token of each sorted row
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    rows = hidden.index_select(0, tokens)  # [T * K, Hd], grouped by expert
+    outputs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            gate_up = F.linear(rows[start : start + count], w13[expert])  # [n, 2I]
+            outputs.append(F.linear(silu_and_mul(gate_up), w2[expert]))  # [n, Hd]
+            start += count
+    weighted = torch.cat(outputs).float() * topk_weights.reshape(-1).index_select(0, order)[:, None]
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, tokens, weighted).to(hidden.dtype)
+
+
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k (``top_k`` [N, 1] int64, 0 = keep all), then top-p: keep the smallest set of most likely tokens whose
     probability (renormalised after top-k) reaches ``top_p`` ([N, 1] float32, 1 = keep all)."""
@@ -211,5 +292,5 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 OPS = {
     fn.__name__: fn
     for fn in (write_kv, paged_prefill_attention, paged_decode_attention, rms_norm, rotary_cos_sin,
-               rotary_embedding, silu_and_mul, top_k_top_p)
+               rotary_embedding, silu_and_mul, select_experts, fused_moe, top_k_top_p)
 }

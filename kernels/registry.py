@@ -1,5 +1,6 @@
-"""Which implementation of each op a worker uses: the first of its platform's candidates that
-imports, accepts the model's shapes, runs on the device and agrees with the reference.
+"""Which implementation of each op a worker uses: among its platform's candidates that import,
+accept the model's shapes, run on the device and agree with the reference, the fastest at the
+model's shapes where the op is timed (kernels/timing.py), else the first in preference order.
 
 A fused vendor operator can be missing or broken on a given chip or driver version; then the
 next candidate is taken and the reason is kept (``not installed: ...``, ``raised AclError: ...``,
@@ -20,23 +21,32 @@ from types import ModuleType
 import torch
 
 from kernels.ops import OP_FUNCTIONS, OPS, KernelOps
-from kernels.probes import TOLERANCE, ModelShapes, probe
+from kernels.probes import TOLERANCE, ModelShapes, applies, probe
+from kernels.timing import WORKLOADS, TimingCache, fastest, measure
 
 # implementation name -> module exposing ``OPS`` (and optionally ``unsupported(op, shapes, dtype)``)
 MODULES = {
     "reference": "kernels.reference",
+    "cpp": "kernels.cpp",
     "triton": "kernels.triton",
+    "grouped_mm": "kernels.grouped_mm",
     "npu": "kernels.npu",
     "musa": "kernels.musa",
 }
 # Candidates per platform, most preferred first; "reference" always comes last.
 PREFERENCE = {
-    "cpu": ("reference",),
-    "cuda": ("triton", "reference"),
+    "cpu": ("cpp", "reference"),
+    "cuda": ("triton", "grouped_mm", "reference"),
     "npu": ("npu", "reference"),
     "musa": ("musa", "triton", "reference"),
 }
 ENV_VAR = "XINSERVE_KERNELS"
+# "off": choose by preference order without timing (fake devices in tests, or a start-up in a hurry)
+TIMING_ENV_VAR = "XINSERVE_KERNEL_TIMING"
+
+
+def timing_enabled() -> bool:
+    return os.environ.get(TIMING_ENV_VAR, "on").lower() not in ("0", "off", "false", "no")
 
 
 class KernelSelectionError(ValueError):
@@ -47,21 +57,31 @@ class KernelSelectionError(ValueError):
 class KernelSelection:
     chosen: dict[str, str]  # op -> implementation name
     rejected: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # op -> [(impl, reason)]
+    # op -> {impl: milliseconds} for ops where several candidates were correct and timed
+    timings_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     ops: KernelOps | None = None  # the chosen functions, for the model and the sampler
 
     def report(self) -> dict[str, dict]:
-        """Per op: the chosen implementation and the rejected ones with their reasons (JSON-ready)."""
-        return {
-            op: {"chosen": name, "rejected": [{"impl": i, "reason": r} for i, r in self.rejected.get(op, [])]}
-            for op, name in self.chosen.items()
-        }
+        """Per op: the chosen implementation, the rejected ones with their reasons, and the timings
+        when the choice was made by speed (JSON-ready)."""
+        out = {}
+        for op, name in self.chosen.items():
+            entry = {"chosen": name, "rejected": [{"impl": i, "reason": r} for i, r in self.rejected.get(op, [])]}
+            if op in self.timings_ms:
+                entry["timings_ms"] = self.timings_ms[op]
+            out[op] = entry
+        return out
 
     def table(self) -> str:
         """A few log lines: one per op."""
         lines = []
         for op, name in self.chosen.items():
-            rejected = "; ".join(f"{i}: {r}" for i, r in self.rejected.get(op, []))
-            lines.append(f"  {op:<18} {name:<10} {('(rejected ' + rejected + ')') if rejected else ''}".rstrip())
+            notes = []
+            if op in self.timings_ms:
+                notes.append("timed " + ", ".join(f"{i} {ms:.3g} ms" for i, ms in self.timings_ms[op].items()))
+            if op in self.rejected:
+                notes.append("rejected " + "; ".join(f"{i}: {r}" for i, r in self.rejected[op]))
+            lines.append(f"  {op:<18} {name:<10} {' | '.join(notes)}".rstrip())
         return "\n".join(lines)
 
 
@@ -98,30 +118,51 @@ def select(
     forced = {**parse_forced(os.environ.get(ENV_VAR)), **(forced or {})}
     selection = KernelSelection(chosen={})
     functions: dict[str, Callable] = {}
+    timings = TimingCache()
     for op in OPS:
         names = (forced[op],) if op in forced else PREFERENCE[platform]
+        correct: dict[str, dict[str, Callable]] = {}
+        reason = None
         for name in names:
             candidate, reason = _try(op, name, shapes, device, dtype)
             if candidate is not None:
-                selection.chosen[op] = name
-                functions.update(candidate)
-                break
-            if reason is not None:
+                correct[name] = candidate
+            elif reason is not None:
                 selection.rejected.setdefault(op, []).append((name, reason))
-        else:
+        if not correct:
             if op in forced:
                 raise KernelSelectionError(f"kernel {op}={forced[op]} was forced but cannot be used on "
                                            f"{device} in {dtype}: {reason}")
             raise KernelSelectionError(f"no implementation of {op} on {platform}")  # reference is last
+        name = next(iter(correct))
+        if len(correct) > 1 and op in WORKLOADS and timing_enabled():
+            measured = {n: _timed(timings, op, n, f, shapes, device, dtype) for n, f in correct.items()}
+            selection.timings_ms[op] = {n: round(seconds * 1000, 4) for n, seconds in measured.items()}
+            name = fastest(measured, names)
+        selection.chosen[op] = name
+        functions.update(correct[name])
     selection.ops = KernelOps.from_functions(functions)
     return selection
+
+
+def _timed(cache: TimingCache, op: str, name: str, functions: dict[str, Callable], shapes: ModelShapes,
+           device: torch.device, dtype: torch.dtype) -> float:
+    key = cache.key(op, name, functions, shapes, device, dtype)
+    seconds = cache.get(key)
+    if seconds is None:
+        seconds = measure(op, functions, shapes, device, dtype)
+        cache.put(key, seconds)
+    return seconds
 
 
 def _try(
     op: str, name: str, shapes: ModelShapes, device: torch.device, dtype: torch.dtype
 ) -> tuple[dict[str, Callable] | None, str | None]:
     """(the op's functions, None) when usable; (None, reason) when not; (None, None) when the
-    implementation does not provide the op at all (not a candidate, nothing to report)."""
+    implementation does not provide the op at all, or the model never calls it (not a candidate,
+    nothing to report: a dense model keeps the reference fused_moe unprobed)."""
+    if name != "reference" and not applies(op, shapes):
+        return None, None
     try:
         module = importlib.import_module(MODULES[name])
     except ImportError as exc:

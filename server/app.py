@@ -24,7 +24,8 @@ from server.body_limit import BodyLimitMiddleware
 from server.config import AppConfig
 from server.drain import Drain, DrainMiddleware
 from server.errors import install_error_handlers
-from server.metrics import EngineStatsCollector, RequestMetrics
+from server.key_usage import KeyUsageMiddleware
+from server.metrics import EngineStatsCollector, KeyMetrics, RequestMetrics
 from server.pool import ModelPool, default_cpu_threads
 from server.request_log import RequestLogMiddleware
 from server.router import Router
@@ -61,7 +62,7 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     # What ends the server when no worker can start; the CLI points it at uvicorn (see serve()).
     app.state.fatal_error = None
     app.state.stop = partial(setattr, app.state, "fatal_error")
-    app.state.api_keys = list(config.server.api_keys)
+    app.state.api_keys = config.server.named_keys()
     app.state.created = int(time.time())
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(pools))
@@ -89,5 +90,6 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes)
     # Inside the request log too (a refusal is logged), outside the rest (a refused body is not read).
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
+    app.add_middleware(KeyUsageMiddleware, metrics=KeyMetrics(registry))
     app.add_middleware(RequestLogMiddleware)
     return app

@@ -1,19 +1,26 @@
-"""API-key check: ``Authorization: Bearer <key>`` compared in constant time against every key."""
+"""API keys: ``Authorization: Bearer <key>`` compared in constant time against every configured key.
+
+The matching key's entry is left in ``request.state.api_key``: its name for the request log and the
+per-key metrics, its ``models`` for ``check_model_access``. To a key limited to some models the
+others do not exist: the same 404 as an unknown model, and absent from ``/v1/models``.
+"""
 
 import hmac
 
 from fastapi import Request
 
+from server.config import ApiKey
 from server.errors import APIError
 
 
-def key_matches(presented: str, keys: list[str]) -> bool:
-    """True if ``presented`` equals one of ``keys``; the time taken does not depend on where they differ."""
+def match_key(presented: str, keys: list[ApiKey]) -> ApiKey | None:
+    """The entry whose key equals ``presented``; the time taken does not depend on where they differ."""
     given = presented.encode()
-    found = False
+    found = None
     for key in keys:
         # No short-circuit: every key is compared, so timing does not reveal which one matched.
-        found |= hmac.compare_digest(given, key.encode())
+        if hmac.compare_digest(given, key.secret.encode()):
+            found = key
     return found
 
 
@@ -28,12 +35,26 @@ def bearer_token(header: str | None) -> str | None:
 
 async def require_api_key(request: Request) -> None:
     """FastAPI dependency; a no-op when no keys are configured."""
-    keys: list[str] = request.app.state.api_keys
+    keys: list[ApiKey] = request.app.state.api_keys
     if not keys:
         return
     token = bearer_token(request.headers.get("authorization"))
     if token is None:
         raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
                        code="invalid_api_key")
-    if not key_matches(token, keys):
+    key = match_key(token, keys)
+    if key is None:
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    request.state.api_key = key
+
+
+def may_use(request: Request, model: str) -> bool:
+    """Whether the request's key may use ``model`` (always, without auth or for an unlimited key)."""
+    key: ApiKey | None = getattr(request.state, "api_key", None)
+    return key is None or not key.models or model in key.models
+
+
+def check_model_access(request: Request, model: str) -> None:
+    """The router's 404 for an unknown model when the request's key may not use ``model``."""
+    if not may_use(request, model):
+        raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")

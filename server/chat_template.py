@@ -1,5 +1,6 @@
 """OpenAI chat messages -> prompt token ids through the model's own chat template."""
 
+import json
 from typing import Any
 
 from jinja2 import TemplateError
@@ -17,10 +18,23 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     if message.name is not None:
         out["name"] = message.name
     if message.tool_calls:
-        out["tool_calls"] = message.tool_calls
+        out["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI sends a call's arguments as JSON text; chat templates (Qwen's, Llama's, GLM's) iterate
+    or re-serialise them, so they get the parsed object."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def chat_prompt_ids(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
@@ -33,7 +47,7 @@ def chat_prompt_ids(tokenizer: Any, request: ChatCompletionRequest) -> list[int]
     try:
         text = tokenizer.apply_chat_template(
             messages,
-            tools=request.tools,
+            tools=request.tool_dicts(),
             add_generation_prompt=request.add_generation_prompt,
             tokenize=False,
             **(request.chat_template_kwargs or {}),

@@ -4,12 +4,24 @@ Every section forbids unknown keys, so a typo fails at start-up with the key's d
 (``models.0.wokers: Extra inputs are not permitted``) instead of being silently ignored.
 """
 
+import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 EMBEDDED_PREFIX = "embedded:"
 _DEVICE = re.compile(r"^(cpu|(cuda|npu|musa)(:\d+)?)$")
@@ -23,10 +35,49 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class ApiKey(_Section):
+    """A named API key: the key itself, or the environment variable that holds it (a Kubernetes Secret).
+
+    ``models`` limits the key to those models; to it the others do not exist (404). Empty: every model.
+    The name, never the key, labels the key's metrics and request log lines.
+    """
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    key: SecretStr | None = None
+    key_env: str | None = Field(None, min_length=1)
+    models: list[str] = Field(default_factory=list)
+    _secret: str = PrivateAttr("")
+
+    @model_validator(mode="after")
+    def _resolve(self) -> "ApiKey":
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError(f"api key {self.name!r}: give exactly one of key and key_env")
+        # Read when the config is loaded, so a missing variable stops start-up with the key's name.
+        secret = self.key.get_secret_value() if self.key is not None else os.environ.get(self.key_env, "")
+        if not secret:
+            source = "key" if self.key is not None else f"environment variable {self.key_env}"
+            raise ValueError(f"api key {self.name!r}: {source} is empty or unset")
+        self._secret = secret
+        return self
+
+    @property
+    def secret(self) -> str:
+        return self._secret
+
+
+# A plain string or a mapping; told apart before validation, so an error names one branch only.
+KeyEntry = Annotated[
+    Annotated[str, Tag("key")] | Annotated[ApiKey, Tag("named")],
+    Discriminator(lambda v: "key" if isinstance(v, str) else "named"),
+]
+
+
 class ServerSettings(_Section):
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
-    api_keys: list[str] = Field(default_factory=list)
+    # Plain strings (also --api-key and XINSERVE_API_KEY, appended after the file's) are keys for every
+    # model, named by their position in this list: "key-1", "key-2", ...
+    api_keys: list[KeyEntry] = Field(default_factory=list)
     request_timeout_s: float = Field(600, gt=0)
     # Paths reachable without a key even when api_keys is set (probes and Prometheus scrapers).
     auth_exempt_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics"])
@@ -34,6 +85,23 @@ class ServerSettings(_Section):
     # After SIGTERM/SIGINT: seconds running requests get to finish (the rest then end with an
     # error), then seconds workers get to leave before they are killed.
     shutdown_timeout_s: float = Field(10, gt=0)
+
+    @model_validator(mode="after")
+    def _check_key_names(self) -> "ServerSettings":
+        keys = self.named_keys()
+        names = [k.name for k in keys]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"api_keys: duplicate key name(s) {dupes}")
+        # One key, one name: the name is what metrics and logs attribute a request to.
+        if len({k.secret for k in keys}) < len(keys):
+            raise ValueError("api_keys: two entries have the same key")
+        return self
+
+    def named_keys(self) -> list[ApiKey]:
+        """Every key as an ApiKey; plain strings named "key-<position>" (1-based)."""
+        return [k if isinstance(k, ApiKey) else ApiKey(name=f"key-{i}", key=k)
+                for i, k in enumerate(self.api_keys, start=1)]
 
 
 class ModelSettings(_Section):
@@ -60,6 +128,9 @@ class ModelSettings(_Section):
     # Force kernel implementations, op -> impl (e.g. {decode_attention: reference}); checked by each
     # worker's kernel registry at start-up, over XINSERVE_KERNELS.
     kernels: dict[str, str] = Field(default_factory=dict)
+    # How tool calls are read from this model's output with tool_choice auto: hermes (also Qwen2.5
+    # and Qwen3), llama3_json, glm45 or deepseek_v3. None: detected from the chat template.
+    tool_call_parser: Literal["hermes", "llama3_json", "glm45", "deepseek_v3"] | None = None
 
     @field_validator("dtype")
     @classmethod
@@ -143,6 +214,10 @@ class AppConfig(_Section):
                     raise ValueError(f"models.{i}.fallback: a model cannot fall back to itself")
                 if target not in names:
                     raise ValueError(f"models.{i}.fallback: unknown model {target!r}")
+        for key in self.server.named_keys():
+            unknown = sorted(set(key.models) - set(names))
+            if unknown:
+                raise ValueError(f"server.api_keys: key {key.name!r} names unknown model(s) {unknown}")
         return self
 
     def model(self, name: str) -> ModelSettings | None:

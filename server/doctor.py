@@ -191,8 +191,12 @@ def _print_kernels(kernels: dict[str, Any]) -> None:
             continue
         print(f"kernels on {kind} ({found['dtype']}):")
         for op, entry in found["ops"].items():
-            rejected = "; ".join(f"{r['impl']}: {r['reason']}" for r in entry["rejected"])
-            print(f"  {op:<18} {entry['chosen']:<10} {('rejected ' + rejected) if rejected else ''}".rstrip())
+            notes = []
+            if "timings_ms" in entry:
+                notes.append("timed " + ", ".join(f"{i} {ms:.3g} ms" for i, ms in entry["timings_ms"].items()))
+            if entry["rejected"]:
+                notes.append("rejected " + "; ".join(f"{r['impl']}: {r['reason']}" for r in entry["rejected"]))
+            print(f"  {op:<18} {entry['chosen']:<10} {' | '.join(notes)}".rstrip())
 
 
 def run(args: argparse.Namespace) -> int:

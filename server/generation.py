@@ -72,6 +72,7 @@ class Generation:
             ))
             for _ in range(params.n)
         ]
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for (echo with logprobs)
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -177,6 +178,8 @@ class Generation:
             self._open = False
             raise APIError(item.status, item.message)
         assert isinstance(item, StepOutput)
+        if item.prompt_logprobs is not None:
+            self.prompt_logprobs = item.prompt_logprobs
         choice = self.choices[item.index]
         if choice.finish_reason is not None:
             return  # stopped by a stop string; the worker's abort is in flight

@@ -38,7 +38,8 @@ def pack(message: list[Any]) -> bytes:
 
 
 def unpack(frame: bytes) -> list[Any]:
-    return msgpack.unpackb(frame, raw=False, use_list=True)
+    # Integer map keys (``logit_bias``'s token ids) are allowed: both ends are our own processes.
+    return msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False)
 
 
 def encode_params(params: SamplingParams) -> list[Any]:
@@ -50,18 +51,31 @@ def decode_params(values: list[Any]) -> SamplingParams:
     return SamplingParams(*values)
 
 
+def _encode_logprob(lp: TokenLogprob | None) -> list[Any] | None:
+    return None if lp is None else [lp.logprob, lp.top_token_ids, lp.top_logprobs]
+
+
+def _decode_logprob(entry: list[Any] | None) -> TokenLogprob | None:
+    return None if entry is None else TokenLogprob(*entry)
+
+
 def encode_step_output(out: StepOutput) -> list[Any]:
-    logprobs = None
+    logprobs = prompt_logprobs = None
     if out.logprobs is not None:
-        logprobs = [[lp.logprob, lp.top_token_ids, lp.top_logprobs] for lp in out.logprobs]
-    return [out.request_id, out.index, out.new_token_ids, out.finished, out.finish_reason, logprobs, out.error]
+        logprobs = [_encode_logprob(lp) for lp in out.logprobs]
+    if out.prompt_logprobs is not None:
+        prompt_logprobs = [_encode_logprob(lp) for lp in out.prompt_logprobs]
+    return [out.request_id, out.index, out.new_token_ids, out.finished, out.finish_reason, logprobs, out.error,
+            prompt_logprobs]
 
 
 def decode_output(item: list[Any]) -> StepOutput:
-    request_id, index, token_ids, finished, reason, logprobs, error = item
+    request_id, index, token_ids, finished, reason, logprobs, error, prompt_logprobs = item
     if logprobs is not None:
-        logprobs = [TokenLogprob(*entry) for entry in logprobs]
-    return StepOutput(request_id, index, token_ids, finished, reason, logprobs, error)
+        logprobs = [_decode_logprob(entry) for entry in logprobs]
+    if prompt_logprobs is not None:
+        prompt_logprobs = [_decode_logprob(entry) for entry in prompt_logprobs]
+    return StepOutput(request_id, index, token_ids, finished, reason, logprobs, error, prompt_logprobs)
 
 
 def encode_stats(stats: EngineStats) -> list[Any]:

@@ -3,7 +3,8 @@
 Engine gauges and counters are read at scrape time from each worker's last reported stats (a
 custom collector), so a slow or dead worker never blocks /metrics. Latency histograms and
 ``request_success_total`` are observed here, in the HTTP process, as requests finish. HTTP
-metrics come from prometheus-fastapi-instrumentator, in the same per-app registry.
+metrics come from prometheus-fastapi-instrumentator, in the same per-app registry. Per-API-key
+counters are named ``api_key_*`` and labelled ``key_name``.
 """
 
 from collections.abc import Iterator
@@ -106,3 +107,21 @@ class RequestMetrics:
             self.e2e.labels(*labels).observe(end - gen.arrival)
             for choice in gen.choices:
                 self.success.labels(*labels, choice.finish_reason).inc()
+
+
+class KeyMetrics:
+    """Generation requests and their tokens per API key, labelled by the key's name (never the key)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ("key_name", "model_name")
+        self.requests = Counter(PREFIX + "api_key_requests", "Generation requests made with the key.", labels,
+                                registry=registry)
+        self.prompt_tokens = Counter(PREFIX + "api_key_prompt_tokens", "Prompt tokens of the key's requests.",
+                                     labels, registry=registry)
+        self.generation_tokens = Counter(PREFIX + "api_key_generation_tokens",
+                                         "Tokens generated for the key's requests.", labels, registry=registry)
+
+    def observe(self, key_name: str, model: str, prompt_tokens: int, generation_tokens: int) -> None:
+        self.requests.labels(key_name, model).inc()
+        self.prompt_tokens.labels(key_name, model).inc(prompt_tokens)
+        self.generation_tokens.labels(key_name, model).inc(generation_tokens)

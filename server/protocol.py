@@ -5,11 +5,13 @@ OpenAI's value ranges; fields we do not know are ignored, as the SDK adds new op
 Responses are built as plain dicts in ``server/responses.py`` (cheaper per stream chunk).
 """
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engines.sampling_params import SamplingParams
+from engines.structured.schema import check_json_schema
 from server.errors import APIError
 
 # OpenAI's own API limits; the operator's limits are the config's ``limits`` section.
@@ -77,6 +79,43 @@ class ChatMessage(_Strict):
         return "\n".join(part.text or "" for part in self.content)
 
 
+_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+def checked_schema(schema: dict[str, Any], param: str) -> str:
+    """The schema as JSON text for the engine; a 400 naming ``param`` when it cannot be enforced."""
+    text = json.dumps(schema)
+    try:
+        check_json_schema(text)
+    except ValueError as exc:
+        raise APIError(400, f"Invalid schema for {param}: {exc}", param=param) from None
+    return text
+
+
 class _SamplingFields(_Strict):
     """Fields shared by chat and completions, in OpenAI's ranges, plus vLLM's extras."""
 
@@ -116,13 +155,18 @@ class _SamplingFields(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if not value:
             return value
-        # The size check comes first so that it is already in place when logit_bias is supported.
         if len(value) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(value)}")
-        raise ValueError("logit_bias is not supported by this server")
+        for key, bias in value.items():
+            # The token ids' upper bound is the model's vocabulary, checked by the worker.
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return value
 
     @property
     def stop_list(self) -> list[str]:
@@ -133,7 +177,9 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, json_schema: str | None = None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The engine's ``SamplingParams``, built here so a bad value is a 400 before any round trip
         to a worker (which receives the same record)."""
         try:
@@ -156,6 +202,9 @@ class _SamplingFields(_Strict):
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                json_schema=json_schema,
+                logit_bias={int(t): v for t, v in self.logit_bias.items()} if self.logit_bias else None,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
@@ -167,9 +216,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
     # vLLM extensions for chat templates.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -178,10 +228,38 @@ class ChatCompletionRequest(_SamplingFields):
         """Cross-field rules, raised as a 400 naming the field (pydantic would name none)."""
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(
-                400, "only response_format type 'text' is supported by this server", param="response_format"
-            )
+        if self.response_format and self.response_format.type == "json_schema" and not self.response_format.json_schema:
+            raise APIError(400, "response_format type 'json_schema' needs a 'json_schema' object",
+                           param="response_format.json_schema")
+        if self.tool_choice == "required" and not self.tools:
+            raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        named = self.named_tool
+        if named is not None and named not in {t.function.name for t in self.tools or []}:
+            raise APIError(400, f"tool_choice names the function '{named}', which is not in tools",
+                           param="tool_choice")
+        if self.forces_tool_calls and self.response_format and self.response_format.type != "text":
+            raise APIError(400, "response_format cannot be combined with a tool_choice that forces tool calls",
+                           param="response_format")
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function a ``{"type": "function", "function": {"name": ...}}`` tool_choice names."""
+        if not isinstance(self.tool_choice, dict):
+            return None
+        function = self.tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if self.tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or "
+                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+        return name
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the tool-call parsers read them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -212,9 +290,11 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "best_of different from n is not supported by this server", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", param="suffix")
-        if self.echo and self.logprobs is not None:
-            # Echoed prompt tokens would need prompt log-probs, which the engine does not compute.
-            raise APIError(400, "echo together with logprobs is not supported by this server", param="echo")
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Echoed prompt tokens carry log-probs too when log-probs are asked for."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string, or a list of token ids."""

@@ -2,7 +2,8 @@
 
 A pure ASGI middleware rather than Starlette's BaseHTTPMiddleware, which buffers and breaks
 streaming cancellation. It assigns the request id (or takes the client's ``X-Request-Id``), echoes
-it in the response headers, and logs the fields a handler left in ``request.state.log``.
+it in the response headers, and logs the fields a handler left in ``request.state.log``, and the name
+(never the value) of the API key ``require_api_key`` matched.
 """
 
 import logging
@@ -55,6 +56,9 @@ class RequestLogMiddleware:
             return
         fields: dict[str, Any] = state.get("log") or {}
         extra = " ".join(f"{k}={v}" for k, v in fields.items() if k != "outcome")
+        key = state.get("api_key")
+        if key is not None:
+            extra = f"key={key.name} {extra}"
         outcome = fields.get("outcome", "")
         logger.log(level, "request %s %s %s status=%s %s latency=%.3fs%s", request_id, scope.get("method"),
                    path, status or "-", extra, latency, f" outcome={outcome}" if outcome else "")

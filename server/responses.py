@@ -83,6 +83,33 @@ def completion_logprobs(
             "text_offset": text_offset}
 
 
+def prompt_logprobs(
+    token_ids: list[int], entries: list[TokenLogprob | None], texts: TokenTexts, echo: str
+) -> dict[str, Any]:
+    """The echoed prompt's tokens in the legacy completions format; the first has no log-prob.
+
+    ``text_offset`` indexes the echoed text: a token whose text is not there (a BOS the tokenizer
+    added) sits at the current offset without moving it.
+    """
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    offset = 0
+    for token_id, lp in zip(token_ids, entries, strict=False):
+        text = texts(token_id)
+        tokens.append(text)
+        token_logprobs.append(None if lp is None else lp.logprob)
+        top_logprobs.append(None if lp is None else {texts(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
+        text_offset.append(offset)
+        if echo.startswith(text, offset):
+            offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def join_logprobs(first: dict[str, Any], second: dict[str, Any] | None) -> dict[str, Any]:
+    """Two legacy log-prob blocks as one (the echoed prompt's, then the completion's)."""
+    return first if second is None else {key: first[key] + second[key] for key in first}
+
+
 def chat_completion(
     request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
 ) -> dict[str, Any]:
@@ -90,13 +117,14 @@ def chat_completion(
             "choices": choices, "usage": usage_}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text, "refusal": None},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+def chat_choice(
+    index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_chunk(

@@ -2,16 +2,23 @@
 
 from engines.models.decoder import CausalLM
 from engines.models.glm4 import Glm4ForCausalLM
+from engines.models.glm4_moe import Glm4MoeForCausalLM
 from engines.models.llama import LlamaForCausalLM
+from engines.models.mistral import MistralForCausalLM
+from engines.models.mixtral import MixtralForCausalLM
 from engines.models.qwen2 import Qwen2ForCausalLM
 from engines.models.qwen3 import Qwen3ForCausalLM
+from engines.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 __all__ = ["MODEL_REGISTRY"]

@@ -1,19 +1,21 @@
 """The decoder-only causal LM every supported architecture is built from.
 
-An architecture differs only in a ``DecoderSpec`` (biases, q/k norm, rotary style, extra norms);
-each model file subclasses ``CausalLM`` and overrides ``spec``. Parameter names mirror the Hugging
-Face checkpoints except for the fused ``qkv_proj`` and ``gate_up_proj``.
+An architecture differs only in a ``DecoderSpec`` (biases, q/k norm, rotary style, extra norms, each
+layer's sliding window, which layers are mixture-of-experts and how they route); each model file
+subclasses ``CausalLM`` and overrides ``spec``. Parameter names mirror the Hugging Face checkpoints
+except for the fused ``qkv_proj`` and ``gate_up_proj`` and the stacked routed experts.
 """
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from engines.attention_metadata import AttentionMetadata
 from engines.models.layers import Attention, GatedMLP, MergedLinear, RMSNorm
+from engines.models.moe import Experts, MoeSpec, SparseMoeBlock
 from engines.models.rope import build_cos_sin_cache, rotary_dim
 from kernels.ops import REFERENCE_OPS, KernelOps
 from kernels.probes import ModelShapes
@@ -38,18 +40,43 @@ class DecoderSpec:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary
     rope_is_neox: bool = True  # False: interleaved pairs (GLM-4)
     sandwich_norm: bool = False  # GLM-4: extra norms on the attention and MLP outputs
+    # each layer's sliding window (None: that layer sees the whole context); (): no layer has one
+    sliding_windows: tuple[int | None, ...] = ()
+    moe: MoeSpec | None = None  # the experts of the layers in moe_layers; the other layers are dense
+    moe_layers: frozenset[int] = frozenset()
+
+
+def uniform_windows(config: Any) -> tuple[int | None, ...]:
+    """Every layer attends within ``config.sliding_window`` (Mistral, Mixtral, Qwen3-MoE, whose
+    configs leave it None when the window is off)."""
+    window = getattr(config, "sliding_window", None)
+    return () if window is None else (window,) * config.num_hidden_layers
+
+
+def layer_type_windows(config: Any) -> tuple[int | None, ...]:
+    """The layers that ``config.layer_types`` marks "sliding_attention" attend within
+    ``config.sliding_window`` (Qwen2 / Qwen3: with ``use_sliding_window``, the layers from
+    ``max_window_layers`` on); the loader refuses any other layer type."""
+    types = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" not in types:
+        return ()
+    return tuple(config.sliding_window if kind == "sliding_attention" else None for kind in types)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, spec: DecoderSpec, head_dim: int, ops: KernelOps) -> None:
+    def __init__(self, config: Any, spec: DecoderSpec, head_dim: int, ops: KernelOps, layer_idx: int) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Attention(
             hidden, config.num_attention_heads, config.num_key_value_heads, head_dim,
             qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, qk_norm_eps=eps if spec.qk_norm else None,
             rope_is_neox=spec.rope_is_neox, ops=ops,
+            sliding_window=spec.sliding_windows[layer_idx] if spec.sliding_windows else None,
         )
-        self.mlp = GatedMLP(hidden, config.intermediate_size, bias=spec.mlp_bias, ops=ops)
+        if layer_idx in spec.moe_layers:
+            self.mlp = SparseMoeBlock(hidden, spec.moe, ops)
+        else:
+            self.mlp = GatedMLP(hidden, config.intermediate_size, bias=spec.mlp_bias, ops=ops)
         self.input_layernorm = RMSNorm(hidden, eps, ops)
         self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
         self.post_self_attn_layernorm = RMSNorm(hidden, eps, ops) if spec.sandwich_norm else None
@@ -86,7 +113,7 @@ class DecoderModel(nn.Module):
         self.rotary_cos_sin = ops.rotary_cos_sin
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, head_dim, ops) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, spec, head_dim, ops, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -110,12 +137,16 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """Llama-shaped causal LM. Subclasses choose the architecture's ``spec``; ``ops`` are the
-    kernels it calls (the registry's choice for the device)."""
+    kernels it calls (the registry's choice for the device). The loader refuses configs that ask
+    for math this class does not implement (engines/models/config_check.py)."""
+
+    # checkpoint name component -> ours (an architecture whose checkpoints use other module names)
+    CHECKPOINT_RENAMES: ClassVar[dict[str, str]] = {}
+    # parameters (by name suffix) kept in float32 whatever the model's dtype, as transformers keeps them
+    FLOAT32_PARAMETERS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"only the silu activation is supported, got {config.hidden_act!r}")
         self.config = config
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
@@ -136,17 +167,25 @@ class CausalLM(nn.Module):
     def kernel_shapes(cls, config: Any, block_size: int = 16) -> ModelShapes:
         """What this model's kernels will see, for the kernel registry's probes."""
         head_dim = cls.config_head_dim(config)
+        spec = cls.spec(config)
+        # one window per model in every supported architecture (its windowed layers share it)
+        windows = {window for window in spec.sliding_windows if window is not None}
+        moe = spec.moe if spec.moe_layers else None
         return ModelShapes(
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
             head_dim=head_dim,
             rotary_dim=rotary_dim(config, head_dim),
-            rope_is_neox=cls.spec(config).rope_is_neox,
+            rope_is_neox=spec.rope_is_neox,
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size,
             block_size=block_size,
             rms_norm_eps=config.rms_norm_eps,
+            sliding_window=max(windows) if windows else None,
+            num_experts=moe.num_experts if moe else 0,
+            moe_intermediate_size=moe.intermediate_size if moe else 0,
+            moe_routing=moe.routing if moe else None,
         )
 
     @staticmethod
@@ -181,46 +220,67 @@ class CausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight).float()
 
+    def keep_float32_parameters(self) -> None:
+        """Put ``FLOAT32_PARAMETERS`` back in float32 after the model was cast to its dtype."""
+        for name, param in self.named_parameters():
+            if name.endswith(self.FLOAT32_PARAMETERS):
+                param.data = param.data.float()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters, fusing q/k/v and
-        gate/up. Raises ValueError on an unknown name, a shape mismatch, or a missing weight."""
+        gate/up and stacking the routed experts. Raises ValueError on an unknown name, a shape
+        mismatch, or a missing weight."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name.endswith(SKIPPED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
+            if self._skipped(name):
                 continue
-            target, shard = self._target(name)
+            target, expert, shard = self._target(name)
             if target not in params:
                 raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
-            param = params[target]
-            if shard is None:
-                dest, key = param.data, target
-            else:
+            dest, key = params[target].data, target
+            if expert is not None:  # one expert's slice of a stacked [E, ...] parameter
+                dest, key = dest[expert], f"{key}#e{expert}"
+            if shard is not None:  # one projection's rows of a fused one
                 sizes = self.get_submodule(target.rsplit(".", 1)[0]).output_sizes
                 start = sum(sizes[:shard])
-                dest, key = param.data[start : start + sizes[shard]], f"{target}#{shard}"
+                dest, key = dest[start : start + sizes[shard]], f"{key}#s{shard}"
             if dest.shape != tensor.shape:
                 raise ValueError(f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dest.shape)}")
             dest.copy_(tensor)
-            loaded.update(self._shard_keys(target) if shard is None else (key,))
+            loaded.update(self._shard_keys(target) if key == target else (key,))
         expected = {key for target in params for key in self._shard_keys(target)}
         missing = sorted(expected - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
 
-    def _target(self, name: str) -> tuple[str, int | None]:
-        """HF name -> (our parameter name, shard index or None for a whole parameter)."""
-        parts = name.split(".")
+    def _skipped(self, name: str) -> bool:
+        """Checkpoint entries that are not this model's weights (derived tables, a tied lm_head)."""
+        return name.endswith(SKIPPED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight")
+
+    def _target(self, name: str) -> tuple[str, int | None, int | None]:
+        """HF name -> (our parameter name, expert index or None, shard index or None); None: the
+        whole parameter, or every expert."""
+        parts = [self.CHECKPOINT_RENAMES.get(part, part) for part in name.split(".")]
+        # mlp.experts.<e>.<proj>.weight -> the stacked mlp.experts.gate_up_proj / down_proj
+        if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() and parts[-1] == "weight":
+            fused, shard = FUSED_SHARDS.get(parts[-2], (parts[-2], None))
+            return ".".join([*parts[:-3], fused]), int(parts[-3]), shard
         if len(parts) >= 2 and parts[-2] in FUSED_SHARDS:
             fused, shard = FUSED_SHARDS[parts[-2]]
-            return ".".join([*parts[:-2], fused, parts[-1]]), shard
-        return name, None
+            return ".".join([*parts[:-2], fused, parts[-1]]), None, shard
+        return ".".join(parts), None, None
 
     def _shard_keys(self, target: str) -> list[str]:
-        """The keys that together cover one parameter: one per shard for fused projections."""
-        module = self.get_submodule(target.rsplit(".", 1)[0])
-        if isinstance(module, MergedLinear):
-            return [f"{target}#{i}" for i in range(len(module.output_sizes))]
-        return [target]
+        """The keys that together cover one parameter: one per expert of a stacked one, times one
+        per shard of a fused projection."""
+        module_name, leaf = target.rsplit(".", 1)
+        module = self.get_submodule(module_name)
+        keys = [target]
+        if isinstance(module, Experts):
+            keys = [f"{target}#e{e}" for e in range(module.num_experts)]
+        if isinstance(module, MergedLinear) or (isinstance(module, Experts) and leaf == "gate_up_proj"):
+            keys = [f"{key}#s{s}" for key in keys for s in range(len(module.output_sizes))]
+        return keys

@@ -36,7 +36,8 @@ class MergedLinear(nn.Linear):
 
 class Attention(nn.Module):
     """Self-attention over the paged KV cache: fused qkv, optional per-head q/k RMSNorm (Qwen3),
-    rotary on the first ``rotary_dim`` dims, decode tokens then prefill tokens."""
+    rotary on the first ``rotary_dim`` dims, decode tokens then prefill tokens, each query seeing
+    the last ``sliding_window`` positions only when the layer has a window."""
 
     def __init__(
         self,
@@ -49,9 +50,13 @@ class Attention(nn.Module):
         qk_norm_eps: float | None,
         rope_is_neox: bool,
         ops: KernelOps = REFERENCE_OPS,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.ops = ops
+        # Passed to the attention kernels only on windowed layers: kernels without windows take no
+        # such keyword (the registry does not choose them for a windowed model).
+        self.window = {} if sliding_window is None else {"sliding_window": sliding_window}
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim**-0.5
@@ -90,17 +95,17 @@ class Attention(nn.Module):
         if not metadata.num_prefill_seqs:  # a pure decode step: no slicing
             return self.ops.paged_decode_attention(
                 q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, self.scale,
-                metadata.decode_gather,
+                metadata.decode_gather, **self.window,
             )
         prefill = self.ops.paged_prefill_attention(
             q[num_decode:], key_cache, value_cache, metadata.block_tables[num_decode:],
-            metadata.prefill_query_start_loc, metadata.prefill_seq_lens, self.scale,
+            metadata.prefill_query_start_loc, metadata.prefill_seq_lens, self.scale, **self.window,
         )
         if not num_decode:
             return prefill
         decode = self.ops.paged_decode_attention(
             q[:num_decode], key_cache, value_cache, metadata.block_tables[:num_decode],
-            metadata.seq_lens[:num_decode], self.scale, metadata.decode_gather,
+            metadata.seq_lens[:num_decode], self.scale, metadata.decode_gather, **self.window,
         )
         return torch.cat((decode, prefill), dim=0)
 

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from engines.models import MODEL_REGISTRY
+from engines.models.config_check import unsupported_config_fields
 from kernels.ops import REFERENCE_OPS, KernelOps
 from kernels.probes import ModelShapes
 
@@ -27,13 +28,18 @@ def load_model(
     """Load the model at ``path`` onto ``device`` in ``dtype`` (None: the config's dtype, else
     float32), in eval mode without gradients. ``choose_ops`` picks the kernels for the model's
     shapes and dtype (the worker's kernel registry); None: the reference kernels. Raises
-    ValueError for an unsupported architecture or dtype and for missing or mismatched weights."""
+    ValueError for an unsupported architecture, config field or dtype and for missing or mismatched
+    weights."""
     config = AutoConfig.from_pretrained(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture not in MODEL_REGISTRY:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
         )
+    problems = unsupported_config_fields(config)
+    if problems:
+        raise ValueError(f"{architecture} at {path!r} sets config fields that change the model's math and are "
+                         f"not implemented, so it cannot be computed exactly: {'; '.join(problems)}")
     dtype = dtype or _config_dtype(config)
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
@@ -42,7 +48,9 @@ def load_model(
     # Build on the meta device, then allocate once on the target: no random init, no second copy.
     with torch.device("meta"):
         model = model_cls(config, ops)
-    model = model.to(dtype=dtype).to_empty(device=torch.device(device))
+    model = model.to(dtype=dtype)
+    model.keep_float32_parameters()
+    model = model.to_empty(device=torch.device(device))
     model.load_weights(_iter_safetensors(path))
     model.reset_buffers()
     model.eval().requires_grad_(False)

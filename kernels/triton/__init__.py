@@ -4,6 +4,9 @@ attention after a cached prefix. They run on any device with a Triton backend, a
 under Triton's interpreter when TRITON_INTERPRET=1 is set before this package is imported.
 Importing it raises ImportError where Triton is not installed."""
 
+import torch
+
+from kernels.probes import ModelShapes
 from kernels.triton.decode_attention import paged_decode_attention
 from kernels.triton.kv_write import write_kv
 from kernels.triton.prefill_attention import paged_prefill_attention
@@ -11,4 +14,12 @@ from kernels.triton.prefill_attention import paged_prefill_attention
 # function name -> function, as every implementation module exposes (kernels/ops.py)
 OPS = {fn.__name__: fn for fn in (write_kv, paged_prefill_attention, paged_decode_attention)}
 
-__all__ = ["OPS", "paged_decode_attention", "paged_prefill_attention", "write_kv"]
+
+def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    """Why these kernels cannot serve ``op`` for the model, or None (the registry then probes them)."""
+    if op in ("prefill_attention", "decode_attention") and shapes.sliding_window is not None:
+        return "sliding window unsupported (the Triton attention kernels attend to the whole context)"
+    return None
+
+
+__all__ = ["OPS", "paged_decode_attention", "paged_prefill_attention", "unsupported", "write_kv"]

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server import responses
+from server.auth import check_model_access
 from server.chat_template import chat_prompt_ids
 from server.generation import Delta, Generation
 from server.limits import cap_max_tokens, check_chat
@@ -17,6 +18,7 @@ from server.responses import TokenTexts
 from server.routes.common import max_tokens_for, new_request_id
 from server.routes.generate import GenerationGroup, respond
 from server.routes.prompt import route_encoded
+from server.routes.tools import OutputPlan, plan_output
 
 router = APIRouter()
 
@@ -26,39 +28,45 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     body.check()
     state = request.app.state
     check_chat(body, state.config.limits)
-    pool, worker, prompt_ids = await route_encoded(
-        state.router, body.model, body.n, lambda p: chat_prompt_ids(p.tokenizer, body)
+    check_model_access(request, body.model)
+    # The output plan checks JSON schemas (a few ms for a large one, then cached): in the thread too.
+    pool, worker, (prompt_ids, plan) = await route_encoded(
+        state.router, body.model, body.n,
+        lambda p: (chat_prompt_ids(p.tokenizer, body),
+                   plan_output(body, p.settings.tool_call_parser, getattr(p.tokenizer, "chat_template", None))),
     )
     max_tokens = cap_max_tokens(max_tokens_for(
         len(prompt_ids), body.requested_max_tokens, int(worker.info["max_model_len"]), prompt_param="messages",
         param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
     ), state.config.limits)
     request_id = new_request_id("chatcmpl")
+    params = body.sampling_params(max_tokens, body.num_logprobs, json_schema=plan.json_schema)
     gen = Generation(
-        worker, request_id, prompt_ids, body.sampling_params(max_tokens, body.num_logprobs), pool.tokenizer,
+        worker, request_id, prompt_ids, params, pool.tokenizer,
         timeout_s=state.config.server.request_timeout_s, retry=partial(state.router.replacement, pool),
     )
-    view = _ChatView(body, pool.name, pool.token_texts)
+    view = _ChatView(body, pool.name, pool.token_texts, plan)
     return await respond(request, GenerationGroup(request_id, [gen]), bool(body.stream), view.frames, view.body)
 
 
 class _ChatView:
     """How a chat answer looks: a message per choice, or chunks with deltas."""
 
-    def __init__(self, body: ChatCompletionRequest, model: str, texts: TokenTexts) -> None:
+    def __init__(self, body: ChatCompletionRequest, model: str, texts: TokenTexts, plan: OutputPlan) -> None:
         self.model, self.texts = model, texts
         self.top = body.top_logprobs or 0
         self.with_usage = body.include_usage
         self.created = int(time.time())
+        self.readers = [plan.new_reader() for _ in range(body.n)]  # content and tool calls per choice
 
     def body(self, group: GenerationGroup) -> dict[str, Any]:
         (gen,) = group.gens
-        choices = [
-            responses.chat_choice(
-                i, c.text, c.finish_reason, responses.chat_logprobs(c.token_ids, c.logprobs, self.texts, self.top),
-            )
-            for i, c in enumerate(gen.choices)
-        ]
+        choices = []
+        for i, c in enumerate(gen.choices):
+            content, tool_calls = self.readers[i].message(c.text)
+            logprobs = responses.chat_logprobs(c.token_ids, c.logprobs, self.texts, self.top)
+            choices.append(responses.chat_choice(
+                i, content, _finish_reason(c.finish_reason, bool(tool_calls)), logprobs, tool_calls))
         usage = responses.usage(group.prompt_tokens, group.completion_tokens)
         return responses.chat_completion(group.request_id, self.created, self.model, choices, usage)
 
@@ -83,7 +91,20 @@ class _ChatView:
 
     def _delta_chunk(self, group: GenerationGroup, d: Delta) -> dict[str, Any] | None:
         logprobs = responses.chat_logprobs(d.token_ids, d.logprobs, self.texts, self.top)
-        if not d.text and d.finish_reason is None and logprobs is None:
+        reader = self.readers[d.index]
+        content, tool_calls = reader.feed(d.text)
+        if d.finish_reason is not None:
+            rest, more_calls = reader.finish()
+            content, tool_calls = content + rest, tool_calls + more_calls
+        if not content and not tool_calls and d.finish_reason is None and logprobs is None:
             return None
-        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-        return self._chunk(group, [responses.chunk_choice(d.index, delta, d.finish_reason, logprobs)])
+        delta: dict[str, Any] = {"content": content} if content or (d.finish_reason is None and not tool_calls) else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        finish_reason = _finish_reason(d.finish_reason, reader.has_calls)
+        return self._chunk(group, [responses.chunk_choice(d.index, delta, finish_reason, logprobs)])
+
+
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """A choice that ended by itself after making tool calls ends with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if reason == "stop" and made_calls else reason

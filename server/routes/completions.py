@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server import responses
+from server.auth import check_model_access
 from server.errors import APIError
 from server.generation import Delta, Generation
 from server.limits import cap_max_tokens, check_completion
@@ -37,6 +38,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = request.app.state
     check_completion(body, state.config.limits)
     prompts = body.prompts()
+    check_model_access(request, body.model)
     pool, worker, prompt_ids = await route_encoded(
         state.router, body.model, body.n * len(prompts),
         lambda p: [_prompt_ids(p.tokenizer, prompt, len(p.tokenizer)) for prompt in prompts],
@@ -53,7 +55,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             worker,
             request_id if len(prompts) == 1 else f"{request_id}-{k}",
             ids,
-            body.sampling_params(max_tokens, body.logprobs),
+            body.sampling_params(max_tokens, body.logprobs, prompt_logprobs=body.prompt_logprobs),
             tokenizer,
             timeout_s=state.config.server.request_timeout_s,
             retry=partial(state.router.replacement, pool),
@@ -78,7 +80,8 @@ class _CompletionView:
         for k, g in enumerate(group.gens):
             echo = self.echoes[k]
             for i, c in enumerate(g.choices):
-                logprobs = responses.completion_logprobs(c.token_ids, c.logprobs, self.texts, len(echo))
+                logprobs = self._with_prompt(g, echo, responses.completion_logprobs(
+                    c.token_ids, c.logprobs, self.texts, len(echo)))
                 choices.append(responses.completion_choice(k * self.n + i, echo + c.text, c.finish_reason, logprobs))
         usage = responses.usage(group.prompt_tokens, group.completion_tokens)
         return responses.completion(self.request_id, self.created, self.model, choices, usage)
@@ -89,6 +92,7 @@ class _CompletionView:
 
         def frame(k: int, d: Delta, prefix: str) -> dict[str, Any]:
             logprobs = responses.completion_logprobs(d.token_ids, d.logprobs, self.texts, offsets[k][d.index])
+            logprobs = self._with_prompt(group.gens[k], prefix, logprobs)
             offsets[k][d.index] += len(d.text)
             choice = responses.completion_choice(k * n + d.index, prefix + d.text, d.finish_reason, logprobs)
             return responses.completion(self.request_id, self.created, self.model, [choice], None)
@@ -100,7 +104,8 @@ class _CompletionView:
                 echoed.add(d.index)
             for i in range(n):  # a choice with no first delta yet still echoes first
                 if echoes[k] and i not in echoed:
-                    choice = responses.completion_choice(k * n + i, echoes[k], None, None)
+                    logprobs = self._with_prompt(group.gens[k], echoes[k], None)
+                    choice = responses.completion_choice(k * n + i, echoes[k], None, logprobs)
                     yield responses.completion(self.request_id, self.created, self.model, [choice], None)
         async for k, deltas in group.merged():
             for d in deltas:
@@ -108,3 +113,10 @@ class _CompletionView:
         if self.with_usage:
             usage = responses.usage(group.prompt_tokens, group.completion_tokens)
             yield responses.completion(self.request_id, self.created, self.model, [], usage)
+
+    def _with_prompt(self, gen: Generation, echo: str, logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``logprobs`` after the echoed prompt's own, when ``echo`` is sent here and they were asked for."""
+        if not echo or gen.prompt_logprobs is None:
+            return logprobs
+        prompt = responses.prompt_logprobs(gen.prompt_token_ids, gen.prompt_logprobs, self.texts, echo)
+        return responses.join_logprobs(prompt, logprobs)

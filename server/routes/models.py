@@ -1,9 +1,10 @@
-"""GET /v1/models and GET /v1/models/{id}: every configured model, with its context length."""
+"""GET /v1/models and GET /v1/models/{id}: every configured model the key may use, with its context length."""
 
 from typing import Any
 
 from fastapi import APIRouter, Request
 
+from server.auth import may_use
 from server.errors import APIError
 from server.pool import ModelPool
 
@@ -21,13 +22,14 @@ def model_card(pool: ModelPool, created: int) -> dict[str, Any]:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     state = request.app.state
-    return {"object": "list", "data": [model_card(p, state.created) for p in state.router.pools.values()]}
+    pools = [p for p in state.router.pools.values() if may_use(request, p.name)]
+    return {"object": "list", "data": [model_card(p, state.created) for p in pools]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     state = request.app.state
     pool = state.router.pools.get(model_id)
-    if pool is None:
+    if pool is None or not may_use(request, model_id):
         raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
     return model_card(pool, state.created)

@@ -1,5 +1,6 @@
 """The correctness oracle: greedy tokens equal transformers' ``generate`` token for token, at any
-batch composition, with preemption, with prefix caching and with chunked prefill."""
+batch composition, with preemption, with prefix caching and with chunked prefill; for dense,
+mixture-of-experts and sliding-window models."""
 
 import random
 
@@ -9,7 +10,22 @@ from transformers import AutoModelForCausalLM
 
 from engines import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3", "glm4", "stories260K"]
+WINDOW = 7  # not a multiple of the block size: the window's edge moves through blocks
+# name -> tiny_models arguments; the MoE shapes are engines/tiny_model.py's defaults (8 or 6 experts,
+# top-2, a dense first layer, a shared expert, grouped routing)
+MODELS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "glm4": ("glm4", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "mixtral": ("mixtral", {}),
+    "glm4_moe": ("glm4_moe", {}),
+    # every layer windowed; Qwen2's layer 0 full and layer 1 windowed (max_window_layers)
+    "mistral_window": ("mistral", {"sliding_window": WINDOW}),
+    "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+}
+ARCHS = [*MODELS, "stories260K"]
 MAX_TOKENS = 12
 
 
@@ -17,7 +33,8 @@ MAX_TOKENS = 12
 def model_dir(request, tiny_models):
     if request.param == "stories260K":
         return request.getfixturevalue("stories_dir")
-    return tiny_models(request.param)
+    arch, kwargs = MODELS[request.param]
+    return tiny_models(arch, **kwargs)
 
 
 class Reference:
@@ -140,3 +157,19 @@ def test_seeded_n4_sampling_is_the_same_with_preemption(model_dir, reference):
             assert [lp.logprob for lp in ca.logprobs] == pytest.approx([lp.logprob for lp in cb.logprobs],
                                                                       abs=1e-4)
     assert_all_blocks_free(tight)
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window"])
+def test_sliding_window_past_its_edge(tiny_models, name):
+    """Prompts from shorter than the window (their decode steps cross its edge) to six windows long,
+    batched, at block sizes that do and do not divide the window, and in 5-token chunks; the window
+    changes transformers' own tokens at these lengths, so attending to everything would fail."""
+    arch, kwargs = MODELS[name]
+    reference = Reference(tiny_models(arch, **kwargs))
+    rng = random.Random(9)
+    lengths = [WINDOW - 3, WINDOW, WINDOW + 1, 2 * WINDOW, 3 * WINDOW + 2, 6 * WINDOW]
+    prompts = [[rng.randrange(3, reference.vocab_size) for _ in range(n)] for n in lengths]
+    for options in ({"block_size": 4}, {"block_size": 16}, {"block_size": 4, "max_num_batched_tokens": 5}):
+        check_against_reference(LLM(tiny_models(arch, **kwargs), num_kv_blocks=128, **options), reference, prompts)
+    full_attention = Reference(tiny_models(arch))  # the same weights without a window
+    assert any(reference.generate(p) != full_attention.generate(p) for p in prompts)

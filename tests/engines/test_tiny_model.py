@@ -128,6 +128,11 @@ def test_arch_specific_weights(tiny_models) -> None:
     llama = _tensors(tiny_models("llama"))
     norm = llama["model.layers.0.input_layernorm.weight"]
     assert not torch.allclose(norm, torch.ones_like(norm))  # norm weights matter in our tests
+    glm4_moe = _tensors(tiny_models("glm4_moe"))  # per-expert checkpoint names, a dense first layer
+    assert glm4_moe["model.layers.1.mlp.experts.7.gate_proj.weight"].shape == (32, 64)
+    assert "model.layers.0.mlp.gate_proj.weight" in glm4_moe and "model.layers.0.mlp.gate.weight" not in glm4_moe
+    assert glm4_moe["model.layers.1.mlp.gate.e_score_correction_bias"].abs().sum() > 0  # not HF's zeros
+    assert "model.layers.1.block_sparse_moe.experts.5.w3.weight" in _tensors(tiny_models("mixtral"))
 
 
 def test_options_shape_the_checkpoint(tmp_path: Path) -> None:

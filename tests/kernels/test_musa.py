@@ -246,6 +246,13 @@ def test_declared_limits_send_the_op_to_the_next_candidate(musa, dtype, head_dim
             assert says in selection.rejected[op][0][1]
 
 
+def test_a_windowed_model_keeps_the_reference_attention(musa):
+    selection = select("musa", CPU, torch.bfloat16, replace(MODEL_SHAPES, sliding_window=64))
+    for op in ("prefill_attention", "decode_attention"):
+        assert selection.chosen[op] == "reference"
+        assert selection.rejected[op] == [("musa", "sliding window unsupported (not implemented for MUSA attention here)")]
+
+
 @pytest.fixture
 def on_musa(musa, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """``device="musa:0"`` reaches the engine as a musa platform whose tensors live on the CPU (a

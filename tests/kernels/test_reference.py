@@ -11,20 +11,24 @@ from kernels import reference as ref
 NUM_BLOCKS, BLOCK_SIZE, KVH, H, D = 24, 4, 2, 6, 8  # GQA: 3 query heads per KV head
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [q_len, H, D] at the last q_len positions of k, v: [L, KVH, D]; explicit causal softmax."""
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """q: [q_len, H, D] at the last q_len positions of k, v: [L, KVH, D]; explicit causal softmax,
+    over the last ``window`` positions up to each query when given."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     out = torch.zeros_like(q, dtype=torch.float64)
     for h in range(num_heads):
         kv_h = h // (num_heads // num_kv_heads)
         for j in range(q_len):
-            visible = seq_len - q_len + j + 1
-            scores = [scale * float(q[j, h].double() @ k[t, kv_h].double()) for t in range(visible)]
+            position = seq_len - q_len + j
+            visible = range(0 if window is None else max(0, position - window + 1), position + 1)
+            scores = [scale * float(q[j, h].double() @ k[t, kv_h].double()) for t in visible]
             top = max(scores)
             weights = [math.exp(s - top) for s in scores]
             total = sum(weights)
-            for t, w in enumerate(weights):
+            for t, w in zip(visible, weights):
                 out[j, h] += (w / total) * v[t, kv_h].double()
     return out.to(q.dtype)
 
@@ -140,6 +144,34 @@ def test_decode_equals_last_row_of_prefill() -> None:
     decoded = decode(query, key_cache, value_cache, tables, torch.tensor([10]), 0.5)
     prefill = ref.paged_prefill_attention(query, key_cache, value_cache, tables, [0, 1], [10], 0.5)
     torch.testing.assert_close(decoded, prefill, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [1, 5, 12])
+def test_sliding_window_prefill_and_decode_see_only_the_last_window_positions(window: int) -> None:
+    """Window 5 cuts every context here but the shortest, at block boundaries and inside blocks;
+    window 12 only the longest; window 1 leaves each token alone with itself."""
+    torch.manual_seed(9)
+    seq_lens, q_lens = [6, 11, 13], [6, 4, 1]  # a whole prompt, then chunks after cached prefixes
+    block_ids = [[4, 17], [11, 2, 20], [9, 0, 13, 21]]
+    keys = [torch.randn(n, KVH, D) for n in seq_lens]
+    values = [torch.randn(n, KVH, D) for n in seq_lens]
+    key_cache, value_cache = fill_paged(keys, block_ids), fill_paged(values, block_ids)
+    tables, scale = block_table(block_ids), 0.4
+    query = torch.randn(sum(q_lens), H, D)
+    start_loc = [0, 6, 10, 11]
+    out = ref.paged_prefill_attention(query, key_cache, value_cache, tables, start_loc, seq_lens, scale,
+                                      sliding_window=window)
+    for i in range(len(seq_lens)):
+        q = query[start_loc[i] : start_loc[i + 1]]
+        expected = naive_attention(q, keys[i], values[i], scale, window)
+        torch.testing.assert_close(out[start_loc[i] : start_loc[i + 1]], expected, atol=1e-5, rtol=1e-5)
+    one_token = torch.randn(len(seq_lens), H, D)
+    gather = build_decode_gather(tables.numpy(), torch.tensor(seq_lens).numpy(), BLOCK_SIZE, torch.device("cpu"))
+    decoded = ref.paged_decode_attention(one_token, key_cache, value_cache, tables,
+                                         torch.tensor(seq_lens, dtype=torch.int32), scale, gather, sliding_window=window)
+    for i in range(len(seq_lens)):
+        expected = naive_attention(one_token[i : i + 1], keys[i], values[i], scale, window)
+        torch.testing.assert_close(decoded[i : i + 1], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_rms_norm_plain_and_fused_residual() -> None:

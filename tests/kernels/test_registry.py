@@ -4,6 +4,7 @@ start-up with a clear message."""
 
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,11 +52,21 @@ def candidates(monkeypatch):
     monkeypatch.setitem(registry.PREFERENCE, "cpu", ("absent", "raising", "off", "narrow", "good", "reference"))
 
 
-def test_cpu_uses_the_reference_for_every_op(monkeypatch):
+def test_cpu_times_its_decode_candidates_and_keeps_the_reference_elsewhere(monkeypatch, tmp_path):
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))  # a fresh timing cache
+    monkeypatch.setenv(registry.TIMING_ENV_VAR, "on")
     selection = select("cpu", CPU, torch.float32, SHAPES)
-    assert set(selection.chosen.values()) == {"reference"} and not selection.rejected
+    assert not selection.rejected
+    assert set(selection.timings_ms) == {"decode_attention"}  # the only op with two correct candidates
+    timed = selection.timings_ms["decode_attention"]
+    assert set(timed) == {"cpp", "reference"}
+    assert selection.chosen["decode_attention"] == min(timed, key=timed.get)
+    assert {op: name for op, name in selection.chosen.items() if op != "decode_attention"} == {
+        op: "reference" for op in registry.OPS if op != "decode_attention"}
     assert selection.ops.rms_norm is reference.rms_norm
+    assert (tmp_path / "kernel_timings.json").is_file()
+    assert "timed cpp" in selection.table() and selection.report()["decode_attention"]["timings_ms"] == timed
 
 
 def test_each_failing_candidate_is_rejected_with_its_reason(candidates):
@@ -121,10 +132,56 @@ def test_the_model_calls_the_chosen_implementation(tiny_models, monkeypatch):
 
 
 def test_every_probe_accepts_the_reference_itself(monkeypatch):
-    """The probes compare like with like: the reference, probed as a candidate, has no error."""
-    from kernels.probes import PROBES, probe
+    """The probes compare like with like: the reference, probed as a candidate, has no error
+    (also for a windowed mixture-of-experts model, whose probes exercise the window and routing)."""
+    from kernels.probes import PROBES, applies, probe
+    from kernels.routing import MoeRouting
 
-    for op in PROBES:
-        functions = {name: reference.OPS[name] for name in registry.OP_FUNCTIONS[op]}
-        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-            assert probe(op, functions, SHAPES, CPU, dtype) <= tolerance, (op, dtype)
+    routing = MoeRouting(top_k=2, scoring="sigmoid", num_groups=2, correction_bias=True, scaling_factor=2.0)
+    moe_windowed = replace(SHAPES, sliding_window=5, num_experts=8, moe_intermediate_size=24, moe_routing=routing)
+    for shapes in (SHAPES, moe_windowed):
+        for op in filter(lambda op: applies(op, shapes), PROBES):
+            functions = {name: reference.OPS[name] for name in registry.OP_FUNCTIONS[op]}
+            for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+                assert probe(op, functions, shapes, CPU, dtype) <= tolerance, (op, dtype, shapes)
+
+
+def test_the_fastest_correct_candidate_wins_and_timings_are_cached(monkeypatch, tmp_path):
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(registry.TIMING_ENV_VAR, "on")
+
+    def slow(*args):
+        return reference.paged_decode_attention(*args)
+
+    def quick(*args):
+        return reference.paged_decode_attention(*args)
+
+    fake_module("slow", monkeypatch, OPS={"paged_decode_attention": slow})
+    fake_module("quick", monkeypatch, OPS={"paged_decode_attention": quick})
+    monkeypatch.setitem(registry.PREFERENCE, "cpu", ("slow", "quick", "reference"))
+    names = {slow: "slow", quick: "quick", reference.paged_decode_attention: "reference"}
+    measured = {"slow": 3.0, "quick": 1.0, "reference": 2.0}
+    calls = []
+
+    def fake_measure(op, functions, shapes, device, dtype):
+        calls.append(names[functions["paged_decode_attention"]])
+        return measured[calls[-1]]
+
+    monkeypatch.setattr(registry, "measure", fake_measure)
+    first = select("cpu", CPU, torch.float32, SHAPES)
+    assert first.chosen["decode_attention"] == "quick"
+    assert first.timings_ms["decode_attention"] == {"slow": 3000.0, "quick": 1000.0, "reference": 2000.0}
+    assert sorted(calls) == ["quick", "reference", "slow"]
+    calls.clear()
+    assert select("cpu", CPU, torch.float32, SHAPES).chosen["decode_attention"] == "quick"
+    assert calls == []  # from the cache file
+    forced = select("cpu", CPU, torch.float32, SHAPES, {"decode_attention": "slow"})
+    assert forced.chosen["decode_attention"] == "slow" and "decode_attention" not in forced.timings_ms
+
+
+def test_ties_go_to_the_preferred_candidate():
+    from kernels.timing import fastest
+
+    assert fastest({"reference": 1.0, "cpp": 1.0}, ("cpp", "reference")) == "cpp"
+    assert fastest({"reference": 0.5, "cpp": 1.0}, ("cpp", "reference")) == "reference"

@@ -1,6 +1,7 @@
 """The Triton kernels against the pure-torch references, on CPU tensors under Triton's interpreter."""
 
 import os
+from dataclasses import replace
 
 # Before kernels.triton is imported: @triton.jit reads it when the kernels are decorated.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -191,3 +192,9 @@ def test_the_registry_probes_and_chooses_the_triton_kernels(monkeypatch):
         assert selection.chosen[op] == "triton", selection.rejected
     assert selection.chosen["rms_norm"] == "reference"  # Triton offers no RMSNorm
     assert selection.ops.paged_decode_attention is triton_ops.paged_decode_attention
+    # a sliding window: the attention kernels decline (the KV write still serves)
+    windowed = registry.select("cpu", torch.device("cpu"), torch.float32, replace(shapes, sliding_window=16))
+    assert windowed.chosen["write_kv"] == "triton"
+    for op in ("prefill_attention", "decode_attention"):
+        assert windowed.chosen[op] == "reference"
+        assert dict(windowed.rejected[op])["triton"].startswith("sliding window unsupported")

@@ -51,3 +51,30 @@ def test_template_errors_are_400(tiny_tokenizer):
     with pytest.raises(APIError) as info:
         chat_prompt_ids(Strict(), request([{"role": "user", "content": "x"}]))
     assert info.value.param == "messages" and "alternate" in info.value.message
+
+
+def test_assistant_tool_calls_reach_the_template_with_parsed_arguments(tiny_tokenizer):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}
+    bad = {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+    msg = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call, bad]})
+    calls = template_message(msg)["tool_calls"]
+    assert calls[0]["function"]["arguments"] == {"zone": "utc"}  # templates iterate or re-serialise them
+    assert calls[1] == bad  # left as sent when it is not JSON
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    seen = {}
+
+    class Recording:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tools=None, **kw):
+            seen.update(messages=messages, tools=tools)
+            return "text"
+
+        def encode(self, text, add_special_tokens):
+            return [1]
+
+    messages = [{"role": "user", "content": "time?"}, msg.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    chat_prompt_ids(Recording(), request(messages, tools=tools))
+    assert seen["tools"] == tools and seen["messages"][2] == {"role": "tool", "content": "12:00",
+                                                              "tool_call_id": "call_1"}

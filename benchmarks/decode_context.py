@@ -1,0 +1,94 @@
+"""Decode step time against context length, for each CPU decode-attention kernel.
+
+The 5M-parameter Llama of ../shared/PEERS.md (hidden 256, 4 layers, 4 heads / 2 KV heads), float32,
+one thread: for contexts of 128, 512 and 2048 tokens and batch 1, 8 and 32, the engine prefills,
+decodes a few steps, then times windows of ``engine.step()`` with ``decode_attention`` forced to
+each implementation in turn (the reference gathers every context out of the paged cache and runs
+SDPA with a mask; ``cpp`` reads the blocks in place). Engines alternate within one process and each
+keeps its fastest window (on a shared machine the minimum is the least disturbed estimate). Prints a
+markdown table and writes ``benchmarks/results/decode_context.json``.
+
+    python benchmarks/decode_context.py [--quick]
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "decode_context.json"
+MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+IMPLEMENTATIONS = ("reference", "cpp")
+
+
+def step_time(llm, batch: int, context: int, windows: int, window: int) -> float:
+    """Best mean seconds per decode step of ``batch`` sequences at about ``context`` tokens."""
+    from engines import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=8 + windows * window, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{batch}-{context}-{i}", [7 + (i * 31 + j * 7) % 900 for j in range(context)], params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    best = float("inf")
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(window):
+            engine.step()
+        best = min(best, (time.perf_counter() - start) / window)
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer windows and contexts (a smoke run)")
+    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from engines import LLM
+    from engines.tiny_model import ensure_tiny_model
+
+    torch.set_num_threads(1)
+    contexts, batches = ((128, 512), (1, 8)) if args.quick else ((128, 512, 2048), (1, 8, 32))
+    windows, window = (2, 4) if args.quick else (5, 8)
+    path = str(ensure_tiny_model(args.model_dir, name="llama-5m", **MODEL))
+    num_blocks = max(batches) * (-(-(max(contexts) + 8 + windows * window) // 16)) + 16
+    engines = {
+        impl: LLM(path, dtype="float32", num_kv_blocks=num_blocks, max_num_seqs=max(batches), block_size=16,
+                  max_num_batched_tokens=4096, kernels={"decode_attention": impl})
+        for impl in IMPLEMENTATIONS
+    }
+    rows = []
+    with torch.inference_mode():
+        for context in contexts:
+            for batch in batches:
+                row = {"context": context, "batch": batch}
+                for impl, llm in engines.items():
+                    row[f"{impl}_ms"] = 1e3 * step_time(llm, batch, context, windows, window)
+                row["speedup"] = row["reference_ms"] / row["cpp_ms"]
+                rows.append(row)
+                print(f"context {context:>5} batch {batch:>3}: reference {row['reference_ms']:.2f} ms, "
+                      f"cpp {row['cpp_ms']:.2f} ms", file=sys.stderr)
+    result = {"model": MODEL, "dtype": "float32", "threads": 1, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print("| context | batch | reference step ms | cpp step ms | speedup |\n|---:|---:|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row['context']} | {row['batch']} | {row['reference_ms']:.2f} | {row['cpp_ms']:.2f} | "
+              f"{row['speedup']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

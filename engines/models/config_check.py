@@ -1,0 +1,53 @@
+"""Refuse a checkpoint whose config asks for math these models do not implement.
+
+A server must compute a model exactly or not serve it: a config field that changes the math and is
+silently ignored gives plausible, wrong text. Each entry below is a field that transformers honours
+for some architecture (or that marks a checkpoint format) and that no model here implements; the
+loader calls ``unsupported_config_fields`` before building anything and names every problem.
+What is implemented: SiLU-gated MLPs, "default" / "linear" / "llama3" rotary (full or partial,
+rotate-half or interleaved), full and sliding-window attention ("full_attention" /
+"sliding_attention" layers), q/k norm, attention and MLP biases, and the MoE routing of Qwen3-MoE,
+Mixtral and GLM-4.5.
+"""
+
+from typing import Any
+
+from engines.models.rope import SUPPORTED_ROPE_TYPES, rope_settings
+
+SUPPORTED_ACTIVATIONS = ("silu",)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# field -> what it would change; refused whenever set (not None, not False)
+UNIMPLEMENTED_FIELDS = {
+    "attn_logit_softcapping": "tanh soft-capping of the attention logits",
+    "final_logit_softcapping": "tanh soft-capping of the output logits",
+    "query_pre_attn_scalar": "an attention scale other than head_dim ** -0.5",
+    "logits_scaling": "a divisor on the output logits",
+    "embedding_multiplier": "a multiplier on the input embeddings",
+    "residual_multiplier": "a multiplier on the residual branches",
+    "attention_multiplier": "an attention scale other than head_dim ** -0.5",
+    "quantization_config": "quantised weights",
+}
+
+
+def unsupported_config_fields(config: Any) -> list[str]:
+    """One message per config field that asks for unimplemented math, naming the field; [] when
+    the config is fully supported."""
+    problems = []
+    activation = getattr(config, "hidden_act", "silu")
+    if activation not in SUPPORTED_ACTIVATIONS:
+        problems.append(f"hidden_act={activation!r} (implemented: {', '.join(SUPPORTED_ACTIVATIONS)})")
+    rope = rope_settings(config)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        problems.append(f"rope_parameters.rope_type={rope_type!r} (implemented: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope.get("mrope_section"):
+        problems.append("rope_parameters.mrope_section (multimodal rotary)")
+    layer_types = set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES)
+    if layer_types:
+        problems.append(f"layer_types={sorted(layer_types)} (implemented: {', '.join(SUPPORTED_LAYER_TYPES)})")
+    for field, meaning in UNIMPLEMENTED_FIELDS.items():
+        value = getattr(config, field, None)
+        if value is not None and value is not False:
+            shown = field if isinstance(value, dict) else f"{field}={value!r}"
+            problems.append(f"{shown} ({meaning})")
+    return problems

@@ -1,0 +1,71 @@
+"""The mixture-of-experts MLP: a router picks each token's experts and the experts run as one fused
+kernel op (``ops.select_experts`` then ``ops.fused_moe``); shared experts, when the architecture has
+them (GLM-4.5), see every token and are added on top.
+
+Parameter names follow the Hugging Face checkpoints (``mlp.gate.weight``,
+``mlp.gate.e_score_correction_bias``, ``mlp.shared_experts.*``) except the routed experts, which
+the loader stacks from each expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` into
+``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj``.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.models.layers import GatedMLP
+from kernels.ops import KernelOps
+from kernels.routing import MoeRouting
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """An architecture's experts, read from its config."""
+
+    num_experts: int
+    intermediate_size: int  # one routed expert's
+    routing: MoeRouting
+    shared_intermediate_size: int = 0  # the shared experts' together (one wide MLP); 0: none
+
+
+class Router(nn.Linear):
+    """Router logits over the experts, plus GLM-4.5's learned per-expert bias on their scores."""
+
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool) -> None:
+        super().__init__(hidden_size, num_experts, bias=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if correction_bias else None
+
+
+class Experts(nn.Module):
+    """Every routed expert's SwiGLU weights, stacked: ``gate_up_proj`` [E, 2I, Hd] (each expert's
+    gate rows, then its up rows) and ``down_proj`` [E, Hd, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.output_sizes = [intermediate_size, intermediate_size]  # gate_up_proj's shards, for the loader
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoeSpec, ops: KernelOps) -> None:
+        super().__init__()
+        self.routing = moe.routing
+        self.gate = Router(hidden_size, moe.num_experts, moe.routing.correction_bias)
+        self.experts = Experts(moe.num_experts, hidden_size, moe.intermediate_size)
+        self.shared_experts = (
+            GatedMLP(hidden_size, moe.shared_intermediate_size, bias=False, ops=ops)
+            if moe.shared_intermediate_size else None
+        )
+        self.select_experts, self.fused_moe = ops.select_experts, ops.fused_moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, Hd] -> [T, Hd]."""
+        # logits: [T, E] in float32, computed in the router weight's dtype: the model's, or float32
+        # where the architecture keeps its router so (GLM-4.5), as transformers does
+        logits = F.linear(x.to(self.gate.weight.dtype), self.gate.weight).float()
+        weights, ids = self.select_experts(logits, self.routing, self.gate.e_score_correction_bias)  # [T, K] each
+        out = self.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)

@@ -1,0 +1,85 @@
+"""CPU kernels written in C++ (``kernels/csrc/``), built with ``torch.utils.cpp_extension`` on first
+use: decode attention that reads the paged cache in place.
+
+The build takes a minute or two and is cached under ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/xinserve/torch_extensions``), keyed by the source, the torch version and the CPU's
+instruction-set flags (it is compiled with ``-march=native``), so restarts and later workers load it
+at once; concurrent builders wait on torch's lock file. Without a C++ compiler (or
+ninja) importing this module raises ImportError, and the registry keeps the reference.
+"""
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from kernels.probes import ModelShapes
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "xinserve" / "torch_extensions")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build_key() -> str:
+    """Names the build: the source, the torch version and the CPU's instruction-set flags."""
+    return hashlib.sha256(f"{SOURCE.read_text()}\n{torch.__version__}\n{_cpu_flags()}".encode()).hexdigest()[:16]
+
+
+def _build(key: str):
+    from torch.utils import cpp_extension
+
+    build_dir = _cache_dir() / f"paged_decode_{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=f"xinserve_paged_decode_{key}",
+            sources=[str(SOURCE)],
+            # Reassociation lets the compiler vectorise the dot products' float sums.
+            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+                          "-fno-trapping-math"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
+        raise ImportError(f"cannot build the C++ CPU kernels: {str(exc).strip().splitlines()[-1]}") from None
+
+
+BUILD_KEY = _build_key()
+_extension = _build(BUILD_KEY)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    gather: object = None,
+) -> torch.Tensor:
+    """The reference's signature; the gather plan is not needed (nothing is gathered)."""
+    return _extension.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+paged_decode_attention.build_key = BUILD_KEY  # a rebuilt kernel is timed again (kernels/timing.py)
+
+
+def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    if getattr(shapes, "sliding_window", None):
+        return "sliding window unsupported"
+    return None
+
+
+OPS = {"paged_decode_attention": paged_decode_attention}

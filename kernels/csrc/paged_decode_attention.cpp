@@ -1,0 +1,119 @@
+// Decode attention on the CPU that reads K/V blocks where they lie in the paged cache.
+//
+// The reference gathers every sequence's context out of the cache (one copy per layer) and runs
+// SDPA with a mask for a single query row; here each (sequence, KV head) walks its block table and
+// keeps an online softmax, so nothing is copied and nothing is masked. The G query heads that share
+// a KV head are done together, so each key and value row is read once per group.
+//
+// Shapes: query [S, H, D]; key_cache, value_cache [N, BS, KVH, D] (contiguous); block_tables [S, B]
+// int32; seq_lens [S] int32 (context including the new token); out [S, H, D]. H = KVH * G.
+// Accumulation is float32 whatever the storage dtype.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+void decode_group(const scalar_t* q, const scalar_t* key_cache, const scalar_t* value_cache,
+                  const int32_t* table, int64_t seq_len, int64_t kv_head, int64_t group, int64_t head_dim,
+                  int64_t block_size, int64_t num_kv_heads, float scale, scalar_t* out,
+                  std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores) {
+  // qf: [G, D] scaled queries; acc: [G, D] unnormalised output; scores: [G, BS] one block's logits.
+  for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  std::fill(acc.begin(), acc.end(), 0.0f);
+  std::vector<float> running_max(group, -std::numeric_limits<float>::infinity());
+  std::vector<float> running_sum(group, 0.0f);
+  const int64_t row_stride = num_kv_heads * head_dim;  // one token of one block, all KV heads
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t tokens = std::min(block_size, seq_len - b * block_size);
+    const int64_t base = static_cast<int64_t>(table[b]) * block_size * row_stride + kv_head * head_dim;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const scalar_t* k = key_cache + base + t * row_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qf.data() + g * head_dim;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
+        scores[g * block_size + t] = dot;
+      }
+    }
+    // Per query head: the block's max, the rescale of what came before, the block's weights.
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores.data() + g * block_size;
+      const float block_max = *std::max_element(s, s + tokens);
+      const float new_max = std::max(running_max[g], block_max);
+      const float rescale = std::exp(running_max[g] - new_max);  // exp(-inf) = 0 on the first block
+      float* a = acc.data() + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale;
+      running_sum[g] *= rescale;
+      for (int64_t t = 0; t < tokens; ++t) {
+        s[t] = std::exp(s[t] - new_max);
+        running_sum[g] += s[t];
+      }
+      running_max[g] = new_max;
+    }
+    // Each value row is read once for the whole group.
+    for (int64_t t = 0; t < tokens; ++t) {
+      const scalar_t* v = value_cache + base + t * row_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * block_size + t];
+        float* a = acc.data() + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.0f / running_sum[g];
+    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv);
+  }
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [S, H, D] and cache [N, BS, KVH, D] expected");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the paged cache must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
+  auto q = query.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && key_cache.size(3) == head_dim, "head shapes do not match");
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t width = tables.size(1);
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+    const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
+    const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
+    const int32_t* table_ptr = tables.data_ptr<int32_t>();
+    const int32_t* len_ptr = lens.data_ptr<int32_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(group * head_dim), acc(group * head_dim), scores(group * block_size);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t s = i / num_kv_heads, h = i % num_kv_heads;
+        const int64_t offset = (s * num_heads + h * group) * head_dim;  // the group's first query head
+        decode_group<scalar_t>(q_ptr + offset, k_ptr, v_ptr, table_ptr + s * width, len_ptr[s], h, group,
+                               head_dim, block_size, num_kv_heads, static_cast<float>(scale),
+                               out_ptr + offset, qf, acc, scores);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache, in place");
+}

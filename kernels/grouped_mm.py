@@ -1,0 +1,55 @@
+"""fused_moe through ``torch._grouped_mm``: each projection of every expert in one call, with the
+expert boundaries passed as device offsets, so no per-expert loop and no host sync (the reference
+reads the per-expert counts on the host). Routing is the reference's.
+
+``torch._grouped_mm`` is a private torch op: importing this module raises ImportError where the
+installed torch lacks it. torch 2.13 runs it on CPU in float32, float16 and bfloat16 (checked in
+tests/kernels/test_fused_moe.py); on CUDA it is registered but not yet run on a GPU here. It wants
+16-byte aligned rows; where it refuses a case the probe says so and the registry keeps the reference.
+
+Shape letters as in kernels/reference.py.
+"""
+
+import torch
+
+from kernels import reference
+from kernels.probes import ModelShapes
+
+if not hasattr(torch, "_grouped_mm"):
+    raise ImportError(f"torch {torch.__version__} has no torch._grouped_mm")
+
+
+def fused_moe(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """hidden: [T, Hd]; w13: [E, 2I, Hd]; w2: [E, Hd, I]; topk_weights: [T, K] float32; topk_ids:
+    [T, K]. Returns [T, Hd]."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)  # [T * K]: sorted row -> its (token, k) slot
+    tokens = order // top_k
+    # offsets: [E] int32, the end of each expert's rows in the sorted batch
+    offsets = torch.bincount(flat_ids, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    rows = hidden.index_select(0, tokens)  # [T * K, Hd]
+    # the transposed weights are views ([E, Hd, 2I], [E, I, Hd]): the op takes them as they are
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)  # [T * K, 2I]
+    down = torch._grouped_mm(reference.silu_and_mul(gate_up), w2.transpose(1, 2), offs=offsets)  # [T * K, Hd]
+    weighted = down.float() * topk_weights.reshape(-1).index_select(0, order)[:, None]
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, tokens, weighted).to(hidden.dtype)
+
+
+def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    """Why ``torch._grouped_mm`` cannot serve the model's experts, or None."""
+    if op != "fused_moe":
+        return None
+    row_bytes = {"hidden_size": shapes.hidden_size * dtype.itemsize,
+                 "moe_intermediate_size": shapes.moe_intermediate_size * dtype.itemsize}
+    for name, size in row_bytes.items():
+        if size % 16:
+            return f"{name} {size // dtype.itemsize} unsupported in {dtype} (rows must be 16-byte aligned)"
+    return None
+
+
+# function name -> function, as every implementation module exposes (kernels/ops.py)
+OPS = {"select_experts": reference.select_experts, "fused_moe": fused_moe}

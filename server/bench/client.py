@@ -1,0 +1,77 @@
+"""One streamed request and what the client saw of it: when each piece of text came, and the usage."""
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    category: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds from sending to the first text
+    latency: float = 0.0  # seconds from sending to the end of the stream
+    itls: list[float] = field(default_factory=list)  # seconds between successive pieces of text
+    error: str = ""
+
+
+def _chunk_has_text(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or []:
+        if (choice.get("delta") or {}).get("content") or choice.get("text"):
+            return True
+    return False
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], category: str | None = None
+) -> RequestResult:
+    """POST ``body`` (a streaming request) and time its chunks; never raises for a failed request.
+
+    Token counts come from the final ``usage`` chunk (``stream_options.include_usage``); a server
+    that sends none is counted one token per chunk with text.
+    """
+    start = time.perf_counter()
+    result = RequestResult(ok=False, category=category)
+    last = None
+    text_chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"stream error: {chunk['error'].get('message', '')[:200]}"
+                    return result
+                now = time.perf_counter()
+                if _chunk_has_text(chunk):
+                    text_chunks += 1
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency = time.perf_counter() - start
+    if last is None:  # nothing but an end (an immediate EOS): the first "token" came at the end
+        result.ttft = result.latency
+    result.output_tokens = result.output_tokens or text_chunks
+    result.ok = True
+    return result

@@ -1,0 +1,30 @@
+"""Counts each generation request and its tokens against the API key that made it, once it has ended.
+
+A pure ASGI middleware, like the request log, and for the same reason: a stream has ended only when
+the app returns. It reads what the request left in its state: the key ``require_api_key`` matched,
+and the summary the handler wrote for the log line (model, prompt and completion tokens), which
+generation requests leave whatever their outcome and other requests do not.
+"""
+
+from typing import Any
+
+from server.metrics import KeyMetrics
+
+
+class KeyUsageMiddleware:
+    def __init__(self, app: Any, metrics: KeyMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            key, summary = state.get("api_key"), state.get("log")
+            if key is not None and summary:
+                self.metrics.observe(key.name, summary["model"], summary["prompt_tokens"],
+                                     summary["completion_tokens"])

@@ -1,0 +1,45 @@
+"""Tool calls in model output: the per-family parsers of ``tool_choice: auto`` and their registry.
+
+A parser reads a finished output and returns its content and its calls; an output that does not
+parse as that family's calls (malformed JSON, a missing end tag) is content, never an error. The
+server picks the parser from the model's ``tool_call_parser`` setting, else from markers in its
+chat template (``detect``).
+"""
+
+from server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser
+from server.tool_calls.deepseek_v3 import DeepSeekV3Parser
+from server.tool_calls.glm45 import Glm45Parser
+from server.tool_calls.hermes import HermesParser
+from server.tool_calls.llama3 import Llama3JsonParser
+
+PARSERS: dict[str, type[ToolCallParser]] = {
+    "hermes": HermesParser,  # also Qwen2.5 and Qwen3
+    "llama3_json": Llama3JsonParser,
+    "glm45": Glm45Parser,  # also GLM-4 (a JSON body after the name)
+    "deepseek_v3": DeepSeekV3Parser,
+}
+
+# Template markers, most specific first: GLM-4.5's template also writes <tool_call>.
+_TEMPLATE_MARKERS = (
+    ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
+    ("<arg_key>", "glm45"),
+    ("<tool_call>", "hermes"),
+    ("<|python_tag|>", "llama3_json"),
+)
+
+
+def detect(chat_template: str | None) -> str | None:
+    """The parser name a chat template's tool-call syntax implies; None when it shows none."""
+    for marker, name in _TEMPLATE_MARKERS:
+        if chat_template and marker in chat_template:
+            return name
+    return None
+
+
+def parser_for(name: str | None, chat_template: str | None, tools: list[dict]) -> ToolCallParser | None:
+    """The configured parser, else the detected one, built for this request's ``tools``."""
+    name = name or detect(chat_template)
+    return PARSERS[name](tools) if name else None
+
+
+__all__ = ["PARSERS", "ParsedOutput", "ToolCall", "ToolCallParser", "detect", "parser_for"]

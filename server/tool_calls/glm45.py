@@ -1,0 +1,42 @@
+"""GLM-4.5 / GLM-4.6: ``<tool_call>name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>...</tool_call>``.
+
+Its template writes a string value as it is and any other value as JSON, so a value is typed back
+by the function's parameter schema. GLM-4's older form, a JSON object after the name, parses too.
+"""
+
+import json
+import re
+from typing import Any
+
+from server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser, content_or_none
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+class Glm45Parser(ToolCallParser):
+    start = ("<tool_call>",)
+
+    def _parse(self, text: str) -> ParsedOutput:
+        calls = []
+        for body in _CALL.findall(text):
+            body = body.strip()
+            if "<arg_key>" in body:
+                name = body[: body.index("<arg_key>")].strip()
+                arguments = {key.strip(): self._value(name, key.strip(), value) for key, value in _ARG.findall(body)}
+            else:  # GLM-4, or a call without arguments
+                name, _, rest = body.partition("\n")
+                arguments = json.loads(rest) if rest.strip() else {}
+            if not name:
+                raise ValueError("a tool call without a name")
+            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+        return ParsedOutput(content_or_none(text[: text.find("<tool_call>")]) if calls else text, calls)
+
+    def _value(self, function: str, key: str, value: str) -> Any:
+        schema = self.tools.get(function, {}).get("parameters", {}).get("properties", {}).get(key, {})
+        if schema.get("type") == "string":
+            return value
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value

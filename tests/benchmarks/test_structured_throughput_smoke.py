@@ -1,0 +1,24 @@
+"""The structured-output throughput benchmark runs end to end (--quick) and writes well-formed results.
+No timing assertions: the numbers depend on the machine."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "structured_throughput.py"
+
+
+def test_quick_run_writes_both_modes(tmp_path: Path) -> None:
+    out = tmp_path / "structured_throughput.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--model-dir", str(tmp_path / "models")],
+        check=False, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| mode | unconstrained tok/s |" in proc.stdout
+    result = json.loads(out.read_text())
+    assert [r["mode"] for r in result["rows"]] == ["greedy", "sampled"]
+    for row in result["rows"]:
+        assert row["unconstrained_tok_s"] > 0 and row["json_schema_tok_s"] > 0
+        assert row["ratio"] == row["json_schema_tok_s"] / row["unconstrained_tok_s"]

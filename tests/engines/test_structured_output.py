@@ -1,0 +1,126 @@
+"""Grammar-constrained output, logit bias and prompt log-probs in the offline engine."""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engines import LLM, SamplingParams
+from engines.runner import _plain_greedy
+from engines.sequence import Sequence
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    },
+    "required": ["name", "age", "color", "tags"],
+}
+PROMPTS = ["The river", "A small library", "Good software is tested"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models("llama"), num_kv_blocks=256, block_size=4)
+
+
+def assert_idle(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+def test_outputs_match_the_schema_greedy_seeded_and_n(llm):
+    params = [
+        SamplingParams(temperature=0, max_tokens=120, json_schema=SCHEMA),
+        SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=120, json_schema=SCHEMA),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),  # an unconstrained neighbour
+    ]
+    outs = llm.generate(PROMPTS, params)
+    for choice in [*outs[0].outputs, *outs[1].outputs]:
+        assert choice.finish_reason == "stop"  # the grammar's end, not max_tokens
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+    assert len({c.text for c in outs[1].outputs}) > 1
+    assert len(outs[2].token_ids) == 8
+    again = llm.generate(PROMPTS[1], params[1])[0]
+    assert [c.text for c in again.outputs] == [c.text for c in outs[1].outputs]  # seeds hold
+    assert_idle(llm)
+
+
+def test_any_json_object(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=60, json_schema={"type": "object"}))[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)
+
+
+def test_preemption_keeps_the_grammar_state(tiny_models, llm):
+    params = SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=120, json_schema=SCHEMA)
+    roomy = llm.generate(PROMPTS[2], params)[0]
+    # Blocks for about two of the four choices at once: the others are preempted and recomputed.
+    tight = LLM(tiny_models("llama"), num_kv_blocks=36, block_size=4, enable_prefix_caching=False)
+    out = tight.generate(PROMPTS[2], params)[0]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [c.text for c in out.outputs] == [c.text for c in roomy.outputs]
+    for choice in out.outputs:
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+
+
+def test_unconstrained_batches_never_build_a_mask(llm, monkeypatch):
+    def fail(*args):
+        raise AssertionError("an unconstrained batch built a grammar mask")
+
+    monkeypatch.setattr("engines.sampler.apply_grammars", fail)
+    monkeypatch.setattr("engines.runner.apply_grammars", fail)
+    llm.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=1.0, max_tokens=4)])
+
+
+def test_unsupported_schema_is_a_value_error(llm):
+    with pytest.raises(ValueError, match="unsupported JSON schema"):
+        llm.generate(PROMPTS[0], SamplingParams(json_schema={"type": "strin"}))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        llm.generate(PROMPTS[0], SamplingParams(json_schema="{nope"))
+    assert_idle(llm)
+
+
+def test_logit_bias_forces_and_forbids(llm):
+    forced = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, logit_bias={50: 100}))[0]
+    assert forced.token_ids == [50] * 5
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0].token_ids[0]
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True, logit_bias={free: -100})
+    assert free not in llm.generate(PROMPTS[0], params)[0].token_ids
+    with pytest.raises(ValueError, match="logit_bias token ids"):
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={5: 101})
+
+
+def test_prompt_logprobs_equal_transformers_and_survive_chunking(tiny_models):
+    path = tiny_models("llama")
+    prompt = "The river begins as a spring high in the mountains, where snow melts"
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    whole = LLM(path, num_kv_blocks=64, block_size=4).generate(prompt, params)[0]
+    # A 5-token budget splits the prompt into chunks; every chunk adds its own log-probs.
+    chunked = LLM(path, num_kv_blocks=64, block_size=4, max_num_batched_tokens=5).generate(prompt, params)[0]
+    ids = whole.prompt_token_ids
+    assert len(whole.prompt_logprobs) == len(ids) and whole.prompt_logprobs[0] is None
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)  # position i predicts i + 1
+    for pos, (entry, other) in enumerate(zip(whole.prompt_logprobs[1:], chunked.prompt_logprobs[1:]), start=1):
+        assert entry.logprob == pytest.approx(expected[pos - 1, ids[pos]].item(), abs=1e-4)
+        assert entry.top_token_ids == expected[pos - 1].topk(3).indices.tolist()
+        assert other.logprob == pytest.approx(entry.logprob, abs=1e-4)
+    assert chunked.token_ids == whole.token_ids
+
+
+def test_only_plain_greedy_rows_take_the_fast_path():
+    # The fast path is one argmax over the logits, masked by a grammar when there is one; a bias
+    # must take the sampler.
+    plain = Sequence(0, "r", [1, 2], SamplingParams(temperature=0))
+    biased = Sequence(1, "r", [1, 2], SamplingParams(temperature=0, logit_bias={3: 5.0}))
+    constrained = Sequence(2, "r", [1, 2], SamplingParams(temperature=0))
+    constrained.grammar = object()
+    assert _plain_greedy(plain) and _plain_greedy(constrained) and not _plain_greedy(biased)

@@ -1,0 +1,152 @@
+"""The Kubernetes manifests (deploy/kubernetes): each overlay renders with ``kubectl kustomize``, every
+object validates against Kubernetes' own schemas (kubernetes-validate, offline, strict), and the
+pieces fit together: the HPA scales the Deployment on the metrics the adapter rules serve, the
+probes hit /health and /health/live, the vendors' device-plugin resources are requested, the
+ConfigMap is a config the server accepts with its keys from the Secret, and the ServiceMonitor (a CRD
+the validator does not know) selects the Service's metrics port. There is no cluster here: nothing
+is applied."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from server.config import parse_config
+
+ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+OVERLAYS = ("cpu", "ascend", "musa")
+DEVICE_RESOURCE = {"cpu": None, "ascend": "huawei.com/Ascend910", "musa": "mthreads.com/gpu"}
+# The oldest Kubernetes still commonly run, and the newest the validator knows.
+VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is missing (it renders the Kustomize overlays)"
+    proc = subprocess.run([kubectl, "kustomize", str(ROOT / "overlays" / overlay)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request) -> tuple[str, dict[str, dict[str, Any]]]:
+    """(overlay, kind -> the one object of that kind)."""
+    docs = render(request.param)
+    kinds = [d["kind"] for d in docs]
+    assert len(kinds) == len(set(kinds)), kinds
+    return request.param, {d["kind"]: d for d in docs}
+
+
+def container(objs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    (c,) = objs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_every_object_validates_against_the_kubernetes_schemas(rendered):
+    overlay, objs = rendered
+    expected = {"Deployment", "Service", "ConfigMap", "Secret", "HorizontalPodAutoscaler", "ServiceMonitor"}
+    if overlay != "cpu":
+        expected.add("PersistentVolumeClaim")
+    assert set(objs) == expected
+    for kind, obj in objs.items():
+        for version in VERSIONS:
+            if kind == "ServiceMonitor":
+                # A CRD: checked by hand below; make sure the validator is not silently passing it.
+                with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                    kubernetes_validate.validate(obj, version, strict=True)
+            else:
+                kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_a_broken_manifest_fails_validation(rendered):
+    _, objs = rendered
+    broken = yaml.safe_load(yaml.safe_dump(objs["HorizontalPodAutoscaler"]))
+    broken["spec"]["minReplicas"] = "one"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, VERSIONS[-1], strict=True)
+
+
+def test_hpa_scales_the_deployment_1_to_4_on_queue_and_kv_usage(rendered):
+    _, objs = rendered
+    hpa, deployment = objs["HorizontalPodAutoscaler"]["spec"], objs["Deployment"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": deployment["apiVersion"], "kind": "Deployment",
+                                     "name": deployment["metadata"]["name"]}
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 4)
+    targets = {m["pods"]["metric"]["name"]: m["pods"]["target"] for m in hpa["metrics"]}
+    assert set(targets) == {"xinserve_num_requests_waiting", "xinserve_kv_cache_usage_perc"}
+    assert targets["xinserve_kv_cache_usage_perc"] == {"type": "AverageValue", "averageValue": "700m"}
+
+
+def test_adapter_rules_serve_the_metrics_the_hpa_reads(rendered):
+    _, objs = rendered
+    adapter = yaml.safe_load((ROOT / "prometheus-adapter" / "config.yaml").read_text())
+    kubernetes_validate.validate(adapter, VERSIONS[-1], strict=True)
+    served = set()
+    for rule in yaml.safe_load(adapter["data"]["config.yaml"])["rules"]:
+        series = re.match(r"[\w:]+", rule["seriesQuery"]).group(0)
+        served.add(re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), series))
+        assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}  # per-pod metrics
+    assert {m["pods"]["metric"]["name"] for m in objs["HorizontalPodAutoscaler"]["spec"]["metrics"]} <= served
+
+
+def test_probes_port_and_device_resources(rendered):
+    overlay, objs = rendered
+    c = container(objs)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
+    assert c["ports"] == [{"name": "http", "containerPort": 8000}]
+    assert c["image"] == {"cpu": "xinserve:cpu", "ascend": "xinserve:npu", "musa": "xinserve:musa"}[overlay]
+    resource = DEVICE_RESOURCE[overlay]
+    devices = {k for part in c["resources"].values() for k in part if "/" in k}
+    if resource is None:
+        assert devices == set()
+    else:
+        assert c["resources"]["limits"][resource] == c["resources"]["requests"][resource] == 1
+        assert devices == {resource}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in objs["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+    assert set(mounts.values()) == set(volumes)
+    assert volumes[mounts["/etc/xinserve"]]["configMap"]["name"] == objs["ConfigMap"]["metadata"]["name"]
+    if overlay != "cpu":
+        claim = volumes[mounts["/data/models"]]["persistentVolumeClaim"]["claimName"]
+        assert claim == objs["PersistentVolumeClaim"]["metadata"]["name"]
+    if overlay == "ascend":
+        assert volumes[mounts["/usr/local/Ascend/driver"]]["hostPath"]["path"] == "/usr/local/Ascend/driver"
+
+
+def test_config_map_is_a_server_config_with_keys_from_the_secret(rendered, monkeypatch):
+    overlay, objs = rendered
+    c = container(objs)
+    assert [s["secretRef"]["name"] for s in c["envFrom"]] == [objs["Secret"]["metadata"]["name"]]
+    for name, value in objs["Secret"]["stringData"].items():
+        monkeypatch.setenv(name, value)
+    assert c["args"] == ["serve", "--config", "/etc/xinserve/config.yaml"]
+    config = parse_config(yaml.safe_load(objs["ConfigMap"]["data"]["config.yaml"]), f"{overlay} ConfigMap")
+    assert [k.name for k in config.server.named_keys()] == ["default"]
+    assert config.server.shutdown_timeout_s < objs["Deployment"]["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"]
+    device = {"cpu": "cpu", "ascend": "npu:0", "musa": "musa:0"}[overlay]
+    assert [m.workers for m in config.models] == [[device]]
+    if overlay != "cpu":
+        assert config.models[0].path.startswith("/data/models/")
+
+
+def test_service_and_service_monitor_select_the_pods_metrics(rendered):
+    _, objs = rendered
+    pod_labels = objs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    service = objs["Service"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert objs["Deployment"]["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    monitor = objs["ServiceMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout"}  # fields of the CRD's Endpoint
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics" and re.fullmatch(r"\d+s", endpoint["interval"])
