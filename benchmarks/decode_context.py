@@ -61,7 +61,7 @@ def main() -> None:
     from engines.tiny_model import ensure_tiny_model
 
     torch.set_num_threads(1)
-    contexts, batches = ((128, 512), (1, 8)) if args.quick else ((128, 512, 2048), (1, 8, 32))
+    contexts, batches = ((128, 512), (1, 8)) if args.quick else ((128, 512, 1536), (1, 8, 32))
     windows, window = (2, 4) if args.quick else (5, 8)
     path = str(ensure_tiny_model(args.model_dir, name="llama-5m", **MODEL))
     num_blocks = max(batches) * (-(-(max(contexts) + 8 + windows * window) // 16)) + 16

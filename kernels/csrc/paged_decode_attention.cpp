@@ -15,10 +15,31 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
+
+// exp(x) for the softmax's x <= 0: 2^(x log2 e) as an integer power of two (built in the exponent
+// bits) times the degree-6 Taylor polynomial of 2^f for the remainder f in [-1/2, 1/2), relative
+// error about 1e-7. Unlike std::exp it has no branch or call, so the loops using it vectorise.
+inline float fast_exp(float x) {
+  const float t = std::max(x, -87.0f) * 1.44269504f;
+  const float whole = std::floor(t + 0.5f);
+  const float f = t - whole;
+  float p = 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
 
 template <typename scalar_t>
 void decode_group(const scalar_t* q, const scalar_t* key_cache, const scalar_t* value_cache,
@@ -53,10 +74,12 @@ void decode_group(const scalar_t* q, const scalar_t* key_cache, const scalar_t* 
       float* a = acc.data() + g * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale;
       running_sum[g] *= rescale;
+      float sum = 0.0f;
       for (int64_t t = 0; t < tokens; ++t) {
-        s[t] = std::exp(s[t] - new_max);
-        running_sum[g] += s[t];
+        s[t] = fast_exp(s[t] - new_max);
+        sum += s[t];
       }
+      running_sum[g] += sum;
       running_max[g] = new_max;
     }
     // Each value row is read once for the whole group.
