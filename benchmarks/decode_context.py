@@ -1,7 +1,7 @@
 """Decode step time against context length, for each CPU decode-attention kernel.
 
 The 5M-parameter Llama of ../shared/PEERS.md (hidden 256, 4 layers, 4 heads / 2 KV heads), float32,
-one thread: for contexts of 128, 512 and 2048 tokens and batch 1, 8 and 32, the engine prefills,
+one thread: for contexts of 128, 512 and 1536 tokens (its context is 2048) and batch 1, 8 and 32, the engine prefills,
 decodes a few steps, then times windows of ``engine.step()`` with ``decode_attention`` forced to
 each implementation in turn (the reference gathers every context out of the paged cache and runs
 SDPA with a mask; ``cpp`` reads the blocks in place). Engines alternate within one process and each
