@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-TIMEOUT_S = 1.5
+TIMEOUT_S = 3.0  # long enough to open four streams and probe them, short of their 2,000 tokens
 
 
 @pytest.fixture(scope="module")
