@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# CPU machines: pin the CPU wheel first so the range in pyproject.toml installs nothing more.
+# Pin torch first so the range in pyproject.toml installs nothing more (for the CPU-only wheel:
+# TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu").
 # On Ascend, install torch-npu's own torch instead: `make TORCH_SPEC="torch-npu" ...`.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed

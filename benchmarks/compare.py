@@ -13,21 +13,15 @@ server) and each server's ``xinserve bench --json`` document into ``--out-dir``.
 
 import argparse
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from engines.tiny_model import ensure_tiny_model
-from server.bench import report
+from server.bench import launch, report
 from server.bench.cli import machine
 from server.bench.plot import plot
 
@@ -75,39 +69,6 @@ SERVERS = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    """Until ``/v1/models`` answers and ``/health`` is 200 (both servers have them)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            if (httpx.get(f"{url}/health", timeout=5).status_code == 200
-                    and httpx.get(f"{url}/v1/models", timeout=5).status_code == 200):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"not ready after {timeout}s:\n{log.read_text(errors='replace')[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    # The whole group: vLLM's engine runs in a child process of its own.
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 def bench(url: str, label: str, args: argparse.Namespace, out: Path | None, concurrency: str,
           num_prompts: int) -> None:
     cmd = [sys.executable, "-m", "server.cli", "bench", "--base-url", f"{url}/v1", "--label", label,
@@ -123,25 +84,23 @@ def bench(url: str, label: str, args: argparse.Namespace, out: Path | None, conc
 
 def run_server(server: Server, model: Path, args: argparse.Namespace, scratch: Path) -> Path | None:
     """Start, warm up, bench and stop one server; its JSON document, or None when it is not installed."""
-    port = free_port()
-    launch = server.command(model, port, args.dtype, args.peers_dir, scratch)
-    if launch is None:
+    port = launch.free_port()
+    command = server.command(model, port, args.dtype, args.peers_dir, scratch)
+    if command is None:
         return None
-    cmd, env = launch
+    cmd, env = command
     log = scratch / f"{server.name}.log"
     url = f"http://127.0.0.1:{port}"
     print(f"---- {server.name}: starting (log {log})", flush=True)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc = launch.start(cmd, log, ROOT, env)
     try:
-        wait_ready(url, proc, log, args.start_timeout)
+        launch.wait_ready(url, proc, log, timeout=args.start_timeout)
         bench(url, server.name, args, None, "4", 8)  # warm-up: first-call costs out of the figures
         result = args.out_dir / f"{server.name}.json"
         bench(url, server.name, args, result, args.concurrency, args.num_prompts)
         return result
     finally:
-        stop(proc)
+        launch.stop(proc)
 
 
 def main(argv: list[str] | None = None) -> int:

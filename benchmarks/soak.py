@@ -20,8 +20,6 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,9 +31,13 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.bench import launch
+
 ROOT = Path(__file__).resolve().parents[1]
 GAUGES = ("xinserve:kv_cache_usage_perc", "xinserve:num_requests_running", "xinserve:num_requests_waiting")
 WORDS = ("river", "harbour", "library", "morning", "bread", "market", "window", "garden", "silver", "letter")
+
+DISCONNECT_TOKENS = 256  # a dropped stream is aborted by the server, so this costs little
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,45 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------- the server
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model: str | None, log: Path) -> tuple[subprocess.Popen, str]:
-    """``xinserve serve`` on a free port, logging to ``log`` (a pipe nobody reads would fill and block it)."""
-    port = _free_port()
+    """``xinserve serve`` on a free port, logging to ``log``."""
+    port = launch.free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if model:
         cmd += ["--model", model]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_ready(base_url: str, headers: dict[str, str], proc: subprocess.Popen | None, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see its log")
-        try:
-            if httpx.get(f"{base_url}/health", headers=headers, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server at {base_url} not ready after {timeout:.0f}s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return launch.start(cmd, log, ROOT, env), f"http://127.0.0.1:{port}"
 
 
 def rss_mib(pid: int) -> float | None:
@@ -185,8 +156,10 @@ async def one_request(client: httpx.AsyncClient, kind: str, model: str, rng: ran
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))
     body: dict[str, Any] = {"model": model, "max_tokens": rng.randint(1, args.max_tokens),
                             "stream": kind == "disconnect" or rng.random() < 0.5}
-    if kind == "disconnect":  # long enough that there is something left to drop
-        body.update(max_tokens=max(args.max_tokens, 8), ignore_eos=True)
+    if kind == "disconnect":
+        # Long enough that the drop comes first: a stream that fell behind gets its tokens coalesced
+        # into a few frames, so a short one could reach [DONE] within the 1-3 frames read here.
+        body.update(max_tokens=max(args.max_tokens, DISCONNECT_TOKENS), ignore_eos=True)
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -300,7 +273,7 @@ def print_report(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    proc = None
+    proc, log = None, None
     base_url, server_pid = args.base_url.rstrip("/").removesuffix("/v1"), args.server_pid
     if args.start:
         log = Path(args.server_log or Path(tempfile.gettempdir()) / f"soak-server-{os.getpid()}.log")
@@ -308,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, base_url = start_server(args.model, log)
         server_pid = proc.pid
     try:
-        wait_ready(base_url, headers, proc)
+        launch.wait_ready(base_url, proc, log, headers)
         with httpx.Client(base_url=base_url, headers=headers, timeout=30) as client:
             model = args.model_name or client.get("/v1/models").json()["data"][0]["id"]
             before = {"gauges": gauges(client), "memory": memory(server_pid, client.get("/health").json())}
@@ -319,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                      "memory": memory(server_pid, health), "health_status": health.get("status")}
     finally:
         if proc is not None:
-            stop_server(proc)
+            launch.stop(proc)
     result = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "config": {k: getattr(args, k) for k in ("requests", "concurrency", "disconnect_frac", "malformed_frac",

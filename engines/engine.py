@@ -105,8 +105,8 @@ class LLMEngine:
         # Fields that index the vocabulary inside the step would fail every request in the batch.
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs must be at most the vocabulary size {self.vocab_size}")
+        if max(params.logprobs or 0, params.prompt_logprobs or 0) > self.vocab_size:
+            raise ValueError(f"logprobs and prompt_logprobs must be at most the vocabulary size {self.vocab_size}")
         if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if params.json_schema is not None:

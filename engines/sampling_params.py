@@ -50,7 +50,10 @@ class SamplingParams:
         if isinstance(self.json_schema, dict):
             self.json_schema = json.dumps(self.json_schema)
         if self.logit_bias is not None:
-            self.logit_bias = {int(t): float(v) for t, v in dict(self.logit_bias).items()} or None
+            try:
+                self.logit_bias = {int(t): float(v) for t, v in dict(self.logit_bias).items()} or None
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias must map token ids to numbers") from None
         self.validate()
 
     def validate(self) -> None:
@@ -83,6 +86,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise ValueError("json_schema must be a JSON Schema (its JSON text or a dict)")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
 

@@ -77,7 +77,7 @@ paged_decode_attention.build_key = BUILD_KEY  # a rebuilt kernel is timed again 
 
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
-    if getattr(shapes, "sliding_window", None):
+    if shapes.sliding_window is not None:
         return "sliding window unsupported"
     return None
 

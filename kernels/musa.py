@@ -26,6 +26,7 @@ import torch_musa  # noqa: F401  registers the musa device and routes SDPA to mu
 
 from engines.attention_metadata import DecodeGather
 from kernels.probes import ModelShapes
+from kernels.reference import prefill_context
 
 try:
     from mate import flash_attn_with_kvcache
@@ -48,27 +49,14 @@ def paged_prefill_attention(
     """Causal attention for P prefill (or chunked-prefill) sequences; see the reference for the
     layouts. query: [T, H, D]; key_cache, value_cache: [N, BS, KVH, D]; block_tables: [P, B] int32.
     Returns [T, H, D]."""
-    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-    tables = block_tables.long()  # index_select takes int64 on every backend
     out = torch.empty_like(query)
-    for i, seq_len in enumerate(seq_lens):
-        start, end = query_start_loc[i], query_start_loc[i + 1]
-        q_len = end - start
-        blocks = tables[i, : -(-seq_len // block_size)]
-        # k, v: [n * BS, KVH, D] -> [KVH, L, D]; whole blocks copy as contiguous runs
-        k = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        v = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        q = query[start:end].transpose(0, 1)  # [H, q_len, D]; the H / KVH query heads of a group share k, v
-        if q_len == seq_len:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            # After a cached prefix, query j sits at position prefix + j and sees keys [0, prefix + j]:
-            # SDPA's is_causal would align the triangle to the top left instead, so the mask is explicit.
-            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - q_len)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    for start, end, k, v, mask in prefill_context(key_cache, value_cache, block_tables, query_start_loc, seq_lens):
+        # k, v: [L, KVH, D] -> [KVH, L, D]; q: [H, q_len, D], the H / KVH query heads of a group share k, v
+        q = query[start:end].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                           is_causal=mask is None, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(0, 1)
     return out
-
 
 def paged_decode_attention(
     query: torch.Tensor,

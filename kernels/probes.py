@@ -84,8 +84,9 @@ def _paged_cache(x: _Inputs, shapes: ModelShapes, num_blocks: int) -> tuple[torc
     return x.randn(*shape), x.randn(*shape)
 
 
-def _block_tables(lens: list[int], block_size: int, num_blocks: int, seed: int) -> np.ndarray:
-    """[S, B] int32 tables over a scrambled pool, so no kernel can rely on contiguous blocks."""
+def scrambled_block_tables(lens: list[int], block_size: int, num_blocks: int, seed: int) -> np.ndarray:
+    """[S, B] int32 tables over a scrambled pool of num_blocks (rows zero-padded), so no kernel can
+    rely on contiguous blocks."""
     needed = [-(-n // block_size) for n in lens]
     order = np.random.default_rng(seed).permutation(num_blocks)[: sum(needed)]
     width = max(needed)
@@ -128,7 +129,7 @@ def probe_prefill_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _In
     q_lens, seq_lens = [7, 5], [7, max(bs, shapes.sliding_window or 0) + 8]
     num_blocks = _num_blocks(seq_lens, bs)
     key_cache, value_cache = _paged_cache(x, shapes, num_blocks)
-    tables = torch.from_numpy(_block_tables(seq_lens, bs, num_blocks, seed=1)).to(x.device)
+    tables = torch.from_numpy(scrambled_block_tables(seq_lens, bs, num_blocks, seed=1)).to(x.device)
     query = x.randn(sum(q_lens), shapes.num_heads, shapes.head_dim)
     query_start_loc = [0, q_lens[0], sum(q_lens)]
     scale = shapes.head_dim**-0.5
@@ -148,7 +149,7 @@ def probe_decode_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _Inp
     lens = [1, bs + 1, max(2 * bs, shapes.sliding_window or 0) + 3]
     num_blocks = _num_blocks(lens, bs)
     key_cache, value_cache = _paged_cache(x, shapes, num_blocks)
-    tables_np = _block_tables(lens, bs, num_blocks, seed=2)
+    tables_np = scrambled_block_tables(lens, bs, num_blocks, seed=2)
     lens_np = np.array(lens, np.int32)
     tables = torch.from_numpy(tables_np).to(x.device)
     seq_lens = torch.from_numpy(lens_np).to(x.device)

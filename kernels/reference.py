@@ -15,6 +15,7 @@ as transformers defines the window. The model passes the keyword only on windowe
 implementation without windows need not accept it (its ``unsupported`` declines windowed models).
 """
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -110,39 +111,54 @@ def paged_prefill_attention(
     key_cache, value_cache: [N, BS, KVH, D] (already holding the new tokens); block_tables: [P, B]
     int32. Returns [T, H, D].
     """
-    num_heads, head_dim = query.shape[1:]
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
+    group = query.shape[1] // key_cache.shape[2]
     out = torch.empty_like(query)
-    for i, seq_len in enumerate(seq_lens):
-        start, end = query_start_loc[i], query_start_loc[i + 1]
-        q_len = end - start
-        prefix = seq_len - q_len
-        # keys [first, seq_len) are all that any query of the chunk can see; blocks before are skipped
-        first = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
-        first_block, num_blocks = first // block_size, -(-seq_len // block_size)
-        blocks = block_tables[i, first_block:num_blocks].long()
-        offset = first_block * block_size
-        # k, v: [L', KVH, D] -> [H, L', D] (each KV head repeated for its G query heads), L' = seq_len - first
-        k = key_cache[blocks].view(-1, num_kv_heads, head_dim)[first - offset : seq_len - offset]
-        v = value_cache[blocks].view(-1, num_kv_heads, head_dim)[first - offset : seq_len - offset]
+    for start, end, k, v, mask in prefill_context(key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                                                  sliding_window):
+        # k, v: [L', KVH, D] -> [H, L', D] (each KV head repeated for its G query heads)
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         q = query[start:end].transpose(0, 1)  # [H, q_len, D]
-        if q_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        else:
-            # query j sits at absolute position prefix + j and sees keys [0, prefix + j], or only
-            # those past prefix + j - window
-            q_pos = torch.arange(prefix, seq_len, device=query.device)[:, None]
-            k_pos = torch.arange(first, seq_len, device=query.device)[None, :]
-            mask = k_pos <= q_pos  # [q_len, L']
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
 
+
+def prefill_context(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    sliding_window: int | None = None,
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Per prefill sequence (layouts as in ``paged_prefill_attention``): its query rows [start, end),
+    the keys and values any of its queries can see, k, v: [L', KVH, D] for positions [first,
+    seq_len), and which of them each query sees, mask: [q_len, L'] bool, or None when the chunk is a
+    whole prompt inside the window (plain causal: SDPA's ``is_causal``)."""
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    tables = block_tables.long()  # index_select takes int64 on every backend
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        prefix = seq_len - (end - start)
+        # keys [first, seq_len) are all that any query of the chunk can see; blocks before are skipped
+        first = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
+        first_block = first // block_size
+        blocks = tables[i, first_block : -(-seq_len // block_size)]
+        offset = first_block * block_size
+        # whole blocks copy as contiguous runs: [n * BS, KVH, D], cut to [L', KVH, D]
+        k = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[first - offset : seq_len - offset]
+        v = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[first - offset : seq_len - offset]
+        mask = None
+        if prefix or (sliding_window is not None and sliding_window < seq_len):
+            # query j sits at absolute position prefix + j and sees keys [0, prefix + j], or only
+            # those past prefix + j - window (SDPA's is_causal would align the triangle top left)
+            q_pos = torch.arange(prefix, seq_len, device=key_cache.device)[:, None]
+            k_pos = torch.arange(first, seq_len, device=key_cache.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        yield start, end, k, v, mask
 
 def rms_norm(
     x: torch.Tensor,

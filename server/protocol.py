@@ -161,12 +161,22 @@ class _SamplingFields(_Strict):
         if len(value) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(value)}")
         for key, bias in value.items():
-            # The token ids' upper bound is the model's vocabulary, checked by the worker.
+            # The token ids' upper bound is the model's vocabulary: ``check_vocab``, once routed.
             if not key.isdigit():
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
         return value
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the client sent, within the routed model's vocabulary: a 400 naming the field
+        here rather than the worker's refusal after a round trip."""
+        for param, ids in (("stop_token_ids", self.stop_token_ids or ()),
+                           ("logit_bias", map(int, self.logit_bias or ()))):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"{param} token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
+                               param=param)
 
     @property
     def stop_list(self) -> list[str]:

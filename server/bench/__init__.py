@@ -6,7 +6,8 @@ prompts (random words, or a JSONL dataset with categories), each streamed and as
 of TTFT, TPOT, ITL and end-to-end latency, request and token throughput and the success rate.
 
 client: one request · dataset: what is sent · load: one level · stats: the numbers ·
-report: the tables · plot: the PNG · cli: options and the run.
+report: the tables · plot: the PNG · cli: options and the run · launch: a server process for
+the benchmark scripts.
 """
 
 from server.bench.cli import add_args, benchmark, run

@@ -35,6 +35,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         lambda p: (chat_prompt_ids(p.tokenizer, body),
                    plan_output(body, p.settings.tool_call_parser, getattr(p.tokenizer, "chat_template", None))),
     )
+    body.check_vocab(int(worker.info["vocab_size"]))
     max_tokens = cap_max_tokens(max_tokens_for(
         len(prompt_ids), body.requested_max_tokens, int(worker.info["max_model_len"]), prompt_param="messages",
         param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",

@@ -43,6 +43,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         state.router, body.model, body.n * len(prompts),
         lambda p: [_prompt_ids(p.tokenizer, prompt, len(p.tokenizer)) for prompt in prompts],
     )
+    body.check_vocab(int(worker.info["vocab_size"]))
     tokenizer = pool.tokenizer
     max_model_len = int(worker.info["max_model_len"])
     texts: TokenTexts = pool.token_texts

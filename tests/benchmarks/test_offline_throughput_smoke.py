@@ -2,20 +2,12 @@
 No timing assertions: the numbers depend on the machine."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "offline_throughput.py"
 ROW_NUMBERS = ("engine_tok_s", "hf_tok_s", "speedup", "engine_step_ms", "engine_forward_ms", "engine_steps")
 
 
-def test_quick_run_writes_every_result(tmp_path: Path) -> None:
-    out = tmp_path / "offline_throughput.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--model-dir", str(tmp_path / "models")],
-        check=False, capture_output=True, text=True, timeout=600,
-    )
+def test_quick_run_writes_every_result(run_quick) -> None:
+    proc, out = run_quick("offline_throughput")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| workload | batch |" in proc.stdout
     result = json.loads(out.read_text())

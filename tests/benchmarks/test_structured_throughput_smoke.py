@@ -2,19 +2,10 @@
 No timing assertions: the numbers depend on the machine."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "structured_throughput.py"
 
 
-def test_quick_run_writes_both_modes(tmp_path: Path) -> None:
-    out = tmp_path / "structured_throughput.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--model-dir", str(tmp_path / "models")],
-        check=False, capture_output=True, text=True, timeout=600,
-    )
+def test_quick_run_writes_both_modes(run_quick) -> None:
+    proc, out = run_quick("structured_throughput")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| mode | unconstrained tok/s |" in proc.stdout
     result = json.loads(out.read_text())

@@ -15,10 +15,6 @@ def llm(tiny_models):
     return LLM(tiny_models("llama"), num_kv_blocks=128, block_size=4)
 
 
-def assert_idle(llm: LLM) -> None:
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests
-
 
 @pytest.mark.parametrize(("params", "message"), [
     (SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
@@ -62,7 +58,7 @@ def test_weights_and_tokenizer_in_separate_directories(tiny_models, tmp_path):
     assert split.generate(["The fox"], GREEDY)[0].token_ids == whole.generate(["The fox"], GREEDY)[0].token_ids
 
 
-def test_a_step_that_fails_is_retried_without_the_request_behind_it(llm, monkeypatch):
+def test_a_step_that_fails_is_retried_without_the_request_behind_it(llm, monkeypatch, assert_idle):
     expected = llm.generate(["The little fox ran", "A cat and a dog"], GREEDY)
     execute = llm.engine.runner.execute
 

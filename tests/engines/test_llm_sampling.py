@@ -10,15 +10,11 @@ def llm(tiny_models):
     return LLM(tiny_models("llama"), num_kv_blocks=512, block_size=4)
 
 
-def assert_idle(llm: LLM) -> None:
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
-
 
 PROMPTS = ["Once upon a time", "The little fox ran", "A cat and a dog"]
 
 
-def test_seeded_sampling_is_reproducible_across_runs_and_batches(llm, tiny_models):
+def test_seeded_sampling_is_reproducible_across_runs_and_batches(llm, tiny_models, assert_idle):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate([PROMPTS[0]], seeded)[0].token_ids
     unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
@@ -34,7 +30,7 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches(llm, tiny_model
     assert_idle(llm)
 
 
-def test_n_choices_share_the_prompt_and_differ(llm):
+def test_n_choices_share_the_prompt_and_differ(llm, assert_idle):
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     out = llm.generate([PROMPTS[0] * 8], params)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
@@ -47,7 +43,7 @@ def test_n_choices_share_the_prompt_and_differ(llm):
     assert_idle(llm)
 
 
-def test_stop_token_ids_and_max_tokens(llm):
+def test_stop_token_ids_and_max_tokens(llm, assert_idle):
     free_run = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
     stop_id = free_run.token_ids[4]
     first = free_run.token_ids.index(stop_id)
@@ -57,7 +53,7 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert_idle(llm)
 
 
-def test_min_tokens_holds_back_stop_tokens_in_greedy_decoding(llm):
+def test_min_tokens_holds_back_stop_tokens_in_greedy_decoding(llm, assert_idle):
     first = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
     stop_first = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[first])
     stopped = llm.generate([PROMPTS[1]], stop_first)[0]
@@ -69,7 +65,7 @@ def test_min_tokens_holds_back_stop_tokens_in_greedy_decoding(llm):
     assert_idle(llm)
 
 
-def test_stop_string_cuts_text_and_stops_generation(llm):
+def test_stop_string_cuts_text_and_stops_generation(llm, assert_idle):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     free_run = llm.generate([PROMPTS[2]], params)[0]
     text = free_run.text
@@ -89,7 +85,7 @@ def test_max_model_len_ends_generation_with_length(tiny_models):
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
-def test_prompts_that_can_never_fit_are_rejected_up_front(tiny_models):
+def test_prompts_that_can_never_fit_are_rejected_up_front(tiny_models, assert_idle):
     llm = LLM(tiny_models("llama"), num_kv_blocks=8, block_size=4, max_model_len=1000)
     assert llm.engine.max_model_len == 32  # capped to the whole KV pool
     with pytest.raises(ValueError, match="context"):
@@ -125,7 +121,7 @@ def test_kv_pool_is_sized_from_free_memory_after_warm_up(tiny_models):
     assert all(len(o.token_ids) == 8 or o.finish_reason == "length" for o in out)
 
 
-def test_extreme_seeds_work_and_out_of_range_seeds_are_rejected(llm):
+def test_extreme_seeds_work_and_out_of_range_seeds_are_rejected(llm, assert_idle):
     for seed in (2**63 - 1, -(2**63)):
         params = SamplingParams(n=2, temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True)
         out = llm.generate([PROMPTS[0]], params)[0]

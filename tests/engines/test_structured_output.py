@@ -29,12 +29,8 @@ def llm(tiny_models):
     return LLM(tiny_models("llama"), num_kv_blocks=256, block_size=4)
 
 
-def assert_idle(llm: LLM) -> None:
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
 
-
-def test_outputs_match_the_schema_greedy_seeded_and_n(llm):
+def test_outputs_match_the_schema_greedy_seeded_and_n(llm, assert_idle):
     params = [
         SamplingParams(temperature=0, max_tokens=120, json_schema=SCHEMA),
         SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=120, json_schema=SCHEMA),
@@ -77,11 +73,13 @@ def test_unconstrained_batches_never_build_a_mask(llm, monkeypatch):
     llm.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=1.0, max_tokens=4)])
 
 
-def test_unsupported_schema_is_a_value_error(llm):
+def test_unsupported_schema_is_a_value_error(llm, assert_idle):
     with pytest.raises(ValueError, match="unsupported JSON schema"):
         llm.generate(PROMPTS[0], SamplingParams(json_schema={"type": "strin"}))
     with pytest.raises(ValueError, match="not valid JSON"):
         llm.generate(PROMPTS[0], SamplingParams(json_schema="{nope"))
+    with pytest.raises(ValueError, match="json_schema must be"):
+        SamplingParams(json_schema=["not", "a", "schema"])
     assert_idle(llm)
 
 
@@ -95,6 +93,11 @@ def test_logit_bias_forces_and_forbids(llm):
         llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(ValueError, match=r"\[-100, 100\]"):
         SamplingParams(logit_bias={5: 101})
+    for bad in ({"x": 1.0}, {5: None}, {5: "high"}, [1, 2]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.engine.add_request("bad", [1, 2, 3], SamplingParams(prompt_logprobs=llm.engine.vocab_size + 1))
 
 
 def test_prompt_logprobs_equal_transformers_and_survive_chunking(tiny_models):

@@ -3,26 +3,19 @@ written out here, the torch._grouped_mm and Ascend implementations against the r
 torch_npu MoE operators refusing what the real ones refuse, the registry's choices for MoE models,
 and a whole greedy generation of MoE models on the npu path equal to the CPU path."""
 
-import importlib
 import random
-import sys
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 import engines.engine
-import kernels
 from engines import LLM, SamplingParams
 from engines.platforms import Platform
 from kernels import grouped_mm, reference, registry
 from kernels.probes import TOLERANCE, ModelShapes, max_error
 from kernels.routing import MoeRouting
 
-FAKES_DIR = Path(__file__).resolve().parents[1] / "fakes"
 CPU = torch.device("cpu")
 SOFTMAX = MoeRouting(top_k=2)
 SOFTMAX_UNNORMALISED = MoeRouting(top_k=4, renormalize=False)
@@ -125,23 +118,6 @@ def test_grouped_mm_declines_rows_that_are_not_16_byte_aligned():
 
 
 # ---- Ascend, through the fake torch_npu ----
-
-@pytest.fixture(scope="module")
-def npu() -> Iterator[ModuleType]:
-    """kernels.npu imported afresh against the fake torch_npu; gone again afterwards."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(FAKES_DIR))
-        mp.delattr(kernels, "npu", raising=False)
-        for name in ("torch_npu", "kernels.npu"):
-            mp.delitem(sys.modules, name, raising=False)
-        module = importlib.import_module("kernels.npu")
-        assert module.torch_npu.__file__.startswith(str(FAKES_DIR))
-        yield module
-        for name in ("torch_npu", "kernels.npu"):
-            sys.modules.pop(name, None)
-        if hasattr(kernels, "npu"):
-            delattr(kernels, "npu")
-
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("routing", list(ROUTINGS.values()), ids=list(ROUTINGS))

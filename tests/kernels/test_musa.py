@@ -18,7 +18,7 @@ from engines import LLM, SamplingParams
 from engines.attention_metadata import build_decode_gather
 from engines.platforms import get_platform
 from kernels import reference, registry
-from kernels.probes import TOLERANCE, ModelShapes
+from kernels.probes import TOLERANCE, ModelShapes, scrambled_block_tables
 from kernels.registry import KernelSelectionError, select
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
@@ -77,13 +77,8 @@ def musa_without_mate(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 def paged_cache(seq_lens: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
     """Random [N, BS, KVH, D] key and value caches and [S, B] int32 tables over a shuffled pool
     (rows zero-padded), so no kernel can rely on contiguous blocks."""
-    needed = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(needed) + 2
-    order = np.random.default_rng(0).permutation(num_blocks)
-    tables, start = np.zeros((len(seq_lens), max(needed)), np.int32), 0
-    for i, n in enumerate(needed):
-        tables[i, :n] = order[start : start + n]
-        start += n
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 2
+    tables = scrambled_block_tables(seq_lens, block_size, num_blocks, seed=0)
     shape = (num_blocks, block_size, kv_heads, head_dim)
     return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), tables
 

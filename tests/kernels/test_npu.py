@@ -6,11 +6,7 @@ Nothing here runs on an NPU: the fake checks the operators' argument conventions
 documented formulas with the reference math, on CPU tensors.
 """
 
-import importlib
 import random
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -18,33 +14,13 @@ import pytest
 import torch
 
 import engines.engine
-import kernels
 from engines import LLM, SamplingParams
 from engines.attention_metadata import build_decode_gather
 from engines.platforms import Platform
 from kernels import reference, registry
 from kernels.probes import TOLERANCE, ModelShapes, applies, max_error
 
-FAKES_DIR = Path(__file__).resolve().parents[1] / "fakes"
 BS = 128  # Ascend's paged kernels want 128
-
-
-@pytest.fixture(scope="module")
-def npu() -> Iterator[ModuleType]:
-    """kernels.npu imported afresh against the fake torch_npu (once for this module); both are gone
-    again afterwards, so elsewhere "npu" stays "not installed"."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(FAKES_DIR))
-        mp.delattr(kernels, "npu", raising=False)
-        for name in ("torch_npu", "kernels.npu"):
-            mp.delitem(sys.modules, name, raising=False)
-        module = importlib.import_module("kernels.npu")
-        assert module.torch_npu.__file__.startswith(str(FAKES_DIR))  # never a real one by accident
-        yield module
-        for name in ("torch_npu", "kernels.npu"):
-            sys.modules.pop(name, None)
-        if hasattr(kernels, "npu"):
-            delattr(kernels, "npu")
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import torch
 import kernels.triton as triton_ops
 from engines.attention_metadata import build_decode_gather
 from kernels import reference
+from kernels.probes import scrambled_block_tables
 from kernels.triton import decode_attention
 
 FP32 = {"atol": 2e-5, "rtol": 2e-5}
@@ -36,14 +37,8 @@ def paged_cache(num_blocks: int, shape: Shape, dtype: torch.dtype = torch.float3
 
 def scrambled_tables(seq_lens: list[int], block_size: int) -> tuple[np.ndarray, int]:
     """[S, B] int32 block tables over a shuffled pool (rows padded with 0), and the pool size."""
-    needed = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(needed) + 3
-    order = np.random.default_rng(0).permutation(num_blocks)
-    table, start = np.zeros((len(seq_lens), max(needed)), np.int32), 0
-    for i, n in enumerate(needed):
-        table[i, :n] = order[start : start + n]
-        start += n
-    return table, num_blocks
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    return scrambled_block_tables(seq_lens, block_size, num_blocks, seed=0), num_blocks
 
 
 def run_decode(seq_lens: list[int], shape: Shape, dtype: torch.dtype, **kwargs):

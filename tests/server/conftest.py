@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,13 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = 180.0, expect_status: int = 200) -> dict[str, Any]:
         """Poll /health until it answers ``expect_status`` (503 for a config with a broken model)."""
+        return self._wait_health(timeout, lambda status, health: status == expect_status and self._settled(health))
+
+    def wait_settled(self, timeout: float = 180.0) -> dict[str, Any]:
+        """Poll /health until no worker is starting, whatever its status (some workers may have failed)."""
+        return self._wait_health(timeout, lambda _status, health: self._settled(health))
+
+    def _wait_health(self, timeout: float, done: Callable[[int, dict[str, Any]], bool]) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:
@@ -52,15 +59,15 @@ class ServerProcess:
             try:
                 r = httpx.get(f"{self.url}/health", timeout=5)
                 last = r.json()
-                if r.status_code == expect_status and self._settled(last, expect_status):
+                if done(r.status_code, last):
                     return last
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"server not ready after {timeout}s; last health {last}:\n{self.log()[-4000:]}")
+        raise TimeoutError(f"server not settled after {timeout}s; last health {last}:\n{self.log()[-4000:]}")
 
     @staticmethod
-    def _settled(health: dict[str, Any], expect_status: int) -> bool:
+    def _settled(health: dict[str, Any]) -> bool:
         # Every worker has either come up or given up: no "starting" left (200 comes as soon as one
         # worker of each model is up, "degraded" while the others still load).
         return all(w["state"] != "starting" for w in health["workers"]) and not health.get("loading_tokenizers")

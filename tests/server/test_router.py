@@ -4,33 +4,10 @@ a replacement worker for a retried request."""
 import asyncio
 
 import pytest
+from routing_fakes import Pool, Worker, router
 
-from server.config import ModelSettings
 from server.errors import APIError
 from server.pool import worker_labels
-from server.router import Router
-
-
-class Worker:
-    def __init__(self, label: str, ready: bool = True, load: int = 0, capacity: int = 4) -> None:
-        self.label, self.ready, self.load, self.capacity = label, ready, load, capacity
-
-    def has_capacity(self, n: int) -> bool:
-        return self.load + n <= self.capacity
-
-
-class Pool:
-    def __init__(self, name: str, workers: list[Worker], fallback: list[str] | None = None) -> None:
-        self.settings = ModelSettings(name=name, path="/m", fallback=fallback or [])
-        self.name = name
-        self.workers = workers
-
-    def ready_workers(self) -> list[Worker]:
-        return [w for w in self.workers if w.ready]
-
-
-def router(*pools: Pool) -> Router:
-    return Router({p.name: p for p in pools})
 
 
 def test_least_loaded_ready_worker_wins():

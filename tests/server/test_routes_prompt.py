@@ -5,33 +5,11 @@ import threading
 import time
 
 import pytest
+from routing_fakes import Pool, Worker, router
 
-from server.config import ModelSettings
 from server.errors import APIError
 from server.router import Router
 from server.routes.prompt import route_encoded
-
-
-class Worker:
-    def __init__(self, label: str, load: int = 0) -> None:
-        self.label, self.load, self.ready, self.capacity = label, load, True, 4
-
-    def has_capacity(self, n: int) -> bool:
-        return self.load + n <= self.capacity
-
-
-class Pool:
-    def __init__(self, name: str, workers: list[Worker], fallback: list[str] | None = None) -> None:
-        self.settings = ModelSettings(name=name, path="/m", fallback=fallback or [])
-        self.name = name
-        self.workers = workers
-
-    def ready_workers(self) -> list[Worker]:
-        return [w for w in self.workers if w.ready]
-
-
-def router(*pools: Pool) -> Router:
-    return Router({p.name: p for p in pools})
 
 
 async def start(r: Router, encode) -> str:

@@ -185,7 +185,7 @@ def test_logit_bias_forces_and_forbids(http, server):
     (first_id,) = tokenizer.encode(first, add_special_tokens=False)
     banned = http.post("/v1/completions", json={**base, "max_tokens": 1, "logit_bias": {str(first_id): -100}})
     assert banned.json()["choices"][0]["text"] != first
-    for bias, param in (({"5": 101}, "logit_bias"), ({"x": 1}, "logit_bias"), ({"999999": 1}, None)):
+    for bias, param in (({"5": 101}, "logit_bias"), ({"x": 1}, "logit_bias"), ({"999999": 1}, "logit_bias")):
         r = http.post("/v1/completions", json={**base, "logit_bias": bias})
         assert r.status_code == 400, bias
         assert r.json()["error"]["param"] == param

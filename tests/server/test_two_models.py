@@ -52,16 +52,7 @@ def server(start_server, tiny_model_dir, stories_dir, tmp_path_factory):
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     srv = start_server(["--config", str(path)])
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            workers = httpx.get(f"{srv.url}/health", timeout=5).json()["workers"]
-            if all(w["state"] != "starting" for w in workers):
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, srv.log()[-3000:]
-        time.sleep(0.5)
+    srv.wait_settled()
     yield srv
     srv.stop()
 
@@ -165,6 +156,7 @@ def test_out_of_range_stop_token_ids_fail_alone(server, http):
 
     bad, streamed = asyncio.run(go())
     assert bad.status_code == 400 and "stop_token_ids" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "stop_token_ids"
     assert streamed == solo
 
 
