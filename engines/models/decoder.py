@@ -6,7 +6,7 @@ subclasses ``CausalLM`` and overrides ``spec``. Parameter names mirror the Huggi
 except for the fused ``qkv_proj`` and ``gate_up_proj`` and the stacked routed experts.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -158,6 +158,8 @@ class CausalLM(nn.Module):
             config.hidden_size, config.vocab_size, bias=False
         )
         self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
+        # Tensor parallel: gathers each rank's vocabulary slice of the logits (models/tensor_parallel.py)
+        self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @staticmethod
     def config_head_dim(config: Any) -> int:
@@ -218,7 +220,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        logits = nn.functional.linear(hidden, weight).float()
+        return logits if self.logits_gather is None else self.logits_gather(logits)
 
     def keep_float32_parameters(self) -> None:
         """Put ``FLOAT32_PARAMETERS`` back in float32 after the model was cast to its dtype."""

@@ -4,6 +4,9 @@ import glob
 import json
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from functools import partial
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -13,6 +16,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from engines.models import MODEL_REGISTRY
 from engines.models.config_check import unsupported_config_fields
+from engines.models.tensor_parallel import Collectives, check_tensor_parallel, read_shard, shard_model
 from kernels.ops import REFERENCE_OPS, KernelOps
 from kernels.probes import ModelShapes
 
@@ -24,6 +28,7 @@ def load_model(
     dtype: torch.dtype | None,
     device: torch.device,
     choose_ops: Callable[[ModelShapes, torch.dtype], KernelOps] | None = None,
+    group: Collectives | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Load the model at ``path`` onto ``device`` in ``dtype`` (None: the config's dtype, else
     float32), in eval mode without gradients. ``choose_ops`` picks the kernels for the model's
@@ -44,14 +49,21 @@ def load_model(
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
     model_cls = MODEL_REGISTRY[architecture]
-    ops = REFERENCE_OPS if choose_ops is None else choose_ops(model_cls.kernel_shapes(config), dtype)
+    shapes = model_cls.kernel_shapes(config)
+    if group is not None:
+        check_tensor_parallel(config, group.world_size, f"{architecture} at {path!r}")
+        shapes = local_shapes(shapes, group.world_size)
+    ops = REFERENCE_OPS if choose_ops is None else choose_ops(shapes, dtype)
     # Build on the meta device, then allocate once on the target: no random init, no second copy.
     with torch.device("meta"):
         model = model_cls(config, ops)
+        if group is not None:
+            shard_model(model, group, f"{architecture} at {path!r}")
     model = model.to(dtype=dtype)
     model.keep_float32_parameters()
     model = model.to_empty(device=torch.device(device))
-    model.load_weights(_iter_safetensors(path))
+    read = None if group is None else partial(read_shard, model)
+    model.load_weights(_iter_safetensors(path, read))
     model.reset_buffers()
     model.eval().requires_grad_(False)
     return model, config
@@ -64,8 +76,19 @@ def _config_dtype(config: PretrainedConfig) -> torch.dtype:
     return value if isinstance(value, torch.dtype) else torch.float32
 
 
-def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) over every shard, on the host; the index file names the shards when present."""
+def local_shapes(shapes: ModelShapes, tp: int) -> ModelShapes:
+    """The shapes one rank's kernels see when the model is split over ``tp`` ranks."""
+    return replace(
+        shapes, num_heads=shapes.num_heads // tp, num_kv_heads=max(1, shapes.num_kv_heads // tp),
+        intermediate_size=shapes.intermediate_size // tp, vocab_size=-(-shapes.vocab_size // tp),
+    )
+
+
+def _iter_safetensors(
+    path: str, read: Callable[[str, Any], torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) over every shard, on the host; the index file names the shards when present.
+    ``read(name, slice)`` reads only a part of a tensor (a tensor-parallel rank's shard)."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -80,4 +103,4 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt", device="cpu") as f:
             names = f.keys()  # the handle itself is not iterable
             for name in names:
-                yield name, f.get_tensor(name)
+                yield name, f.get_tensor(name) if read is None else read(name, f.get_slice(name))

@@ -1,0 +1,205 @@
+"""Tensor-parallel layers and the pass that shards a ``CausalLM`` for one rank.
+
+Megatron's split: q/k/v and gate/up are column-parallel (each rank computes its heads and its slice
+of the intermediate dim, no communication), o_proj and down_proj row-parallel (each rank's partial
+product, summed by one all-reduce), the embedding and the LM head vocabulary-parallel (an
+all-reduce of the masked lookups; the logits gathered on rank 0 only). KV heads are split across
+the ranks, or replicated when there are fewer KV heads than ranks (rank r then holds KV head
+``r * kv_heads // tp``, the one its query heads attend with).
+
+Each sharded module knows which part of a checkpoint tensor it holds: ``read_shard(piece, leaf,
+shard)`` reads exactly that from a safetensors slice (``safe_open(...).get_slice``), so no rank ever
+materialises a full q/k/v, MLP, embedding or LM-head weight.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from engines.models.layers import Attention, GatedMLP, MergedLinear
+from engines.models.moe import SparseMoeBlock
+
+
+class Collectives(Protocol):
+    """What the layers need of ``engines.distributed.ParallelGroup``."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
+
+
+class Piece(Protocol):
+    """A safetensors slice: indexing reads only the selected part of the file."""
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """Which attention heads rank ``rank`` of ``tp`` holds."""
+
+    num_heads: int  # query heads on this rank
+    q_start: int  # its first query head
+    num_kv_heads: int  # KV heads on this rank
+    kv_start: int  # its first KV head
+
+    @classmethod
+    def of(cls, num_heads: int, num_kv_heads: int, rank: int, tp: int) -> "HeadSplit":
+        local_kv = num_kv_heads // tp if num_kv_heads >= tp else 1
+        return cls(num_heads // tp, rank * num_heads // tp, local_kv, rank * num_kv_heads // tp)
+
+
+class ColumnParallelMerged(MergedLinear):
+    """This rank's rows of a fused projection: ``ranges[s] = (start, length)`` within checkpoint
+    shard ``s`` (q, k, v or gate, up), whose full sizes are ``full_sizes``."""
+
+    def __init__(self, in_features: int, full_sizes: list[int], ranges: list[tuple[int, int]], bias: bool) -> None:
+        super().__init__(in_features, [n for _, n in ranges], bias)
+        self.full_sizes, self.ranges = full_sizes, ranges
+
+    def read_shard(self, piece: Piece, leaf: str, shard: int | None) -> torch.Tensor:
+        if shard is not None:  # a separate checkpoint tensor (q_proj, gate_proj, ...)
+            start, length = self.ranges[shard]
+            return piece[start : start + length]
+        # The checkpoint stores the fused tensor (GLM-4's gate_up_proj): each shard's rows in turn.
+        parts, offset = [], 0
+        for full, (start, length) in zip(self.full_sizes, self.ranges):
+            parts.append(piece[offset + start : offset + start + length])
+            offset += full
+        return torch.cat(parts)
+
+
+class RowParallelLinear(nn.Linear):
+    """Input columns ``[start, start + in_features)`` of a full projection; the partial products of
+    the ranks are summed by one all-reduce, then the (replicated) bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, start: int, group: Collectives) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.start, self.group = start, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.group.all_reduce(nn.functional.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def read_shard(self, piece: Piece, leaf: str, shard: int | None) -> torch.Tensor:
+        return piece[:, self.start : self.start + self.in_features] if leaf == "weight" else piece[:]
+
+
+def _read_vocab_rows(piece: Piece, start: int, rows: int, vocab_size: int) -> torch.Tensor:
+    """Rows ``[start, start + rows)`` of a [vocab, hidden] tensor, zero rows past the vocabulary."""
+    part = piece[start : min(start + rows, vocab_size)]
+    if part.shape[0] == rows:
+        return part
+    return torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[start, start + rows)`` of the embedding (the last rank's padded with zeros): tokens of
+    other ranks look up zeros here, and one all-reduce adds the ranks' lookups."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, start: int, rows: int, group: Collectives) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.vocab_size, self.start, self.group = vocab_size, start, group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start  # [T]
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = nn.functional.embedding(torch.where(mine, local, 0), self.weight)  # [T, hidden]
+        return self.group.all_reduce(out * mine.unsqueeze(-1).to(out.dtype))
+
+    def read_shard(self, piece: Piece, leaf: str, shard: int | None) -> torch.Tensor:
+        return _read_vocab_rows(piece, self.start, self.weight.shape[0], self.vocab_size)
+
+
+class VocabParallelLMHead(nn.Linear):
+    """Rows ``[start, start + out_features)`` of an untied LM head (zeros past the vocabulary)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, start: int, rows: int) -> None:
+        super().__init__(hidden_size, rows, bias=False)
+        self.vocab_size, self.start = vocab_size, start
+
+    def read_shard(self, piece: Piece, leaf: str, shard: int | None) -> torch.Tensor:
+        return _read_vocab_rows(piece, self.start, self.out_features, self.vocab_size)
+
+
+def check_tensor_parallel(config: Any, tp: int, model: str) -> None:
+    """Raise ValueError naming ``model`` when it cannot be split over ``tp`` ranks."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    problems = []
+    if heads % tp:
+        problems.append(f"{heads} attention heads do not divide by {tp}")
+    if kv_heads % tp and tp % kv_heads:
+        problems.append(f"{kv_heads} KV heads neither divide by {tp} nor divide it")
+    if config.intermediate_size % tp:
+        problems.append(f"intermediate_size {config.intermediate_size} does not divide by {tp}")
+    if problems:
+        raise ValueError(f"model {model}: tensor_parallel_size {tp} does not fit: {'; '.join(problems)}")
+
+
+def shard_model(model: nn.Module, group: Collectives, name: str) -> None:
+    """Replace ``model``'s layers with this rank's tensor-parallel shards, in place (on the meta
+    device, before the loader allocates it). Sets the model's ``num_kv_heads`` to the local count,
+    which sizes the KV pool. Raises ValueError naming ``name`` for a model that cannot be split."""
+    config, tp, rank = model.config, group.world_size, group.rank
+    check_tensor_parallel(config, tp, name)
+    if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+        raise ValueError(f"model {name}: tensor parallelism is not implemented for mixture-of-experts "
+                         f"models yet; serve it with tensor_parallel_size 1")
+    split = HeadSplit.of(config.num_attention_heads, config.num_key_value_heads, rank, tp)
+    for layer in model.model.layers:
+        _shard_attention(layer.self_attn, split, group)
+        if isinstance(layer.mlp, GatedMLP):
+            _shard_mlp(layer.mlp, rank, tp, group)
+    model.num_kv_heads = split.num_kv_heads
+    vocab, hidden = config.vocab_size, config.hidden_size
+    rows = -(-vocab // tp)
+    model.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, rank * rows, rows, group)
+    if model.lm_head is not None:
+        model.lm_head = VocabParallelLMHead(hidden, vocab, rank * rows, rows)
+    model.logits_gather = partial(group.gather_logits, vocab_size=vocab)
+
+
+def _shard_attention(attn: Attention, split: HeadSplit, group: Collectives) -> None:
+    d = attn.head_dim
+    full_q, full_kv = attn.q_size, attn.kv_size
+    qkv, o = attn.qkv_proj, attn.o_proj
+    attn.num_heads, attn.num_kv_heads = split.num_heads, split.num_kv_heads
+    attn.q_size, attn.kv_size = split.num_heads * d, split.num_kv_heads * d
+    kv_range = (split.kv_start * d, attn.kv_size)
+    attn.qkv_proj = ColumnParallelMerged(
+        qkv.in_features, [full_q, full_kv, full_kv], [(split.q_start * d, attn.q_size), kv_range, kv_range],
+        bias=qkv.bias is not None,
+    )
+    attn.o_proj = RowParallelLinear(attn.q_size, o.out_features, o.bias is not None, split.q_start * d, group)
+
+
+def _shard_mlp(mlp: GatedMLP, rank: int, tp: int, group: Collectives) -> None:
+    full = mlp.down_proj.in_features
+    local = full // tp
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    mlp.gate_up_proj = ColumnParallelMerged(
+        gate_up.in_features, [full, full], [(rank * local, local)] * 2, bias=gate_up.bias is not None
+    )
+    mlp.down_proj = RowParallelLinear(local, down.out_features, down.bias is not None, rank * local, group)
+
+
+def read_shard(model: nn.Module, name: str, piece: Piece) -> torch.Tensor:
+    """The part of checkpoint tensor ``name`` that this rank's ``model`` holds (all of it for a
+    replicated one: norms, biases of row-parallel layers)."""
+    if model._skipped(name):
+        return torch.empty(0)
+    target, _, shard = model._target(name)
+    module_name, _, leaf = target.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:  # not ours: load_weights names it
+        return piece[:]
+    reader = getattr(module, "read_shard", None)
+    return piece[:] if reader is None else reader(piece, leaf, shard)
