@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from engines.parallel_config import ParallelConfig
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -18,6 +20,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kernels: dict[str, str] | None = None  # op -> implementation, forced (kernels/registry.py)
     seed: int = 0  # seeds the shared generator used by unseeded sampled requests
+    # Ranks of one replica (engines/tp_runner.py); ``parallel`` places them (None: all on ``device``)
+    tensor_parallel_size: int = 1
+    parallel: ParallelConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -26,5 +31,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")

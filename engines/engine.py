@@ -11,12 +11,13 @@ from engines.config import EngineConfig
 from engines.kv_cache import BlockManager
 from engines.outputs import EngineStats, StepOutput
 from engines.platforms import get_platform
-from engines.runner import ModelRunner, SampledToken
+from engines.runner import SampledToken
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledSeq, Scheduler
 from engines.sequence import Sequence, SequenceStatus
 from engines.structured.compiler import GrammarCompiler
 from engines.structured.schema import check_json_schema
+from engines.tp_runner import make_runner
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         block_size = config.block_size or self.platform.default_block_size
         self.eos_token_ids = self._eos_token_ids()
-        self.runner = ModelRunner(config, self.platform, block_size, sorted(self.eos_token_ids))
+        self.runner = make_runner(config, self.platform, block_size, sorted(self.eos_token_ids))
         max_model_len = self._max_model_len(self.runner.hf_config.max_position_embeddings)
         num_blocks = config.num_kv_blocks or self._profile_num_blocks(block_size, max_model_len)
         # A sequence can never outgrow the whole pool: cap the context so it always fits alone.
@@ -83,6 +84,10 @@ class LLMEngine:
         if num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache after the warm-up forward")
         return num_blocks
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine; a single-device engine holds nothing."""
+        self.runner.close()
 
     @property
     def vocab_size(self) -> int:

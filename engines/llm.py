@@ -21,6 +21,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
+    def close(self) -> None:
+        """Stop the engine's other ranks (``tensor_parallel_size`` > 1); also on leaving a ``with``."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],

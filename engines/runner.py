@@ -11,6 +11,7 @@ import torch
 from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from engines.config import EngineConfig
 from engines.models.loader import load_model
+from engines.models.tensor_parallel import Collectives
 from engines.outputs import TokenLogprob
 from engines.platforms import Platform
 from engines.sampler import Sampler, SamplingRow
@@ -57,14 +58,16 @@ def parse_dtype(dtype: str | None) -> torch.dtype | None:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, platform: Platform, block_size: int, eos_token_ids: list[int]
+        self, config: EngineConfig, platform: Platform, block_size: int, eos_token_ids: list[int],
+        group: Collectives | None = None,  # tensor parallel: this rank's group (engines/tp_runner.py)
     ) -> None:
         self.platform = platform
         self.device = platform.device
         self.block_size = block_size
         self.kernels: KernelSelection | None = None
         self.model, self.hf_config = load_model(
-            config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config.kernels)
+            config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config.kernels),
+            group,
         )
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = self.model.compute_logits(
@@ -128,6 +131,9 @@ class ModelRunner:
         self.platform.synchronize()
         self.kv_cache = torch.empty(0)
         return int(self.platform.free_memory() * fraction) // self.bytes_per_block()
+
+    def close(self) -> None:
+        """Release what outlives the runner (a tensor-parallel runner's other ranks); here nothing."""
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)

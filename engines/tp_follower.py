@@ -1,0 +1,110 @@
+"""A rank > 0 of a tensor-parallel replica: ``python -m engines.tp_follower PAYLOAD``.
+
+It joins the group, loads its shard of the model, then follows rank 0's messages: each STEP is
+rebuilt into the ``StepBatch`` rank 0 built and run through the same ``ModelRunner._forward`` (or, in
+a step with prompt log-probs, the same sequence of logits computations); rank 0 samples. It leaves
+on STOP, or when the group breaks (rank 0 gone), or when its parent process dies.
+"""
+
+import base64
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+
+import torch
+
+from engines.config import EngineConfig
+from engines.distributed import GroupFailure, ParallelGroup, open_store
+from engines.platforms import get_platform
+from engines.runner import ModelRunner
+from engines.step_message import ALLOCATE, PROFILE, STEP, STOP, decode_header, decode_step
+from engines.tp_runner import parallel_config
+
+logger = logging.getLogger("xinserve.rank")
+
+
+def run_rank(config: EngineConfig, rank: int, master_port: int, threads: int | None) -> None:
+    parallel = parallel_config(config)
+    platform = get_platform(parallel.devices[rank])
+    if threads and platform.kind == "cpu":
+        torch.set_num_threads(threads)
+    store = open_store(rank, parallel.world_size, parallel.master_addr, master_port, parallel.rendezvous_timeout_s)
+    group = ParallelGroup(rank, parallel.world_size, platform.dist_backend, platform.device, store,
+                          parallel.rendezvous_timeout_s, parallel.step_timeout_s)
+    try:
+        block_size = config.block_size or platform.default_block_size
+        runner = ModelRunner(config, platform, block_size, [], group=group)
+        logger.info("rank %d of %d ready on %s", rank, parallel.world_size, platform.device)
+        follow(runner, group)
+    finally:
+        group.close()
+
+
+@torch.inference_mode()
+def follow(runner: ModelRunner, group: ParallelGroup) -> None:
+    """Serve rank 0's messages until STOP."""
+    while True:
+        message = group.broadcast_message(None)
+        kind, value = decode_header(message)
+        if kind == STEP:
+            batch, prompt_rows = decode_step(message, runner.device, runner.block_size)
+            if prompt_rows is None:
+                runner._forward(batch)
+            else:
+                _prompt_logprobs_step(runner, batch, prompt_rows)
+        elif kind == ALLOCATE:
+            runner.allocate_kv_cache(value)
+        elif kind == PROFILE:
+            runner.platform.synchronize()
+            runner.kv_cache = torch.empty(0)
+            num_blocks = int(runner.platform.free_memory() * value / 1e9) // runner.bytes_per_block()
+            group.min_over_ranks(num_blocks)
+        elif kind == STOP:
+            return
+        else:
+            raise GroupFailure(f"rank {group.rank}: unknown message kind {kind}")
+
+
+def _prompt_logprobs_step(runner: ModelRunner, batch, prompt_rows: list[tuple[int, int]]) -> None:  # noqa: ANN001
+    """The collectives of ``ModelRunner._with_prompt_logprobs``: the forward, one logits gather per
+    prompt row range, then the sampled rows' logits."""
+    model = runner.model
+    hidden = model(batch.input_ids, batch.positions, runner.kv_cache, batch.metadata)  # [T, hidden]
+    for row, count in prompt_rows:
+        model.compute_logits(hidden[row : row + count])
+    if batch.sampled:
+        if batch.logits_indices is not None:
+            hidden = hidden.index_select(0, batch.logits_indices)
+        model.compute_logits(hidden)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when its parent dies, so no rank outlives its replica."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != parent_pid:  # the parent died before the call
+        os._exit(1)
+
+
+def main() -> None:
+    config, rank, master_port, threads, parent_pid = pickle.loads(base64.b64decode(sys.argv[1]))
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 stops the others
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
+    try:
+        run_rank(config, rank, master_port, threads)
+    except GroupFailure as exc:
+        logger.error("%s; leaving", exc)
+        sys.exit(1)
+    except Exception:
+        logger.exception("rank %d failed", rank)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

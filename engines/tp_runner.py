@@ -1,0 +1,174 @@
+"""Rank 0 of a tensor-parallel replica: starts the other ranks of its node, forms the group, and
+runs the ``ModelRunner`` with one broadcast of the step's inputs (engines/step_message.py) before
+every forward. The other ranks (engines/tp_follower.py) rebuild the same ``StepBatch`` and run the
+same ``_forward``; rank 0 alone samples. Commands (KV allocation, the KV pool's sizing, stop) travel
+as messages of the same broadcast, so the ranks stay in lock-step.
+"""
+
+import atexit
+import base64
+import logging
+import os
+import pickle
+import subprocess
+import sys
+from dataclasses import replace
+
+import torch
+
+from engines.config import EngineConfig
+from engines.distributed import GroupFailure, ParallelGroup, open_store
+from engines.parallel_config import ParallelConfig
+from engines.platforms import Platform
+from engines.runner import ModelRunner, StepBatch, _flat_rows
+from engines.scheduler import ScheduledSeq
+from engines.sequence import needs_prompt_logits
+from engines.step_message import ALLOCATE, PROFILE, STOP, encode_command, encode_step
+
+logger = logging.getLogger(__name__)
+
+STOP_WAIT_S = 10.0
+
+
+def parallel_config(config: EngineConfig) -> ParallelConfig:
+    """The group's layout: the config's, or ``tensor_parallel_size`` ranks on ``device``, one node."""
+    parallel = config.parallel or ParallelConfig(devices=[config.device] * config.tensor_parallel_size)
+    if parallel.world_size != config.tensor_parallel_size:
+        raise ValueError(f"model {config.model}: tensor_parallel_size {config.tensor_parallel_size} but "
+                         f"{parallel.world_size} devices ({', '.join(parallel.devices)})")
+    parallel.check(config.model)
+    return parallel
+
+
+def cpu_threads_per_rank(parallel: ParallelConfig, node: int) -> int:
+    """A CPU rank's torch threads: the configured count, else this process's shared by the node's ranks."""
+    local = len(parallel.node_ranks(node))
+    return parallel.cpu_threads or max(1, torch.get_num_threads() // local)
+
+
+def spawn_rank(config: EngineConfig, rank: int, master_port: int, threads: int | None) -> subprocess.Popen:
+    """Start rank ``rank`` (> 0) of the group in its own process (``python -m engines.tp_follower``).
+
+    A plain subprocess, not multiprocessing: a server worker is a daemon process, which may not
+    have multiprocessing children. The child dies with this process (PR_SET_PDEATHSIG).
+    """
+    payload = base64.b64encode(pickle.dumps((config, rank, master_port, threads, os.getpid()))).decode()
+    return subprocess.Popen([sys.executable, "-m", "engines.tp_follower", payload])
+
+
+def make_runner(config: EngineConfig, platform: Platform, block_size: int, eos_token_ids: list[int]) -> ModelRunner:
+    """The runner of an engine: plain on one device, else rank 0 of a tensor-parallel group."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, platform, block_size, eos_token_ids)
+    parallel = parallel_config(config)
+    store = open_store(0, parallel.world_size, parallel.master_addr, parallel.master_port,
+                       parallel.rendezvous_timeout_s)
+    previous_threads = torch.get_num_threads()
+    threads = cpu_threads_per_rank(parallel, 0) if platform.kind == "cpu" else None
+    # The followers read the config with the port fixed, so that all find the same store.
+    config = replace(config, parallel=replace(parallel, master_port=store.port))
+    followers = {rank: spawn_rank(config, rank, store.port, threads) for rank in parallel.node_ranks(0)[1:]}
+    group = None
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        group = ParallelGroup(0, parallel.world_size, platform.dist_backend, platform.device, store,
+                              parallel.rendezvous_timeout_s, parallel.step_timeout_s)
+        return TensorParallelRunner(config, platform, block_size, eos_token_ids, group, parallel, followers,
+                                    previous_threads)
+    except BaseException:
+        _stop(followers, 0)
+        if group is not None:
+            group.close()
+        torch.set_num_threads(previous_threads)
+        raise
+
+
+class TensorParallelRunner(ModelRunner):
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        block_size: int,
+        eos_token_ids: list[int],
+        group: ParallelGroup,
+        parallel: ParallelConfig,
+        followers: dict[int, subprocess.Popen],
+        previous_threads: int,
+    ) -> None:
+        self.group, self.parallel, self.followers = group, parallel, followers
+        self._previous_threads = previous_threads
+        self._closed = False
+        atexit.register(self.close)
+        super().__init__(config, platform, block_size, eos_token_ids, group=group)
+
+    def ranks(self) -> list[dict]:
+        """Each rank's device, node and (on this node) pid, for /health."""
+        local = {0: os.getpid(), **{rank: proc.pid for rank, proc in self.followers.items()}}
+        per_node = self.parallel.world_size // self.parallel.nnodes
+        return [{"rank": rank, "device": device, "pid": local.get(rank), "node": rank // per_node}
+                for rank, device in enumerate(self.parallel.devices)]
+
+    def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+        batch = super()._prepare(scheduled)
+        rows = None
+        if any(needs_prompt_logits(s.seq) for s in scheduled):
+            rows = prompt_logit_rows(scheduled, len(batch.input_ids))
+        self._send(encode_step(batch, rows))
+        return batch
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._send(encode_command(ALLOCATE, num_blocks))
+        super().allocate_kv_cache(num_blocks)
+
+    def profile_num_blocks(
+        self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, fraction: float
+    ) -> int:
+        """Every rank sizes its pool from its own free memory; the group uses the smallest."""
+        num_blocks = super().profile_num_blocks(max_num_batched_tokens, max_num_seqs, max_model_len, fraction)
+        self._send(encode_command(PROFILE, round(fraction * 1e9)))
+        return self.group.min_over_ranks(num_blocks)
+
+    def _send(self, message: torch.Tensor) -> None:
+        for rank, proc in self.followers.items():
+            if proc.poll() is not None:
+                raise GroupFailure(f"rank {rank} (pid {proc.pid}) of the tensor-parallel group exited "
+                                   f"with code {proc.returncode}")
+        self.group.broadcast_message(message)
+
+    def close(self) -> None:
+        """Stop the other ranks (a STOP message, then a kill after a grace) and leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            if all(proc.poll() is None for proc in self.followers.values()):
+                self.group.broadcast_message(encode_command(STOP))
+        except GroupFailure:
+            logger.warning("a rank was already gone when the group stopped")
+        _stop(self.followers, STOP_WAIT_S)
+        self.group.close()
+        torch.set_num_threads(self._previous_threads)
+
+
+def prompt_logit_rows(scheduled: list[ScheduledSeq], num_tokens: int) -> list[tuple[int, int]]:
+    """The (first row, count) of each ``compute_logits`` call that ``ModelRunner._with_prompt_logprobs``
+    makes for prompt log-probs, in its order: the followers make the same calls (the logits gather
+    is a collective)."""
+    rows = []
+    for seq, start, first_row, count in _flat_rows(scheduled, num_tokens):
+        if needs_prompt_logits(seq):
+            targets = min(start + 1 + count, seq.num_prompt_tokens) - (start + 1)
+            if targets > 0:
+                rows.append((first_row, targets))
+    return rows
+
+
+def _stop(followers: dict[int, subprocess.Popen], wait_s: float) -> None:
+    for proc in followers.values():
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
