@@ -151,7 +151,7 @@ class ParallelGroup:
         self._checked(dist.broadcast, rest, src=0, group=self.control_group)
         return torch.cat([first[1:], rest])
 
-    def _checked(self, op, *args, **kwargs) -> None:  # noqa: ANN001
+    def _checked(self, op, *args, **kwargs) -> None:
         try:
             op(*args, **kwargs)
         except RuntimeError as exc:  # gloo / nccl report a lost peer or a timeout this way

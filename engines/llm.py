@@ -5,6 +5,7 @@ Structured output, logit bias and prompt log-probs are ``SamplingParams`` fields
 """
 
 from collections.abc import Sequence as Seq
+from typing import Self
 
 from engines.config import EngineConfig
 from engines.detokenizer import IncrementalDetokenizer
@@ -25,7 +26,7 @@ class LLM:
         """Stop the engine's other ranks (``tensor_parallel_size`` > 1); also on leaving a ``with``."""
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

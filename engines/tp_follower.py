@@ -19,7 +19,7 @@ import torch
 from engines.config import EngineConfig
 from engines.distributed import GroupFailure, ParallelGroup, open_store
 from engines.platforms import get_platform
-from engines.runner import ModelRunner
+from engines.runner import ModelRunner, StepBatch
 from engines.step_message import ALLOCATE, PROFILE, STEP, STOP, decode_header, decode_step
 from engines.tp_runner import parallel_config
 
@@ -68,7 +68,7 @@ def follow(runner: ModelRunner, group: ParallelGroup) -> None:
             raise GroupFailure(f"rank {group.rank}: unknown message kind {kind}")
 
 
-def _prompt_logprobs_step(runner: ModelRunner, batch, prompt_rows: list[tuple[int, int]]) -> None:  # noqa: ANN001
+def _prompt_logprobs_step(runner: ModelRunner, batch: StepBatch, prompt_rows: list[tuple[int, int]]) -> None:
     """The collectives of ``ModelRunner._with_prompt_logprobs``: the forward, one logits gather per
     prompt row range, then the sampled rows' logits."""
     model = runner.model

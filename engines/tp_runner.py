@@ -18,6 +18,7 @@ import torch
 
 from engines.config import EngineConfig
 from engines.distributed import GroupFailure, ParallelGroup, open_store
+from engines.models.tensor_parallel import check_model_splits
 from engines.parallel_config import ParallelConfig
 from engines.platforms import Platform
 from engines.runner import ModelRunner, StepBatch, _flat_rows
@@ -61,6 +62,7 @@ def make_runner(config: EngineConfig, platform: Platform, block_size: int, eos_t
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, platform, block_size, eos_token_ids)
     parallel = parallel_config(config)
+    check_model_splits(config.model, parallel.world_size)
     store = open_store(0, parallel.world_size, parallel.master_addr, parallel.master_port,
                        parallel.rendezvous_timeout_s)
     previous_threads = torch.get_num_threads()

@@ -7,6 +7,7 @@ load. Shutdown drains first (``server.drain``, driven by ``server.graceful`` on 
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import shutil
 import tempfile
@@ -26,7 +27,7 @@ from server.drain import Drain, DrainMiddleware
 from server.errors import install_error_handlers
 from server.key_usage import KeyUsageMiddleware
 from server.metrics import EngineStatsCollector, KeyMetrics, RequestMetrics
-from server.pool import ModelPool, default_cpu_threads
+from server.pool import ModelPool, default_cpu_threads, local_cpu_ranks
 from server.request_log import RequestLogMiddleware
 from server.router import Router
 from server.routes import chat, completions, health, models
@@ -36,9 +37,12 @@ logger = logging.getLogger("xinserve.server")
 
 
 def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
-    num_cpu_workers = sum(m.workers.count("cpu") for m in config.models)
+    # CPU ranks on this node (a tensor-parallel group on CPU counts each rank)
+    num_cpu_workers = sum(local_cpu_ranks(g, config.distributed) for m in config.models for g in m.groups)
     threads = default_cpu_threads(num_cpu_workers)
-    pools = {m.name: ModelPool(m, threads, log_level) for m in config.models}
+    first_groups = itertools.accumulate([len(m.groups) for m in config.models], initial=0)
+    pools = {m.name: ModelPool(m, threads, log_level, config.distributed, first)
+             for m, first in zip(config.models, first_groups)}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

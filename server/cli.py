@@ -27,7 +27,10 @@ ENGINE_FLAGS = {
     "max_waiting_requests": "max_waiting_requests",
     "cpu_threads": "cpu_threads",
     "seed": "seed",
+    "tensor_parallel_size": "tensor_parallel_size",
 }
+# Flag -> distributed config key (tensor-parallel groups over several machines)
+DISTRIBUTED_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port")
 EMBEDDED_DEFAULT = {"models": [{"name": "xinserve-tiny", "path": "embedded:xinserve-tiny", "workers": ["cpu"]}]}
 
 
@@ -53,6 +56,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, help="queued requests per worker before 429")
     p.add_argument("--cpu-threads", type=int, help="torch threads per CPU worker (default: cores - 1)")
     p.add_argument("--seed", type=int)
+    p.add_argument("--tensor-parallel-size", type=int,
+                   help="ranks per replica; groups consecutive --device entries (--device cpu: N CPU ranks)")
+    p.add_argument("--nnodes", type=int, help="machines the tensor-parallel groups span (README: multi-node)")
+    p.add_argument("--node-rank", type=int, help="this machine's index; 0 serves HTTP, the others only run ranks")
+    p.add_argument("--master-addr", help="node 0's address, reachable from every node")
+    p.add_argument("--master-port", type=int, help="first rendezvous port on node 0 (one per group from it)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -81,6 +90,12 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
             value = getattr(args, flag, None)
             if value is not None:
                 model[key] = value
+    distributed = data.setdefault("distributed", {}) or {}
+    data["distributed"] = distributed
+    for flag in DISTRIBUTED_FLAGS:
+        value = getattr(args, flag, None)
+        if value is not None:
+            distributed[flag] = value
     server = data["server"]
     if args.host is not None:
         server["host"] = args.host
@@ -108,7 +123,11 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"xinserve: {exc}", file=sys.stderr)
         return 2
-    names = ", ".join(f"{m.name} on {'+'.join(m.workers)}" for m in config.models)
+    if config.distributed.node_rank > 0:
+        from server.node import run_node
+
+        return run_node(config, level)
+    names = ", ".join(f"{m.name} on {', '.join('+'.join(g) for g in m.groups)}" for m in config.models)
     logging.getLogger("xinserve.server").info(
         "serving %s at http://%s:%d/v1 (auth %s)", names, config.server.host, config.server.port,
         "on" if config.server.api_keys else "off",

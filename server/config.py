@@ -110,7 +110,12 @@ class ModelSettings(_Section):
     path: str
     tokenizer: str | None = None  # a separate tokenizer directory; default: ``path``
     dtype: str | None = None
-    workers: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
+    # Each entry is one replica: a device, or a list of devices for a tensor-parallel group
+    # ([npu:0, npu:1] is one replica over two cards); see ``groups``.
+    workers: list[str | list[str]] = Field(default_factory=lambda: ["cpu"], min_length=1)
+    # With plain-device workers: consecutive devices form groups of this size ("cpu" alone: that many
+    # CPU ranks sharing the cores).
+    tensor_parallel_size: int = Field(1, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
@@ -141,15 +146,41 @@ class ModelSettings(_Section):
 
     @field_validator("workers")
     @classmethod
-    def _check_workers(cls, value: list[str]) -> list[str]:
-        out = []
-        for spec in value:
-            spec = spec.strip().lower()
-            if not _DEVICE.match(spec):
-                raise ValueError(f"worker device must be cpu, cuda:N, npu:N or musa:N, got {spec!r}")
-            # "npu" means the first card, as torch's own device strings do.
-            out.append(spec if spec == "cpu" or ":" in spec else f"{spec}:0")
+    def _check_workers(cls, value: list[str | list[str]]) -> list[str | list[str]]:
+        out: list[str | list[str]] = []
+        for entry in value:
+            if isinstance(entry, list):
+                if not entry:
+                    raise ValueError("a tensor-parallel group of workers lists no device")
+                out.append([_normal_device(spec) for spec in entry])
+            else:
+                out.append(_normal_device(entry))
         return out
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> "ModelSettings":
+        tp = self.tensor_parallel_size
+        listed = [w for w in self.workers if isinstance(w, list)]
+        if listed and tp > 1 and any(len(g) != tp for g in listed):
+            raise ValueError(f"model {self.name}: tensor_parallel_size {tp} but a group of workers lists "
+                             f"a different number of devices")
+        plain = [w for w in self.workers if isinstance(w, str)]
+        if tp > 1 and plain and plain != ["cpu"] and len(plain) % tp:
+            raise ValueError(f"model {self.name}: {len(plain)} worker devices do not form groups of "
+                             f"tensor_parallel_size {tp}")
+        return self
+
+    @property
+    def groups(self) -> list[list[str]]:
+        """One device list per replica, in rank order: the listed groups, then the plain devices in
+        groups of ``tensor_parallel_size``."""
+        tp = self.tensor_parallel_size
+        plain = [w for w in self.workers if isinstance(w, str)]
+        if tp > 1 and plain == ["cpu"]:
+            plain = ["cpu"] * tp
+        return [list(w) for w in self.workers if isinstance(w, list)] + [
+            plain[i : i + tp] for i in range(0, len(plain), tp)
+        ]
 
     @property
     def is_embedded(self) -> bool:
@@ -170,6 +201,34 @@ class ModelSettings(_Section):
             "seed": self.seed,
             "kernels": dict(self.kernels) or None,
         }
+
+
+def _normal_device(spec: str) -> str:
+    spec = spec.strip().lower()
+    if not _DEVICE.match(spec):
+        raise ValueError(f"worker device must be cpu, cuda:N, npu:N or musa:N, got {spec!r}")
+    # "npu" means the first card, as torch's own device strings do.
+    return spec if spec == "cpu" or ":" in spec else f"{spec}:0"
+
+
+class DistributedSettings(_Section):
+    """Tensor-parallel groups over several machines (``--nnodes`` ...): every node runs the same
+    config; node 0 serves HTTP and hosts each group's rendezvous at ``master_addr``, at
+    ``master_port`` + the group's index over all models' groups in config order."""
+
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(0, ge=0, le=65535)  # 0: any free port (one node only)
+    rendezvous_timeout_s: float = Field(120, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "DistributedSettings":
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} is not below nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("several nodes need an explicit master_port (--master-port)")
+        return self
 
 
 class MonitoringSettings(_Section):
@@ -201,6 +260,28 @@ class AppConfig(_Section):
     models: list[ModelSettings] = Field(min_length=1)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    distributed: DistributedSettings = Field(default_factory=DistributedSettings)
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> "AppConfig":
+        """Every tensor-parallel group fits the nodes, has one device kind, and no card twice."""
+        from engines.parallel_config import ParallelConfig
+
+        nnodes = self.distributed.nnodes
+        for model in self.models:
+            used: set[tuple[int, str]] = set()
+            for group in model.groups:
+                if len(group) == 1:
+                    continue  # a single-device worker runs on node 0 and may share its card (npu:0#1)
+                parallel = ParallelConfig(devices=group, nnodes=nnodes, master_port=1)
+                parallel.check(model.name)
+                for node in range(nnodes):
+                    for device in {group[r] for r in parallel.node_ranks(node)} - {"cpu"}:
+                        if (node, device) in used:
+                            raise ValueError(f"model {model.name}: device {device} is listed twice "
+                                             f"(in two tensor-parallel groups)")
+                        used.add((node, device))
+        return self
 
     @model_validator(mode="after")
     def _check_names(self) -> "AppConfig":

@@ -10,7 +10,8 @@ from typing import Any
 # Imported here, in the main thread, before any tokenizer loads in a worker thread (see below).
 from transformers import AutoTokenizer
 
-from server.config import ModelSettings
+from engines.parallel_config import ParallelConfig
+from server.config import DistributedSettings, ModelSettings
 from server.embedded import resolve_model_path
 from server.hub import local_path
 from server.responses import TokenTexts
@@ -23,6 +24,27 @@ logger = logging.getLogger("xinserve.server")
 def worker_labels(devices: list[str]) -> list[str]:
     """Metric/health labels: the device, or ``device#k`` when a model lists a device twice."""
     return [d if devices.count(d) == 1 else f"{d}#{devices[:i].count(d)}" for i, d in enumerate(devices)]
+
+
+def group_engine_kwargs(
+    group: list[str], distributed: DistributedSettings, index: int, cpu_threads: int | None
+) -> dict[str, Any]:
+    """The engine options of tensor-parallel group number ``index`` (over every model's groups, in
+    config order: its rendezvous port is ``master_port + index``)."""
+    port = distributed.master_port + index if distributed.master_port else 0
+    parallel = ParallelConfig(
+        devices=list(group), nnodes=distributed.nnodes, master_addr=distributed.master_addr, master_port=port,
+        rendezvous_timeout_s=distributed.rendezvous_timeout_s, cpu_threads=cpu_threads,
+    )
+    return {"tensor_parallel_size": len(group), "parallel": parallel}
+
+
+def local_cpu_ranks(group: list[str], distributed: DistributedSettings) -> int:
+    """CPU ranks of ``group`` on this node (the group's ranks split evenly over the nodes)."""
+    if len(group) == 1:
+        return int(group[0] == "cpu" and distributed.node_rank == 0)
+    per_node = len(group) // distributed.nnodes
+    return group[distributed.node_rank * per_node : (distributed.node_rank + 1) * per_node].count("cpu")
 
 
 def default_cpu_threads(num_cpu_workers: int) -> int:
@@ -50,18 +72,27 @@ def load_tokenizer(path: str) -> Any:
 
 
 class ModelPool:
-    def __init__(self, settings: ModelSettings, cpu_threads: int, log_level: int) -> None:
+    def __init__(
+        self, settings: ModelSettings, cpu_threads: int, log_level: int,
+        distributed: DistributedSettings | None = None, first_group: int = 0,
+    ) -> None:
         self.settings = settings
+        self.distributed = distributed or DistributedSettings()
+        self.first_group = first_group  # this model's first group's index over every model's groups
         self.tokenizer: Any = None
         self.token_texts: TokenTexts | None = None
         self.error: str | None = None
         self._progress: asyncio.Task | None = None
         self.cpu_threads = cpu_threads
         self.log_level = log_level
-        self.workers = [
-            WorkerClient(settings.name, label, device, settings.max_num_seqs, settings.max_waiting_requests)
-            for label, device in zip(worker_labels(settings.workers), settings.workers, strict=True)
-        ]
+        # One worker per replica, labelled by its device ("npu:0+npu:1" for a tensor-parallel group).
+        groups = settings.groups
+        self.groups = {}
+        self.workers = []
+        for label, group in zip(worker_labels(["+".join(g) for g in groups]), groups, strict=True):
+            self.workers.append(WorkerClient(settings.name, label, group[0], settings.max_num_seqs,
+                                             settings.max_waiting_requests, devices=group))
+            self.groups[label] = group
 
     @property
     def name(self) -> str:
@@ -96,16 +127,22 @@ class ModelPool:
         self.tokenizer = tokenizer
 
     def _spec(self, worker: WorkerClient, path: str, tokenizer_path: str, ipc_dir: str) -> WorkerSpec:
-        slug = f"{self.name}-{worker.label}".replace("/", "_").replace(":", "_").replace("#", "_")
+        slug = f"{self.name}-{worker.label}".replace("/", "_").replace(":", "_").replace("#", "_").replace("+", "_")
+        threads = (self.settings.cpu_threads or self.cpu_threads) if worker.device == "cpu" else None
+        engine_kwargs = {**self.settings.engine_kwargs(), "tokenizer": tokenizer_path}
+        group = self.groups[worker.label]
+        if len(group) > 1:
+            index = self.first_group + list(self.groups).index(worker.label)
+            engine_kwargs.update(group_engine_kwargs(group, self.distributed, index, threads))
         return WorkerSpec(
             model_name=self.name,
             label=worker.label,
             device=worker.device,
             model_path=path,
-            engine_kwargs={**self.settings.engine_kwargs(), "tokenizer": tokenizer_path},
+            engine_kwargs=engine_kwargs,
             input_addr=f"ipc://{ipc_dir}/{slug}-in",
             output_addr=f"ipc://{ipc_dir}/{slug}-out",
-            cpu_threads=(self.settings.cpu_threads or self.cpu_threads) if worker.device == "cpu" else None,
+            cpu_threads=threads,
             log_level=self.log_level,
         )
 

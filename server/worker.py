@@ -207,6 +207,9 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         "eos_token_id": getattr(tokenizer, "eos_token_id", None),
         "vocab_size": int(engine.vocab_size),
         "kernels": engine.runner.kernels.report(),
+        # a tensor-parallel replica's ranks (engines/tp_runner.py); a single device is rank 0
+        "ranks": getattr(engine.runner, "ranks", lambda: [
+            {"rank": 0, "device": spec.device, "pid": os.getpid(), "node": 0}])(),
     }
 
 
@@ -245,6 +248,7 @@ def run_worker(spec: WorkerSpec) -> None:
     try:
         loop.run()
     finally:
+        engine.close()  # a tensor-parallel engine stops its other ranks
         recv.close(linger=0)
         send.close()
         ctx.term()

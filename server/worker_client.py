@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,10 +73,16 @@ class WorkerClient:
     """One worker of a model on one device; its process is described by the ``WorkerSpec`` that
     ``start`` receives once the model's files are known."""
 
-    def __init__(self, model_name: str, label: str, device: str, max_num_seqs: int, max_waiting_requests: int) -> None:
+    def __init__(
+        self, model_name: str, label: str, device: str, max_num_seqs: int, max_waiting_requests: int,
+        devices: list[str] | None = None,
+    ) -> None:
         self.model_name = model_name
-        self.label = label  # "cpu", "npu:0", or "cpu#1" when a model lists a device twice
+        self.label = label  # "cpu", "npu:0", "cpu#1" when a model lists a device twice, "npu:0+npu:1"
         self.device = device
+        self.devices = devices or [device]  # every rank's device (a tensor-parallel group: several)
+        self._rank_watches: dict[int, int] = {}  # rank -> pidfd of that rank's process (this node's)
+        self._lost_rank: tuple[int, str] | None = None  # (rank, why) when a rank's death ended the group
         self.spec: WorkerSpec | None = None  # set by start()
         self.capacity = max_num_seqs + max_waiting_requests
         self.state = STARTING
@@ -142,6 +149,7 @@ class WorkerClient:
         self._send.setsockopt(zmq.LINGER, 0)
         self._send.bind(spec.input_addr)
         self.state, self.info, self.stats = STARTING, {}, None
+        self._lost_rank = None
         self.started_at = time.time()
         self._proc = mp.get_context("spawn").Process(
             target=run_worker, args=(spec,), name=f"xinserve-{self.model_name}-{self.label}", daemon=True
@@ -245,6 +253,7 @@ class WorkerClient:
                 return
             self.info = message[1]
             self.state = READY
+            self._watch_ranks()
             self._ready_since = time.monotonic()
             logger.info("worker %s/%s ready in %.1fs (max_model_len=%s)", self.model_name, self.label,
                         time.time() - self.started_at, self.info.get("max_model_len"))
@@ -271,10 +280,42 @@ class WorkerClient:
                 if stream.unfinished <= 0:
                     del streams[out.request_id]
 
+    def _watch_ranks(self) -> None:
+        """Watch the other ranks' processes on this node: a dead rank ends the whole replica (its
+        rank 0 is killed, so the usual exit path fails the requests and restarts the group)."""
+        for rank in self.info.get("ranks", [])[1:]:
+            pid = rank.get("pid")
+            if pid is None or rank.get("node", 0) != 0:
+                continue  # another node's rank: its loss reaches rank 0 as a failed collective
+            try:
+                fd = os.pidfd_open(pid)
+            except (AttributeError, OSError):  # not Linux, or already gone
+                self._on_rank_exit(rank["rank"], None)
+                return
+            self._rank_watches[rank["rank"]] = fd
+            asyncio.get_running_loop().add_reader(fd, self._on_rank_exit, rank["rank"], fd)
+
+    def _unwatch_ranks(self) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in self._rank_watches.values():
+            loop.remove_reader(fd)
+            os.close(fd)
+        self._rank_watches.clear()
+
+    def _on_rank_exit(self, rank: int, fd: int | None) -> None:
+        self._unwatch_ranks()
+        info = self.info["ranks"][rank]
+        why = f"rank {rank} of the group (pid {info['pid']} on {info['device']}) died"
+        self._lost_rank = (rank, why)
+        logger.error("worker %s/%s: %s; ending the replica", self.model_name, self.label, why)
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+
     def _on_exit(self) -> None:
         proc = self._proc
         assert proc is not None
         asyncio.get_running_loop().remove_reader(proc.sentinel)
+        self._unwatch_ranks()
         healthy_for = 0.0 if self._ready_since is None else time.monotonic() - self._ready_since
         self._has_served |= self._ready_since is not None
         self._ready_since = None
@@ -294,7 +335,8 @@ class WorkerClient:
         if self.state == DEAD:
             # The sentinel can fire a moment before the child is reapable; wait off the event loop.
             await asyncio.to_thread(proc.join, 5)
-            self.last_error = f"worker process exited with code {proc.exitcode}"
+            self.last_error = (self._lost_rank[1] if self._lost_rank
+                               else f"worker process exited with code {proc.exitcode}")
             logger.error("worker %s/%s died (exit code %s)", self.model_name, self.label, proc.exitcode)
         if not restart:
             return
@@ -322,8 +364,20 @@ class WorkerClient:
             "kv_cache_usage": None if self.stats is None else self.stats.kv_cache_usage,
             # The kernel registry's choice on this worker's device: op -> chosen, rejected with reasons.
             "kernels": self.info.get("kernels"),
-            "info": {k: v for k, v in self.info.items() if k != "kernels"},
+            "ranks": self._describe_ranks(),
+            "info": {k: v for k, v in self.info.items() if k not in ("kernels", "ranks")},
         }
+
+    def _describe_ranks(self) -> list[dict[str, Any]]:
+        """Each rank's device, process and state: the replica's, or "dead" for the rank that died."""
+        known = {r["rank"]: r for r in self.info.get("ranks", [])}
+        dead = self._lost_rank[0] if self._lost_rank else None
+        ranks = []
+        for rank, device in enumerate(self.devices):
+            pid = known.get(rank, {}).get("pid") if rank else (self._proc.pid if self._proc else None)
+            state = "dead" if rank == dead else self.state
+            ranks.append({"rank": rank, "device": device, "pid": pid, "state": state})
+        return ranks
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Ask the worker to stop, wait, then kill it; release the sockets."""

@@ -22,6 +22,9 @@ from torch import nn
 from engines.models.layers import Attention, GatedMLP, MergedLinear
 from engines.models.moe import SparseMoeBlock
 
+MOE_REFUSAL = ("model {name}: tensor parallelism is not implemented for mixture-of-experts models yet; "
+               "serve it with tensor_parallel_size 1")
+
 
 class Collectives(Protocol):
     """What the layers need of ``engines.distributed.ParallelGroup``."""
@@ -143,6 +146,22 @@ def check_tensor_parallel(config: Any, tp: int, model: str) -> None:
         raise ValueError(f"model {model}: tensor_parallel_size {tp} does not fit: {'; '.join(problems)}")
 
 
+def check_model_splits(path: str, tp: int) -> None:
+    """Before any rank starts: raise ValueError naming the model at ``path`` when it cannot be split
+    over ``tp`` ranks (heads, intermediate size, experts)."""
+    from transformers import AutoConfig
+
+    from engines.models import MODEL_REGISTRY
+
+    config = AutoConfig.from_pretrained(path)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    name = f"{architecture} at {path!r}"
+    check_tensor_parallel(config, tp, name)
+    model_cls = MODEL_REGISTRY.get(architecture)
+    if model_cls is not None and model_cls.spec(config).moe_layers:
+        raise ValueError(MOE_REFUSAL.format(name=name))
+
+
 def shard_model(model: nn.Module, group: Collectives, name: str) -> None:
     """Replace ``model``'s layers with this rank's tensor-parallel shards, in place (on the meta
     device, before the loader allocates it). Sets the model's ``num_kv_heads`` to the local count,
@@ -150,8 +169,7 @@ def shard_model(model: nn.Module, group: Collectives, name: str) -> None:
     config, tp, rank = model.config, group.world_size, group.rank
     check_tensor_parallel(config, tp, name)
     if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
-        raise ValueError(f"model {name}: tensor parallelism is not implemented for mixture-of-experts "
-                         f"models yet; serve it with tensor_parallel_size 1")
+        raise ValueError(MOE_REFUSAL.format(name=name))
     split = HeadSplit.of(config.num_attention_heads, config.num_key_value_heads, rank, tp)
     for layer in model.model.layers:
         _shard_attention(layer.self_attn, split, group)
