@@ -6,6 +6,7 @@ a message naming the model."""
 
 import random
 import socket
+from typing import ClassVar
 
 import pytest
 import torch
@@ -16,7 +17,12 @@ from engines import LLM, SamplingParams
 from engines.models import loader
 from engines.models.loader import load_model
 from engines.parallel_config import ParallelConfig
-from tests.engines.test_llm_vs_transformers import MAX_TOKENS, Reference, assert_all_blocks_free, random_prompts
+from tests.engines.test_llm_vs_transformers import (
+    MAX_TOKENS,
+    Reference,
+    assert_all_blocks_free,
+    random_prompts,
+)
 
 MODELS = {
     "llama": ("llama", {}),
@@ -79,7 +85,7 @@ class LoadOnly:
 class RecordingSafeOpen:
     """safe_open that records how many elements were read per tensor and forbids whole reads."""
 
-    reads: dict[str, int] = {}
+    reads: ClassVar[dict[str, int]] = {}
 
     def __init__(self, *args, **kwargs) -> None:
         self.file = safe_open(*args, **kwargs)

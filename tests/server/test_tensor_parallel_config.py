@@ -1,0 +1,54 @@
+"""Tensor-parallel groups in the config and the flags: how devices form groups, the errors that name
+the model, and which ranks each node runs."""
+
+import pytest
+
+from server.cli import build_config
+from server.config import ConfigError, parse_config
+from server.pool import ModelPool, group_engine_kwargs, local_cpu_ranks
+from tests.server.test_config import args
+
+
+def model(**kw) -> dict:
+    return {"models": [{"name": "glm", "path": "/m", **kw}]}
+
+
+def test_groups_from_lists_and_from_the_tensor_parallel_size():
+    assert parse_config(model(workers=[["npu:0", "npu:1"], ["npu:2", "npu:3"]])).models[0].groups == [
+        ["npu:0", "npu:1"], ["npu:2", "npu:3"]]
+    assert parse_config(model(workers=["npu:0", "npu:1", "npu:2", "npu:3"], tensor_parallel_size=2)).models[0].groups \
+        == [["npu:0", "npu:1"], ["npu:2", "npu:3"]]
+    assert parse_config(model(workers=["cpu"], tensor_parallel_size=2)).models[0].groups == [["cpu", "cpu"]]
+    assert parse_config(model(workers=["cpu", "cpu"])).models[0].groups == [["cpu"], ["cpu"]]
+    flags = build_config(args("--model", "/m", "--device", "cpu", "--tensor-parallel-size", "2"), env={})
+    assert flags.models[0].groups == [["cpu", "cpu"]]
+    pool = ModelPool(flags.models[0], cpu_threads=1, log_level=20)
+    assert [w.label for w in pool.workers] == ["cpu+cpu"] and pool.workers[0].devices == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize("workers,tp,message", [
+    ([["npu:0", "musa:1"]], 1, "model glm: a tensor-parallel group mixes platforms"),
+    ([["npu:0", "npu:0"]], 1, "model glm: device npu:0 is listed twice"),
+    ([["npu:0", "npu:1"], ["npu:1", "npu:2"]], 1, "model glm: device npu:1 is listed twice"),
+    (["npu:0", "npu:1", "npu:2"], 2, "model glm: 3 worker devices do not form groups"),
+    ([["npu:0", "npu:1", "npu:2"]], 2, "model glm: tensor_parallel_size 2 but a group"),
+])
+def test_bad_groups_are_config_errors_naming_the_model(workers, tp, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(model(workers=workers, tensor_parallel_size=tp))
+
+
+def test_nodes_split_each_group_and_number_the_rendezvous_ports():
+    flags = args("--model", "/m", "--device", "cpu", "--tensor-parallel-size", "4", "--nnodes", "2",
+                 "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500")
+    config = build_config(flags, env={})
+    (group,) = config.models[0].groups
+    assert local_cpu_ranks(group, config.distributed) == 2
+    kwargs = group_engine_kwargs(group, config.distributed, index=3, cpu_threads=1)
+    parallel = kwargs["parallel"]
+    assert (kwargs["tensor_parallel_size"], parallel.master_addr, parallel.master_port) == (4, "10.0.0.1", 29503)
+    assert list(parallel.node_ranks(1)) == [2, 3]
+    with pytest.raises(ConfigError, match="explicit master_port"):
+        build_config(args("--model", "/m", "--tensor-parallel-size", "2", "--nnodes", "2"), env={})
+    with pytest.raises(ConfigError, match="node_rank 2 is not below nnodes 2"):
+        build_config(args("--model", "/m", "--nnodes", "2", "--node-rank", "2", "--master-port", "1"), env={})
