@@ -304,6 +304,8 @@ class WorkerClient:
 
     def _on_rank_exit(self, rank: int, fd: int | None) -> None:
         self._unwatch_ranks()
+        if self.state != READY:  # stopping: rank 0 ends its group itself
+            return
         info = self.info["ranks"][rank]
         why = f"rank {rank} of the group (pid {info['pid']} on {info['device']}) died"
         self._lost_rank = (rank, why)

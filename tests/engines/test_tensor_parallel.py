@@ -4,7 +4,6 @@ dense test architecture under batching, preemption, prefix caching and chunked p
 every weight and never reads a full q/k/v, MLP, embedding or LM-head tensor; bad groups fail with
 a message naming the model."""
 
-import random
 import socket
 from typing import ClassVar
 
@@ -41,9 +40,10 @@ def model_dir(request, tiny_models):
     return tiny_models(arch, **kwargs)
 
 
-def test_two_ranks_match_transformers_with_preemption_prefix_caching_and_chunks(model_dir):
+def test_two_ranks_match_transformers_with_preemption_prefix_caching_and_chunks(model_dir, request):
     """16 prompts at once, half sharing a 3-block prefix, in a 24-block pool (preemption) with an
-    8-token step budget (chunked prefill); then echo with prompt log-probs, equal to one device's."""
+    8-token step budget (chunked prefill); then (on Llama) echo with prompt log-probs and sampled
+    log-probs, equal to one device's."""
     reference = Reference(model_dir)
     prefix = random_prompts(1, reference.vocab_size, seed=3, lengths=(12, 12))[0]
     prompts = (random_prompts(8, reference.vocab_size, seed=2, lengths=(10, 30))
@@ -54,11 +54,13 @@ def test_two_ranks_match_transformers_with_preemption_prefix_caching_and_chunks(
         results = llm.generate(prompts, GREEDY)
         stats = llm.engine.stats()
         assert_all_blocks_free(llm)
-        sharded_echo = llm.generate(prompts[:3], echo)
+        sharded_echo = llm.generate(prompts[:3], echo) if "[llama]" in request.node.name else None
     for prompt, result in zip(prompts, results):
         assert result.token_ids == reference.generate(prompt), f"prompt of {len(prompt)} tokens diverged"
     assert stats.num_preemptions_total > 0
     assert stats.prefix_cache_hits_total > 0
+    if sharded_echo is None:
+        return
     single_echo = LLM(model_dir, **options).generate(prompts[:3], echo)
     for a, b in zip(sharded_echo, single_echo):
         assert a.token_ids == b.token_ids
@@ -176,4 +178,3 @@ def test_a_rank_that_never_joins_fails_the_group_with_a_clear_message(tiny_model
     lonely = ParallelConfig(devices=["cpu", "cpu"], nnodes=2, master_port=_free_port(), rendezvous_timeout_s=1.5)
     with pytest.raises(RuntimeError, match=r"did not assemble at 127.0.0.1:\d+ within 1.5s"):
         LLM(tiny_model_dir, tensor_parallel_size=2, parallel=lonely)
-    random.seed(0)
