@@ -81,6 +81,7 @@ def local_shapes(shapes: ModelShapes, tp: int) -> ModelShapes:
     return replace(
         shapes, num_heads=shapes.num_heads // tp, num_kv_heads=max(1, shapes.num_kv_heads // tp),
         intermediate_size=shapes.intermediate_size // tp, vocab_size=-(-shapes.vocab_size // tp),
+        moe_intermediate_size=shapes.moe_intermediate_size // tp,
     )
 
 

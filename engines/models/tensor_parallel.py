@@ -5,7 +5,9 @@ of the intermediate dim, no communication), o_proj and down_proj row-parallel (e
 product, summed by one all-reduce), the embedding and the LM head vocabulary-parallel (an
 all-reduce of the masked lookups; the logits gathered on rank 0 only). KV heads are split across
 the ranks, or replicated when there are fewer KV heads than ranks (rank r then holds KV head
-``r * kv_heads // tp``, the one its query heads attend with).
+``r * kv_heads // tp``, the one its query heads attend with). Routed experts are split along their
+intermediate dim like a dense MLP, their block's output all-reduced once; shared experts are a dense
+MLP with its own all-reduce.
 
 Each sharded module knows which part of a checkpoint tensor it holds: ``read_shard(piece, leaf,
 shard)`` reads exactly that from a safetensors slice (``safe_open(...).get_slice``), so no rank ever
@@ -20,10 +22,7 @@ import torch
 from torch import nn
 
 from engines.models.layers import Attention, GatedMLP, MergedLinear
-from engines.models.moe import SparseMoeBlock
-
-MOE_REFUSAL = ("model {name}: tensor parallelism is not implemented for mixture-of-experts models yet; "
-               "serve it with tensor_parallel_size 1")
+from engines.models.moe import Experts, SparseMoeBlock
 
 
 class Collectives(Protocol):
@@ -41,6 +40,8 @@ class Piece(Protocol):
     """A safetensors slice: indexing reads only the selected part of the file."""
 
     def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+    def get_shape(self) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,33 @@ def _read_vocab_rows(piece: Piece, start: int, rows: int, vocab_size: int) -> to
     return torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
 
 
+class ParallelExperts(Experts):
+    """Every routed expert's slice ``[start, start + I / tp)`` of its intermediate dim: gate and up
+    rows column-parallel, down columns row-parallel (the block's output is all-reduced once)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, full_intermediate: int, rank: int, tp: int) -> None:
+        super().__init__(num_experts, hidden_size, full_intermediate // tp)
+        self.full_intermediate, self.start = full_intermediate, rank * (full_intermediate // tp)
+
+    def read_shard(self, piece: Piece, leaf: str, shard: int | None) -> torch.Tensor:
+        # one expert's [I, Hd] gate or up, [2I, Hd] gate_up or [Hd, I] down; or all experts stacked
+        stacked = len(piece.get_shape()) == 3
+        lead = (slice(None),) if stacked else ()
+        start, local = self.start, self.output_sizes[0]
+        if leaf == "down_proj":
+            return piece[(*lead, slice(None), slice(start, start + local))]
+        if shard is not None:
+            return piece[(*lead, slice(start, start + local))]
+        gate = piece[(*lead, slice(start, start + local))]
+        up = piece[(*lead, slice(self.full_intermediate + start, self.full_intermediate + start + local))]
+        return torch.cat([gate, up], dim=len(lead))
+
+
+def _all_reduced(fused_moe: Any, group: Collectives, *args: Any) -> torch.Tensor:
+    """The routed experts' partial sums of this rank, summed over the ranks."""
+    return group.all_reduce(fused_moe(*args))
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows ``[start, start + rows)`` of the embedding (the last rank's padded with zeros): tokens of
     other ranks look up zeros here, and one all-reduce adds the ranks' lookups."""
@@ -158,8 +186,11 @@ def check_model_splits(path: str, tp: int) -> None:
     name = f"{architecture} at {path!r}"
     check_tensor_parallel(config, tp, name)
     model_cls = MODEL_REGISTRY.get(architecture)
-    if model_cls is not None and model_cls.spec(config).moe_layers:
-        raise ValueError(MOE_REFUSAL.format(name=name))
+    moe = model_cls.spec(config).moe if model_cls is not None and model_cls.spec(config).moe_layers else None
+    if moe is not None and (moe.intermediate_size % tp or moe.shared_intermediate_size % tp):
+        raise ValueError(f"model {name}: tensor_parallel_size {tp} does not fit: the experts' intermediate "
+                         f"size {moe.intermediate_size} (shared: {moe.shared_intermediate_size}) does not "
+                         f"divide by {tp}")
 
 
 def shard_model(model: nn.Module, group: Collectives, name: str) -> None:
@@ -168,13 +199,13 @@ def shard_model(model: nn.Module, group: Collectives, name: str) -> None:
     which sizes the KV pool. Raises ValueError naming ``name`` for a model that cannot be split."""
     config, tp, rank = model.config, group.world_size, group.rank
     check_tensor_parallel(config, tp, name)
-    if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
-        raise ValueError(MOE_REFUSAL.format(name=name))
     split = HeadSplit.of(config.num_attention_heads, config.num_key_value_heads, rank, tp)
     for layer in model.model.layers:
         _shard_attention(layer.self_attn, split, group)
         if isinstance(layer.mlp, GatedMLP):
             _shard_mlp(layer.mlp, rank, tp, group)
+        elif isinstance(layer.mlp, SparseMoeBlock):
+            _shard_moe(layer.mlp, rank, tp, group, name)
     model.num_kv_heads = split.num_kv_heads
     vocab, hidden = config.vocab_size, config.hidden_size
     rows = -(-vocab // tp)
@@ -206,6 +237,19 @@ def _shard_mlp(mlp: GatedMLP, rank: int, tp: int, group: Collectives) -> None:
         gate_up.in_features, [full, full], [(rank * local, local)] * 2, bias=gate_up.bias is not None
     )
     mlp.down_proj = RowParallelLinear(local, down.out_features, down.bias is not None, rank * local, group)
+
+
+def _shard_moe(block: SparseMoeBlock, rank: int, tp: int, group: Collectives, name: str) -> None:
+    """Routed experts split along their intermediate dim (the router stays whole, so every rank picks
+    the same experts); shared experts split as a dense MLP. Two all-reduces with shared experts."""
+    experts = block.experts
+    num_experts, hidden, full = experts.down_proj.shape
+    if full % tp:
+        raise ValueError(f"model {name}: the experts' intermediate size {full} does not divide by {tp}")
+    block.experts = ParallelExperts(num_experts, hidden, full, rank, tp)
+    block.fused_moe = partial(_all_reduced, block.fused_moe, group)
+    if block.shared_experts is not None:
+        _shard_mlp(block.shared_experts, rank, tp, group)
 
 
 def read_shard(model: nn.Module, name: str, piece: Piece) -> torch.Tensor:

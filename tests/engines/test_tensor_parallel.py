@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU with two ranks (gloo): greedy tokens equal transformers' on every
 dense test architecture under batching, preemption, prefix caching and chunked prefill together
 (one two-rank group per model: starting ranks costs seconds); each rank loads exactly its slice of
-every weight and never reads a full q/k/v, MLP, embedding or LM-head tensor; bad groups fail with
-a message naming the model."""
+every weight (routed experts: their intermediate slice) and never reads a full q/k/v, MLP,
+embedding or LM-head tensor; bad groups fail with a message naming the model."""
 
 import socket
 from typing import ClassVar
@@ -10,7 +10,7 @@ from typing import ClassVar
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig
 
 from engines import LLM, SamplingParams
 from engines.models import loader
@@ -28,6 +28,7 @@ MODELS = {
     "qwen2_one_kv_head": ("qwen2", {"num_kv_heads": 1}),  # the KV head replicated on both ranks
     "qwen3": ("qwen3", {}),
     "glm4": ("glm4", {}),  # a fused gate_up_proj in the checkpoint, o_proj without bias, sandwich norms
+    "glm4_moe": ("glm4_moe", {}),  # experts split along their intermediate dim, a shared expert, q/k norm
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 
@@ -109,6 +110,9 @@ class RecordingSafeOpen:
         piece, reads = self.handle.get_slice(name), RecordingSafeOpen.reads
 
         class Recorded:
+            def get_shape(self):
+                return piece.get_shape()
+
             def __getitem__(self, index):
                 tensor = piece[index]
                 reads[name] = reads.get(name, 0) + tensor.numel()
@@ -117,11 +121,21 @@ class RecordingSafeOpen:
         return Recorded()
 
 
-@pytest.mark.parametrize("arch,kwargs", [("llama", {}), ("qwen2", {"num_kv_heads": 1}), ("glm4", {})])
+def checkpoint(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names = f.keys()  # the handle itself is not iterable
+            out.update({name: f.get_tensor(name) for name in names})
+    return out
+
+
+@pytest.mark.parametrize("arch,kwargs", [("llama", {}), ("qwen2", {"num_kv_heads": 1}), ("glm4", {}),
+                                         ("qwen3_moe", {})])
 def test_each_rank_loads_exactly_its_slice(tiny_models, monkeypatch, arch, kwargs):
     path = tiny_models(arch, **kwargs)
-    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-    cfg = AutoModelForCausalLM.from_pretrained(path).config
+    full = checkpoint(path)
+    cfg = AutoConfig.from_pretrained(path)
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     inter, vocab = cfg.intermediate_size, cfg.vocab_size
     monkeypatch.setattr(loader, "safe_open", RecordingSafeOpen)
@@ -138,10 +152,19 @@ def test_each_rank_loads_exactly_its_slice(tiny_models, monkeypatch, arch, kwarg
                          full[f"{attn}.v_proj.weight"][kv]])
         assert torch.equal(params[f"{attn}.qkv_proj.weight"], qkv)
         assert torch.equal(params[f"{attn}.o_proj.weight"], full[f"{attn}.o_proj.weight"][:, q])
-        gate_up = (full[f"{mlp}.gate_up_proj.weight"].chunk(2) if arch == "glm4"
-                   else (full[f"{mlp}.gate_proj.weight"], full[f"{mlp}.up_proj.weight"]))
-        assert torch.equal(params[f"{mlp}.gate_up_proj.weight"], torch.cat([gate_up[0][i], gate_up[1][i]]))
-        assert torch.equal(params[f"{mlp}.down_proj.weight"], full[f"{mlp}.down_proj.weight"][:, i])
+        if arch == "qwen3_moe":  # layer 1 is sparse: every expert's slice of its intermediate dim
+            m = cfg.moe_intermediate_size
+            e = slice(rank * m // 2, (rank + 1) * m // 2)
+            for k in range(cfg.num_experts):
+                gate_up = torch.cat([full[f"{mlp}.experts.{k}.gate_proj.weight"][e],
+                                     full[f"{mlp}.experts.{k}.up_proj.weight"][e]])
+                assert torch.equal(params[f"{mlp}.experts.gate_up_proj"][k], gate_up)
+                assert torch.equal(params[f"{mlp}.experts.down_proj"][k], full[f"{mlp}.experts.{k}.down_proj.weight"][:, e])
+        else:
+            gate_up = (full[f"{mlp}.gate_up_proj.weight"].chunk(2) if arch == "glm4"
+                       else (full[f"{mlp}.gate_proj.weight"], full[f"{mlp}.up_proj.weight"]))
+            assert torch.equal(params[f"{mlp}.gate_up_proj.weight"], torch.cat([gate_up[0][i], gate_up[1][i]]))
+            assert torch.equal(params[f"{mlp}.down_proj.weight"], full[f"{mlp}.down_proj.weight"][:, i])
         rows = -(-vocab // 2)
         embed = params["model.embed_tokens.weight"]
         mine = full["model.embed_tokens.weight"][rank * rows : (rank + 1) * rows]
@@ -149,7 +172,7 @@ def test_each_rank_loads_exactly_its_slice(tiny_models, monkeypatch, arch, kwarg
         assert model.num_kv_heads == max(1, kv_heads // 2)
         # No rank read all of a sharded weight: at most half of it (a replicated KV head: all of k/v).
         for name, count in RecordingSafeOpen.reads.items():
-            if any(part in name for part in ("q_proj", "gate", "up_proj", "down_proj", "o_proj.weight",
+            if any(part in name for part in ("q_proj", "gate_", "up_proj", "down_proj", "o_proj.weight",
                                              "embed_tokens", "lm_head")):
                 assert count <= -(-full[name].numel() // 2) + full[name].shape[-1], name
 
@@ -169,8 +192,8 @@ def test_bad_groups_name_the_model(tiny_models):
         LLM(path, tensor_parallel_size=2, parallel=mixed)
     with pytest.raises(ValueError, match=r"model .*npu:1 is listed twice"):
         LLM(path, tensor_parallel_size=2, parallel=ParallelConfig(devices=["npu:1", "npu:1"]))
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        LLM(tiny_models("qwen3_moe"), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="experts' intermediate size 32 .* does not divide by 3"):
+        LLM(tiny_models("qwen3_moe", num_heads=6, num_kv_heads=3, hidden_size=48, intermediate_size=96), tensor_parallel_size=3)
 
 
 def test_a_rank_that_never_joins_fails_the_group_with_a_clear_message(tiny_model_dir):
