@@ -42,13 +42,13 @@ def model_dir(request, tiny_models):
 
 
 def test_two_ranks_match_transformers_with_preemption_prefix_caching_and_chunks(model_dir, request):
-    """16 prompts at once, half sharing a 3-block prefix, in a 24-block pool (preemption) with an
+    """11 prompts at once, 5 sharing a 3-block prefix, in a 24-block pool (preemption) with an
     8-token step budget (chunked prefill); then (on Llama) echo with prompt log-probs and sampled
     log-probs, equal to one device's."""
     reference = Reference(model_dir)
     prefix = random_prompts(1, reference.vocab_size, seed=3, lengths=(12, 12))[0]
-    prompts = (random_prompts(8, reference.vocab_size, seed=2, lengths=(10, 30))
-               + random_prompts(8, reference.vocab_size, seed=4, lengths=(1, 9), prefix=prefix))
+    prompts = (random_prompts(6, reference.vocab_size, seed=2, lengths=(10, 30))
+               + random_prompts(5, reference.vocab_size, seed=4, lengths=(1, 9), prefix=prefix))
     options = {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 8}
     echo = SamplingParams(temperature=0, max_tokens=2, logprobs=3, prompt_logprobs=2)
     with LLM(model_dir, tensor_parallel_size=2, **options) as llm:
