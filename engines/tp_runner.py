@@ -101,8 +101,8 @@ class TensorParallelRunner(ModelRunner):
         self.group, self.parallel, self.followers = group, parallel, followers
         self._previous_threads = previous_threads
         self._closed = False
-        atexit.register(self.close)
         super().__init__(config, platform, block_size, eos_token_ids, group=group)
+        atexit.register(self.close)  # an LLM never closed still stops its ranks at exit
 
     def ranks(self) -> list[dict]:
         """Each rank's device, node and (on this node) pid, for /health."""
