@@ -41,11 +41,26 @@ class ModelShapes:
     num_experts: int = 0  # routed experts of a mixture-of-experts layer; 0: a dense model
     moe_intermediate_size: int = 0  # one expert's intermediate size
     moe_routing: MoeRouting | None = None
+    # multi-head latent attention (0: the model has none): latent width R + dr and the query heads'
+    # absorbed width are kv_lora_rank + qk_rope_head_dim
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    # the DSA indexer (0: none)
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
 
 
 def applies(op: str, shapes: ModelShapes) -> bool:
-    """Whether a model of these shapes calls ``op`` at all (a dense model never calls fused_moe)."""
-    return op != "fused_moe" or shapes.num_experts > 0
+    """Whether a model of these shapes calls ``op`` at all (a dense model never calls fused_moe, only
+    MLA models call the latent ops, only DSA models the indexer)."""
+    if op == "fused_moe":
+        return shapes.num_experts > 0
+    if op in ("write_latent", "mla_decode_attention"):
+        return shapes.kv_lora_rank > 0
+    if op == "indexer_topk":
+        return shapes.index_topk > 0
+    return True
 
 
 class _Inputs:
