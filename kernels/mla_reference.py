@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 
 
 def write_latent(values: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's per-token cache rows in place: values [T, C] into cache [N, BS, C] (a
-    layer's view of the pool, possibly strided) at slot = block_id * BS + offset."""
-    block_size = cache.shape[1]
-    cache[slot_mapping // block_size, slot_mapping % block_size] = values.to(cache.dtype)
+    """Scatter this step's per-token cache rows in place: values [T, C] into cache [N, BS, C]
+    (contiguous) at slot = block_id * BS + offset."""
+    # view (not reshape) so a non-contiguous cache fails loudly instead of writing into a copy
+    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, values.to(cache.dtype))
 
 
 def selection_mask(selected: torch.Tensor, length: int) -> torch.Tensor:
@@ -61,8 +61,8 @@ def mla_decode_attention(
     num_seqs = query.shape[0]
     block_size, width = latent_cache.shape[1:]
     gathered_len = gather.block_ids.shape[0] // num_seqs * block_size
-    # context: [S, Lc, C]; whole blocks, then cut to the longest context
-    context = latent_cache.index_select(0, gather.block_ids).view(num_seqs, gathered_len, width)
+    # context: [S, Lc, C]: whole blocks, then cut to the longest context
+    context = latent_cache.index_select(0, gather.block_ids).view(num_seqs, gathered_len, width)  # whole blocks
     context = context[:, : gather.context_len].unsqueeze(1)  # [S, 1, Lc, C]: one KV head
     mask = gather.mask  # [S, 1, 1, Lc] or None
     if selected is not None:

@@ -4,9 +4,11 @@ first layers and the grouped-routing mixture of experts with shared experts afte
 
 The model owns its KV-cache spec. Per token it caches, for every layer, the latent
 (kv_lora_rank + qk_rope_head_dim values) and, for every layer with its own indexer, the indexer key
-(index_head_dim values): one pool tensor [N, BS, values per token], each layer's latent and indexer
-key a view of its own slice of the last dim. The block manager, prefix caching, preemption and
-chunked prefill see blocks only, so they work unchanged.
+(index_head_dim values). The pool is one tensor of N * BS * (values per token) values, shaped
+[N, BS, values per token] so that it carries N and BS; the model reads its storage as consecutive
+per-layer segments, so each layer's latent cache is a contiguous [N, BS, R + dr] and each indexer
+cache a contiguous [N, BS, Di], the layouts the paged kernels want. The block manager, prefix
+caching, preemption and chunked prefill see blocks only, so they work unchanged.
 """
 
 from dataclasses import replace
@@ -95,13 +97,14 @@ class MLADecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        # each layer's [start, end) in the pool's last dim: the latents first, then the indexer keys
+        # each layer's (first value per token, values per token) in the pool: the latents first,
+        # then the indexer keys; a segment spans first * N * BS to (first + width) * N * BS
         latent = config.kv_lora_rank + config.qk_rope_head_dim
-        self.latent_slices = [(i * latent, (i + 1) * latent) for i in range(config.num_hidden_layers)]
-        start, self.index_slices = config.num_hidden_layers * latent, []
+        self.latent_segments = [(i * latent, latent) for i in range(config.num_hidden_layers)]
+        start, self.index_segments = config.num_hidden_layers * latent, []
         for i in range(config.num_hidden_layers):
             width = config.index_head_dim if i in indexer_layers else 0
-            self.index_slices.append((start, start + width) if width else None)
+            self.index_segments.append((start, width) if width else None)
             start += width
         self.values_per_token = start
 
@@ -113,16 +116,22 @@ class MLADecoderModel(nn.Module):
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """kv_cache: [N, BS, values per token], the layers' slices as laid out in ``__init__``."""
+        """kv_cache: [N, BS, values per token], read as the per-layer segments of ``__init__``."""
         hidden, residual, selected = self.embed_tokens(input_ids), None, None
         cos_sin = self.rotary_cos_sin(positions, cos_sin_cache, self.rope_is_neox, hidden.dtype)
         index_cos_sin = cos_sin
         if self.has_indexer and self.indexer_rope_is_neox != self.rope_is_neox:
             index_cos_sin = self.rotary_cos_sin(positions, cos_sin_cache, self.indexer_rope_is_neox, hidden.dtype)
-        for layer, (start, end), index_slice in zip(self.layers, self.latent_slices, self.index_slices):
-            index_cache = None if index_slice is None else kv_cache[..., index_slice[0] : index_slice[1]]
-            hidden, residual, selected = layer(hidden, residual, kv_cache[..., start:end], index_cache, metadata,
-                                               cos_sin, index_cos_sin, selected)
+        num_blocks, block_size = kv_cache.shape[:2]
+        values = kv_cache.view(-1)
+
+        def segment(first: int, width: int) -> torch.Tensor:  # [N, BS, width], contiguous
+            per_value = num_blocks * block_size
+            return values[first * per_value : (first + width) * per_value].view(num_blocks, block_size, width)
+
+        for layer, latent, index in zip(self.layers, self.latent_segments, self.index_segments):
+            hidden, residual, selected = layer(hidden, residual, segment(*latent), index and segment(*index),
+                                               metadata, cos_sin, index_cos_sin, selected)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

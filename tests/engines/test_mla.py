@@ -42,7 +42,7 @@ def prompts_for(vocab_size: int) -> list[list[int]]:
     return short + shared
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm_moe_dsa"])
 def test_greedy_equals_transformers_batched_prefix_cached_preempted_chunked(tiny_models, name):
     arch, kwargs = MODELS[name]
     path = tiny_models(arch, **kwargs)
@@ -81,6 +81,17 @@ def test_dense_pool_layout_is_unchanged(tiny_models):
     head_dim = config.hidden_size // config.num_attention_heads
     assert runner.kv_cache.shape == (2, config.num_hidden_layers, 10, 4, config.num_key_value_heads, head_dim)
     assert runner.bytes_per_block() == 2 * config.num_hidden_layers * 4 * config.num_key_value_heads * head_dim * 4
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_plain_q_yarn", "deepseek_v32"])
+def test_greedy_equals_transformers_batched_and_chunked(tiny_models, name):
+    """The other variants (no q_lora_rank with rotate-half YaRN; DeepSeek-V3.2's indexer) in one
+    batch whose prefills are chunked, so decodes and prefill chunks share steps."""
+    arch, kwargs = MODELS[name]
+    path = tiny_models(arch, **kwargs)
+    reference = Reference(path)
+    check_against_reference(LLM(path, num_kv_blocks=256, block_size=4, max_num_batched_tokens=16), reference,
+                            prompts_for(reference.vocab_size))
 
 
 def _random_attention(seed: int) -> MLAAttention:
