@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engines.attention_metadata import build_decode_gather
-from kernels import reference
+from kernels import mla_probes, reference
 from kernels.routing import MoeRouting
 
 # Largest tolerated max-abs error against the float32 reference, for inputs of order one.
@@ -256,6 +256,7 @@ PROBES: dict[str, Callable[[dict[str, Callable], ModelShapes, _Inputs], float]] 
     "silu_and_mul": probe_silu_and_mul,
     "fused_moe": probe_fused_moe,
     "top_k_top_p": probe_top_k_top_p,
+    **mla_probes.PROBES,
 }
 
 
