@@ -33,12 +33,12 @@ MODELS = {
 
 
 def prompts_for(vocab_size: int) -> list[list[int]]:
-    """Two prompts shorter than index_topk (their decodes cross it), then six that share a 17-token
+    """Two prompts shorter than index_topk (their decodes cross it), then four that share a 17-token
     prefix (prefix-cache hits) and reach 20-37 tokens (the indexer drops positions)."""
     rng = random.Random(11)
     short = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (4, 9)]
     prefix = [rng.randrange(3, vocab_size) for _ in range(17)]
-    shared = [prefix + [rng.randrange(3, vocab_size) for _ in range(rng.randint(3, 20))] for _ in range(6)]
+    shared = [prefix + [rng.randrange(3, vocab_size) for _ in range(rng.randint(3, 20))] for _ in range(4)]
     return short + shared
 
 
@@ -52,7 +52,7 @@ def test_greedy_equals_transformers_batched_prefix_cached_preempted_chunked(tiny
     cached = LLM(path, num_kv_blocks=256, block_size=4, enable_prefix_caching=True)
     check_against_reference(cached, reference, prompts[2:3])
     check_against_reference(cached, reference, prompts[:2] + prompts[3:])
-    assert cached.engine.stats().prefix_cache_hits_total >= 5 * 16
+    assert cached.engine.stats().prefix_cache_hits_total >= 3 * 16  # 4 whole blocks of the prefix each
     # a pool too small for the batch: sequences are preempted and recomputed
     tight = LLM(path, num_kv_blocks=24, block_size=4, enable_prefix_caching=False)
     check_against_reference(tight, reference, prompts[3:])
