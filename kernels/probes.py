@@ -53,7 +53,9 @@ class ModelShapes:
 
 def applies(op: str, shapes: ModelShapes) -> bool:
     """Whether a model of these shapes calls ``op`` at all (a dense model never calls fused_moe, only
-    MLA models call the latent ops, only DSA models the indexer)."""
+    MLA models call the latent ops and never the per-head KV ones, only DSA models the indexer)."""
+    if op in ("write_kv", "prefill_attention", "decode_attention"):
+        return shapes.kv_lora_rank == 0
     if op == "fused_moe":
         return shapes.num_experts > 0
     if op in ("write_latent", "mla_decode_attention"):

@@ -29,6 +29,8 @@ MODELS = {
                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 512}}),
     "deepseek_v32": ("deepseek_v32", {}),
     "glm_moe_dsa": ("glm_moe_dsa", {}),
+    # GLM-5's cross-layer sharing: layer 1 has no indexer and attends where layer 0 selected
+    "glm_moe_dsa_shared": ("glm_moe_dsa", {"indexer_types": ["full", "shared", "full"]}),
 }
 
 
@@ -63,13 +65,15 @@ def test_greedy_equals_transformers_batched_prefix_cached_preempted_chunked(tiny
     assert all(len(reference.generate(p)) == MAX_TOKENS for p in prompts)
 
 
-@pytest.mark.parametrize(("name", "indexer_layers"), [("deepseek_v3", 0), ("glm_moe_dsa", 3)])
+@pytest.mark.parametrize(("name", "indexer_layers"), [("deepseek_v3", 0), ("glm_moe_dsa", 3),
+                                                    ("glm_moe_dsa_shared", 2)])
 def test_pool_bytes_per_block_are_the_latent_plus_the_indexer_keys(tiny_models, name, indexer_layers):
     arch, kwargs = MODELS[name]
     llm = LLM(tiny_models(arch, **kwargs), num_kv_blocks=10, block_size=4)
     runner, config = llm.engine.runner, llm.engine.runner.hf_config
     latent = config.kv_lora_rank + config.qk_rope_head_dim  # 32 + 8, no head dimension
-    expected = 3 * 4 * (latent + (config.index_head_dim if indexer_layers else 0)) * 4  # float32
+    # 3 layers x 4 tokens x the latent, plus 4 tokens of each indexer layer's keys, float32
+    expected = (3 * 4 * latent + indexer_layers * 4 * (config.index_head_dim if indexer_layers else 0)) * 4
     assert config.num_hidden_layers == 3 and latent == 40
     assert runner.bytes_per_block() == expected
     assert runner.kv_cache.numel() * runner.kv_cache.element_size() == 10 * expected
@@ -83,10 +87,11 @@ def test_dense_pool_layout_is_unchanged(tiny_models):
     assert runner.bytes_per_block() == 2 * config.num_hidden_layers * 4 * config.num_key_value_heads * head_dim * 4
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3_plain_q_yarn", "deepseek_v32"])
+@pytest.mark.parametrize("name", ["deepseek_v3_plain_q_yarn", "deepseek_v32", "glm_moe_dsa_shared"])
 def test_greedy_equals_transformers_batched_and_chunked(tiny_models, name):
-    """The other variants (no q_lora_rank with rotate-half YaRN; DeepSeek-V3.2's indexer) in one
-    batch whose prefills are chunked, so decodes and prefill chunks share steps."""
+    """The other variants (no q_lora_rank with rotate-half YaRN; DeepSeek-V3.2's indexer; GLM-5 with
+    a shared indexer layer) in one batch whose prefills are chunked, so decodes and prefill chunks
+    share steps."""
     arch, kwargs = MODELS[name]
     path = tiny_models(arch, **kwargs)
     reference = Reference(path)
