@@ -95,13 +95,11 @@ class ModelRunner:
         return self.kernels.ops
 
     def bytes_per_block(self) -> int:
-        m = self.model
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return self.block_size * self.model.kv_bytes_per_token(self.dtype)  # the model's cache spec
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        m = self.model
-        # [2 (key, value), layers, blocks, block_size, kv_heads, head_dim]; a layer gets a view.
-        shape = (2, m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        # The model says the shape (dense: [2, layers, blocks, block_size, kv_heads, head_dim]); a layer gets a view.
+        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def profile_num_blocks(

@@ -14,11 +14,17 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
     GenerationConfig,
     Glm4Config,
     Glm4ForCausalLM,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    GlmMoeDsaConfig,
+    GlmMoeDsaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -173,6 +179,15 @@ def make_tokenizer(
     return tokenizer
 
 
+_MLA = {
+    "num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+    "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
+    "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}
+# 16 indexer heads: a position scores exactly 0 (a tie whose order transformers itself breaks differently
+# in its cached and uncached paths) only when all 16 relu to 0, which these tests never meet.
+_DSA = {"index_topk": 12, "index_head_dim": 16, "index_n_heads": 16}
 # arch -> (config class, model class, arch-specific config defaults).
 ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
@@ -193,6 +208,13 @@ ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
         "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
         "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5}),
+    # Multi-head latent attention with GLM-4.5's kind of experts (3 layers: the first dense). One
+    # latent head: num_key_value_heads equals the query heads, as transformers' MLA expects.
+    # head_dim is the rotary width (qk_rope_head_dim), which transformers rotates by.
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, {**_MLA, "num_hidden_layers": 3}),
+    # ... plus the DSA indexer, which keeps index_topk = 12 positions: shorter than most test prompts
+    "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM, {**_MLA, **_DSA, "num_hidden_layers": 3}),
+    "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, {**_MLA, **_DSA, "num_hidden_layers": 3}),
 }
 
 

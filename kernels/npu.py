@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch_npu
 
+from kernels import npu_mla
 from kernels.probes import ModelShapes
 from kernels.routing import MoeRouting
 
@@ -239,7 +240,7 @@ OPS = {
     fn.__name__: fn
     for fn in (write_kv, paged_prefill_attention, paged_decode_attention, rms_norm, rotary_cos_sin,
                rotary_embedding, silu_and_mul, select_experts, fused_moe, top_k_top_p)
-}
+} | npu_mla.OPS  # the MLA / DSA ops
 
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
@@ -323,4 +324,5 @@ _LIMITS = {
     "decode_attention": _decode_limits,
     "rotary": _rotary_limits,
     "fused_moe": _fused_moe_limits,
+    **npu_mla.LIMITS,
 }

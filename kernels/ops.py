@@ -24,6 +24,10 @@ OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "silu_and_mul": ("silu_and_mul",),
     "fused_moe": ("select_experts", "fused_moe"),
     "top_k_top_p": ("top_k_top_p",),
+    # multi-head latent attention and DSA (kernels/mla_reference.py); only MLA models call them
+    "write_latent": ("write_latent",),
+    "mla_decode_attention": ("mla_decode_attention",),
+    "indexer_topk": ("indexer_topk",),
 }
 OPS = tuple(OP_FUNCTIONS)
 
@@ -43,6 +47,9 @@ class KernelOps:
     select_experts: Callable
     fused_moe: Callable
     top_k_top_p: Callable
+    write_latent: Callable
+    mla_decode_attention: Callable
+    indexer_topk: Callable
 
     @classmethod
     def from_functions(cls, functions: dict[str, Callable]) -> "KernelOps":

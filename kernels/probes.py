@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engines.attention_metadata import build_decode_gather
-from kernels import reference
+from kernels import mla_probes, reference
 from kernels.routing import MoeRouting
 
 # Largest tolerated max-abs error against the float32 reference, for inputs of order one.
@@ -41,11 +41,28 @@ class ModelShapes:
     num_experts: int = 0  # routed experts of a mixture-of-experts layer; 0: a dense model
     moe_intermediate_size: int = 0  # one expert's intermediate size
     moe_routing: MoeRouting | None = None
+    # multi-head latent attention (0: the model has none): latent width R + dr and the query heads'
+    # absorbed width are kv_lora_rank + qk_rope_head_dim
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    # the DSA indexer (0: none)
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
 
 
 def applies(op: str, shapes: ModelShapes) -> bool:
-    """Whether a model of these shapes calls ``op`` at all (a dense model never calls fused_moe)."""
-    return op != "fused_moe" or shapes.num_experts > 0
+    """Whether a model of these shapes calls ``op`` at all (a dense model never calls fused_moe, only
+    MLA models call the latent ops and never the per-head KV ones, only DSA models the indexer)."""
+    if op in ("write_kv", "prefill_attention", "decode_attention"):
+        return shapes.kv_lora_rank == 0
+    if op == "fused_moe":
+        return shapes.num_experts > 0
+    if op in ("write_latent", "mla_decode_attention"):
+        return shapes.kv_lora_rank > 0
+    if op == "indexer_topk":
+        return shapes.index_topk > 0
+    return True
 
 
 class _Inputs:
@@ -241,6 +258,7 @@ PROBES: dict[str, Callable[[dict[str, Callable], ModelShapes, _Inputs], float]] 
     "silu_and_mul": probe_silu_and_mul,
     "fused_moe": probe_fused_moe,
     "top_k_top_p": probe_top_k_top_p,
+    **mla_probes.PROBES,
 }
 
 

@@ -1,8 +1,10 @@
 """Supported architectures, keyed by ``config.architectures[0]``."""
 
 from engines.models.decoder import CausalLM
+from engines.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
 from engines.models.glm4 import Glm4ForCausalLM
 from engines.models.glm4_moe import Glm4MoeForCausalLM
+from engines.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 from engines.models.llama import LlamaForCausalLM
 from engines.models.mistral import MistralForCausalLM
 from engines.models.mixtral import MixtralForCausalLM
@@ -19,6 +21,9 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
 }
 
 __all__ = ["MODEL_REGISTRY"]

@@ -4,10 +4,11 @@ A server must compute a model exactly or not serve it: a config field that chang
 silently ignored gives plausible, wrong text. Each entry below is a field that transformers honours
 for some architecture (or that marks a checkpoint format) and that no model here implements; the
 loader calls ``unsupported_config_fields`` before building anything and names every problem.
-What is implemented: SiLU-gated MLPs, "default" / "linear" / "llama3" rotary (full or partial,
-rotate-half or interleaved), full and sliding-window attention ("full_attention" /
-"sliding_attention" layers), q/k norm, attention and MLP biases, and the MoE routing of Qwen3-MoE,
-Mixtral and GLM-4.5.
+What is implemented: SiLU-gated MLPs, "default" / "linear" / "llama3" / "yarn" rotary (full or
+partial, rotate-half or interleaved), full and sliding-window attention ("full_attention" /
+"sliding_attention" layers), multi-head latent attention with the DSA indexer ("indexed_attention"
+layers of DeepSeek-V3.2 / GLM-5), q/k norm, attention and MLP biases, and the MoE routing of
+Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V3.
 """
 
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from engines.models.rope import SUPPORTED_ROPE_TYPES, rope_settings
 
 SUPPORTED_ACTIVATIONS = ("silu",)
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "indexed_attention")  # the last: DSA
 # field -> what it would change; refused whenever set (not None, not False)
 UNIMPLEMENTED_FIELDS = {
     "attn_logit_softcapping": "tanh soft-capping of the attention logits",

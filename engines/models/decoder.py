@@ -198,6 +198,14 @@ class CausalLM(nn.Module):
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
         )
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The worker's one KV tensor: [2 (key, value), layers, blocks, block_size, kv_heads, head_dim]."""
+        return (2, self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """What one token costs in that tensor, over every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
     def _build_rope_cache(self) -> torch.Tensor:
         dim = rotary_dim(self.config, self.head_dim)
         return build_cos_sin_cache(dim, self.config.max_position_embeddings, self.config)

@@ -97,7 +97,9 @@ def test_each_arch_loads_and_generates(tiny_models, arch: str) -> None:
     path = tiny_models(arch)
     config = AutoConfig.from_pretrained(path)
     assert config.model_type == arch
-    assert config.head_dim == config.hidden_size // config.num_attention_heads
+    # multi-head latent attention: head_dim is the rotary slice transformers rotates
+    mla_rope_dim = getattr(config, "qk_rope_head_dim", None)
+    assert config.head_dim == (mla_rope_dim or config.hidden_size // config.num_attention_heads)
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert config.vocab_size == len(tokenizer)  # AutoTokenizer picks per-arch classes (Qwen2Tokenizer)
     text = "Dear Sam, the river is 12 km long."

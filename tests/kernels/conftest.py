@@ -28,12 +28,12 @@ def npu() -> Iterator[ModuleType]:
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(FAKES_DIR))
         mp.delattr(kernels, "npu", raising=False)
-        for name in ("torch_npu", "kernels.npu"):
+        for name in ("torch_npu", "kernels.npu", "kernels.npu_mla"):
             mp.delitem(sys.modules, name, raising=False)
         module = importlib.import_module("kernels.npu")
         assert module.torch_npu.__file__.startswith(str(FAKES_DIR))  # never a real one by accident
         yield module
-        for name in ("torch_npu", "kernels.npu"):
+        for name in ("torch_npu", "kernels.npu", "kernels.npu_mla"):
             sys.modules.pop(name, None)
         if hasattr(kernels, "npu"):
             delattr(kernels, "npu")

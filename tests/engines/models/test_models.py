@@ -231,7 +231,8 @@ def test_stories260k_matches_transformers() -> None:
 
 @pytest.mark.parametrize("field, value, named", [
     ("hidden_act", "gelu", "hidden_act='gelu'"),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "rope_parameters.rope_type='yarn'"),
+    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0},
+     "rope_parameters.rope_type='dynamic'"),
     ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
     ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0"),
     ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),

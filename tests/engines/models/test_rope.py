@@ -55,7 +55,22 @@ def test_llama3_matches_transformers() -> None:
     assert not torch.allclose(ours, plain)  # the scaling changed some frequencies
 
 
+@pytest.mark.parametrize("mscales", [{}, {"mscale": 0.707, "mscale_all_dim": 1.0}, {"attention_factor": 1.3}])
+def test_yarn_matches_transformers_with_its_attention_factor(mscales) -> None:
+    """DeepSeek-V3's YaRN: transformers' frequencies, and cos / sin times its attention factor
+    (from factor alone, from mscale / mscale_all_dim, or given)."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+            "original_max_position_embeddings": 64, **mscales}
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=512,
+                         rope_parameters=rope)
+    hf_inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    assert attention_factor != 1.0
+    angles = torch.arange(512).float()[:, None] * hf_inv_freq[None, :]
+    expected = torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_factor
+    torch.testing.assert_close(build_cos_sin_cache(64, 512, config), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_unknown_rope_type_names_the_supported_ones() -> None:
-    config = SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
-    with pytest.raises(ValueError, match="yarn.*default, linear, llama3"):
+    config = SimpleNamespace(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ValueError, match="longrope.*default, linear, llama3, yarn"):
         build_cos_sin_cache(8, 8, config)

@@ -26,6 +26,13 @@ from engines.attention_metadata import build_decode_gather
 from kernels import reference
 from kernels.routing import MoeRouting
 
+from .mla import (  # noqa: F401  the MLA / DSA operators, part of this fake module's API
+    mla_fused_infer_attention_score,
+    npu_lightning_indexer,
+    npu_scatter_nd_update_,
+    npu_sparse_flash_attention,
+)
+
 MASK_SIZE = 2048
 # What sparse_mode 3 must be given: 1 (masked) strictly above the diagonal.
 UPPER_TRIANGLE = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool).triu_(1)
@@ -109,12 +116,19 @@ def npu_fused_infer_attention_score(
     query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
     actual_seq_lengths_kv=None, block_table=None, num_heads=1, scale=1.0, pre_tokens=MAX_INT32,
     next_tokens=MAX_INT32, input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0,
-    block_size=0, softmax_lse_flag=False,
+    block_size=0, softmax_lse_flag=False, query_rope=None, key_rope=None,
 ):
     """Modelled: input_layout "TND" with PageAttention and sparse_mode 3 (what kernels/npu.py uses).
     query [T, H, D]; key and value caches [N, BS, KVH * D] (BnBsH) or [N, KVH, BS, D] (BnNBsD);
     block_table [B, M] int32; actual_seq_lengths: cumulative query ends; actual_seq_lengths_kv: each
     batch's own context length. Returns (attention_out [T, H, D], softmax_lse)."""
+    if query_rope is not None:  # the MLA form (fakes/torch_npu/mla.py)
+        return mla_fused_infer_attention_score(
+            query, key, value, query_rope, key_rope, num_heads=num_heads, num_key_value_heads=num_key_value_heads,
+            input_layout=input_layout, scale=scale, sparse_mode=sparse_mode, block_table=block_table,
+            block_size=block_size, actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
+            atten_mask=atten_mask,
+        )
     op = "aclnnFusedInferAttentionScore"
     if input_layout != "TND" or block_table is None or sparse_mode != 3 or pse_shift is not None \
             or softmax_lse_flag:

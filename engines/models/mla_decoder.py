@@ -1,0 +1,211 @@
+"""The decoder of the multi-head latent attention models (DeepSeek-V3, DeepSeek-V3.2, GLM-5): MLA
+(``engines/models/mla.py``) with an optional DSA indexer per layer, then a dense SwiGLU MLP on the
+first layers and the grouped-routing mixture of experts with shared experts after.
+
+The model owns its KV-cache spec. Per token it caches, for every layer, the latent
+(kv_lora_rank + qk_rope_head_dim values) and, for every layer with its own indexer, the indexer key
+(index_head_dim values). The pool is one tensor of N * BS * (values per token) values, shaped
+[N, BS, values per token] so that it carries N and BS; the model reads its storage as consecutive
+per-layer segments, so each layer's latent cache is a contiguous [N, BS, R + dr] and each indexer
+cache a contiguous [N, BS, Di], the layouts the paged kernels want. The block manager, prefix
+caching, preemption and chunked prefill see blocks only, so they work unchanged.
+"""
+
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from engines.attention_metadata import AttentionMetadata
+from engines.models.decoder import CausalLM, DecoderSpec
+from engines.models.dsa_indexer import Indexer
+from engines.models.layers import GatedMLP, RMSNorm
+from engines.models.mla import MLAAttention
+from engines.models.moe import MoeSpec, SparseMoeBlock
+from kernels.ops import REFERENCE_OPS, KernelOps
+from kernels.probes import ModelShapes
+from kernels.routing import MoeRouting
+
+
+def grouped_moe_spec(config: Any) -> DecoderSpec:
+    """DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores, experts chosen by score plus
+    ``e_score_correction_bias`` within the best ``topk_group`` of ``n_group`` groups, weighted by
+    their unbiased scores (renormalised when ``norm_topk_prob``) times ``routed_scaling_factor``,
+    plus ``n_shared_experts`` shared experts. MoE on the layers ``mlp_layer_types`` marks "sparse"
+    (DeepSeek-V3.2, GLM-5), else from ``first_k_dense_replace`` on."""
+    routing = MoeRouting(
+        top_k=config.num_experts_per_tok, scoring="sigmoid", renormalize=bool(config.norm_topk_prob),
+        num_groups=config.n_group, topk_groups=config.topk_group, correction_bias=True,
+        scaling_factor=float(config.routed_scaling_factor),
+    )
+    moe = MoeSpec(config.n_routed_experts, config.moe_intermediate_size, routing,
+                  shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
+    types = getattr(config, "mlp_layer_types", None)
+    if types:
+        sparse = frozenset(i for i, kind in enumerate(types) if kind == "sparse")
+    else:
+        sparse = frozenset(range(config.first_k_dense_replace, config.num_hidden_layers))
+    return DecoderSpec(moe=moe, moe_layers=sparse)
+
+
+class MLADecoderLayer(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, ops: KernelOps, layer_idx: int, rope_is_neox: bool,
+                 indexer: Indexer | None) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = MLAAttention(config, ops, rope_is_neox, indexer)
+        if layer_idx in spec.moe_layers:
+            self.mlp = SparseMoeBlock(hidden, spec.moe, ops)
+        else:
+            self.mlp = GatedMLP(hidden, config.intermediate_size, bias=False, ops=ops)
+        self.input_layernorm = RMSNorm(hidden, eps, ops)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        latent_cache: torch.Tensor,
+        index_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+        cos_sin: torch.Tensor,
+        index_cos_sin: torch.Tensor,
+        selected: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, selected = self.self_attn(hidden, latent_cache, index_cache, metadata, cos_sin, index_cos_sin,
+                                          selected)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual, selected
+
+
+class MLADecoderModel(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, ops: KernelOps, rope_is_neox: bool,
+                 indexer_rope_is_neox: bool, indexer_layers: frozenset[int]) -> None:
+        super().__init__()
+        self.rotary_cos_sin = ops.rotary_cos_sin
+        self.rope_is_neox, self.indexer_rope_is_neox = rope_is_neox, indexer_rope_is_neox
+        self.has_indexer = bool(indexer_layers)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            MLADecoderLayer(config, spec, ops, i, rope_is_neox,
+                            Indexer(config, ops, indexer_rope_is_neox) if i in indexer_layers else None)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        # each layer's (first value per token, values per token) in the pool: the latents first,
+        # then the indexer keys; a segment spans first * N * BS to (first + width) * N * BS
+        latent = config.kv_lora_rank + config.qk_rope_head_dim
+        self.latent_segments = [(i * latent, latent) for i in range(config.num_hidden_layers)]
+        start, self.index_segments = config.num_hidden_layers * latent, []
+        for i in range(config.num_hidden_layers):
+            width = config.index_head_dim if i in indexer_layers else 0
+            self.index_segments.append((start, width) if width else None)
+            start += width
+        self.values_per_token = start
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """kv_cache: [N, BS, values per token], read as the per-layer segments of ``__init__``."""
+        hidden, residual, selected = self.embed_tokens(input_ids), None, None
+        cos_sin = self.rotary_cos_sin(positions, cos_sin_cache, self.rope_is_neox, hidden.dtype)
+        index_cos_sin = cos_sin
+        if self.has_indexer and self.indexer_rope_is_neox != self.rope_is_neox:
+            index_cos_sin = self.rotary_cos_sin(positions, cos_sin_cache, self.indexer_rope_is_neox, hidden.dtype)
+        num_blocks, block_size = kv_cache.shape[:2]
+        values = kv_cache.view(-1)
+
+        def segment(first: int, width: int) -> torch.Tensor:  # [N, BS, width], contiguous
+            per_value = num_blocks * block_size
+            return values[first * per_value : (first + width) * per_value].view(num_blocks, block_size, width)
+
+        for layer, latent, index in zip(self.layers, self.latent_segments, self.index_segments):
+            hidden, residual, selected = layer(hidden, residual, segment(*latent), index and segment(*index),
+                                               metadata, cos_sin, index_cos_sin, selected)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class MLACausalLM(CausalLM):
+    """A causal LM whose attention is MLA. Subclasses say the rotary styles and which layers run
+    their own DSA indexer (``indexer_layers``; none: plain MLA)."""
+
+    FLOAT32_PARAMETERS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+    INDEXER_ROPE_IS_NEOX: ClassVar[bool] = False
+
+    def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = 1  # one latent, shared by every head
+        self.head_dim = config.qk_rope_head_dim  # the rotary width: what the rotary table covers
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = MLADecoderModel(config, self.spec(config), ops, self.rope_is_neox(config),
+                                     self.INDEXER_ROPE_IS_NEOX, self.indexer_layers(config))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
+        self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
+
+    @staticmethod
+    def spec(config: Any) -> DecoderSpec:
+        return grouped_moe_spec(config)
+
+    @staticmethod
+    def rope_is_neox(config: Any) -> bool:
+        """The attention's rotary style: interleaved pairs unless the config turns ``rope_interleave`` off."""
+        return not getattr(config, "rope_interleave", True)
+
+    @staticmethod
+    def indexer_layers(config: Any) -> frozenset[int]:
+        return frozenset()
+
+    @classmethod
+    def kernel_shapes(cls, config: Any, block_size: int = 16) -> ModelShapes:
+        indexed = bool(cls.indexer_layers(config))
+        return replace(
+            super().kernel_shapes(config, block_size),
+            kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
+            index_topk=config.index_topk if indexed else 0, index_n_heads=config.index_n_heads if indexed else 0,
+            index_head_dim=config.index_head_dim if indexed else 0,
+        )
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """[N, BS, L * (kv_lora_rank + qk_rope_head_dim) + indexer layers * index_head_dim]."""
+        return (num_blocks, block_size, self.model.values_per_token)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.model.values_per_token * dtype.itemsize
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64; kv_cache: ``kv_cache_shape``. Returns [T, hidden]."""
+        return self.model(input_ids, positions, kv_cache, metadata, self.cos_sin_cache)
+
+    def _target(self, name: str) -> tuple[str, int | None, int | None]:
+        # q_proj (MLA without q_lora_rank) is a projection of its own, not a shard of a fused qkv
+        if name.endswith(".self_attn.q_proj.weight"):
+            return name, None, None
+        return super()._target(name)
+
+    def _skipped(self, name: str) -> bool:
+        """Also the multi-token-prediction layers (``model.layers.<num_hidden_layers>...``), used for
+        speculative decoding, not by the forward."""
+        parts = name.split(".")
+        is_mtp_layer = parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= self.num_layers
+        return is_mtp_layer or super()._skipped(name)

@@ -1,0 +1,73 @@
+"""A multi-head latent attention model with the DSA indexer (a tiny random GLM-5) served through the
+API: the checks tests/server/test_api.py makes of a completion and of a chat stream, and the served
+greedy text equals the offline engine's (itself equal to transformers', tests/engines/test_mla.py)."""
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from engines import LLM, SamplingParams
+
+MODEL = "tiny-glm-5"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models):
+    return tiny_models("glm_moe_dsa")
+
+
+@pytest.fixture(scope="module")
+def http(start_server, model_dir):
+    srv = start_server(["--model", str(model_dir), "--served-model-name", MODEL, "--cpu-threads", "1"])
+    srv.wait_ready()
+    with httpx.Client(base_url=srv.url, timeout=120) as client:
+        yield client
+    srv.stop()
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_completion_matches_the_offline_engine(http, schemas, model_dir):
+    # longer than index_topk (12 tokens), so the indexer drops positions while serving
+    prompt = "The morning fog rolled slowly over the harbour, and the fishing boats waited at their moorings"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    schemas.validate("CreateCompletionResponse", body)
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 6
+    assert body["usage"]["prompt_tokens"] > 12
+    offline = LLM(model_dir, num_kv_blocks=64, block_size=16).generate([prompt], SamplingParams(temperature=0,
+                                                                                                max_tokens=6))
+    assert body["choices"][0]["text"] == offline[0].text
+
+
+def test_chat_stream_chunks(http, schemas):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the river and the sea."}],
+            "max_tokens": 6, "temperature": 0}
+    with http.stream("POST", "/v1/chat/completions",
+                     json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    for chunk in chunks:
+        schemas.validate("CreateChatCompletionStreamResponse", chunk)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len({c["id"] for c in chunks}) == 1
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    whole = http.post("/v1/chat/completions", json=body).json()
+    schemas.validate("CreateChatCompletionResponse", whole)
+    assert streamed == whole["choices"][0]["message"]["content"]
