@@ -144,6 +144,8 @@ class CausalLM(nn.Module):
     CHECKPOINT_RENAMES: ClassVar[dict[str, str]] = {}
     # parameters (by name suffix) kept in float32 whatever the model's dtype, as transformers keeps them
     FLOAT32_PARAMETERS: ClassVar[tuple[str, ...]] = ()
+    # False: engines/models/tensor_parallel.py has no sharding for this architecture's layers
+    TENSOR_PARALLEL: ClassVar[bool] = True
 
     def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
         super().__init__()

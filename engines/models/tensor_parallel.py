@@ -184,8 +184,11 @@ def check_model_splits(path: str, tp: int) -> None:
     config = AutoConfig.from_pretrained(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     name = f"{architecture} at {path!r}"
-    check_tensor_parallel(config, tp, name)
     model_cls = MODEL_REGISTRY.get(architecture)
+    if model_cls is not None and not model_cls.TENSOR_PARALLEL:
+        raise ValueError(f"model {name}: tensor parallelism is not implemented for {architecture} "
+                         f"(multi-head latent attention); run it with tensor_parallel_size 1")
+    check_tensor_parallel(config, tp, name)
     moe = model_cls.spec(config).moe if model_cls is not None and model_cls.spec(config).moe_layers else None
     if moe is not None and (moe.intermediate_size % tp or moe.shared_intermediate_size % tp):
         raise ValueError(f"model {name}: tensor_parallel_size {tp} does not fit: the experts' intermediate "
