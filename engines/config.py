@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+COMPILE_MODES = ("auto", "off", "on")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -18,6 +20,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kernels: dict[str, str] | None = None  # op -> implementation, forced (kernels/registry.py)
     seed: int = 0  # seeds the shared generator used by unseeded sampled requests
+    # Pure-decode steps in padded buckets, compiled (CPU: torch.compile) or graph-captured (CUDA,
+    # Ascend, MUSA) per bucket: "auto" keeps a CPU bucket compiled only where it measures faster,
+    # "on" keeps every bucket that compiles, "off" runs eagerly (engines/graphs.py). None: the
+    # XINSERVE_COMPILE environment variable, else "auto".
+    compile: str | None = None
+    enforce_eager: bool = False  # vLLM's name for compile "off"; wins over ``compile``
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -26,5 +34,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.compile is not None and self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")

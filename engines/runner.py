@@ -10,6 +10,7 @@ import torch
 
 from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from engines.config import EngineConfig
+from engines.graphs import DecodeGraphs, build_decode_graphs, capture_memory_probe, effective_mode
 from engines.models.loader import load_model
 from engines.outputs import TokenLogprob
 from engines.platforms import Platform
@@ -77,6 +78,10 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids  # suppressed until a sequence has min_tokens
         torch.manual_seed(config.seed)
         self.kv_cache = torch.empty(0)
+        # Pure-decode steps in padded buckets, compiled or graph-captured (engines/graphs.py).
+        self.compile_mode = effective_mode(config.compile, config.enforce_eager)
+        self.decode_graphs: DecodeGraphs | None = None
+        self.scratch_block = 0  # the KV block past the pool where padded decode rows write
         # Benchmarks set 0.0 to sum the wall time of the model forward (with the logits) over steps;
         # None (the default) keeps the timer out of the step.
         self.forward_seconds: float | None = None
@@ -96,6 +101,8 @@ class ModelRunner:
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.scratch_block = num_blocks  # one block more than the block manager hands out
+        num_blocks += 1
         m = self.model
         # [2 (key, value), layers, blocks, block_size, kv_heads, head_dim]; a layer gets a view.
         shape = (2, m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
@@ -126,8 +133,20 @@ class ModelRunner:
             scheduled.append(ScheduledSeq(seq, n))
         self.execute(scheduled)
         self.platform.synchronize()
+        # Decode graphs are captured after the pool is allocated: hold one of the largest bucket
+        # while the free memory is read, so the pool leaves room for them.
+        probe = capture_memory_probe(self.model, self.kv_cache, self.platform, self.compile_mode, max_num_seqs,
+                                     max_model_len, self.block_size, self.scratch_block)
+        free = self.platform.free_memory()
+        del probe
         self.kv_cache = torch.empty(0)
-        return int(self.platform.free_memory() * fraction) // self.bytes_per_block()
+        # One block fewer than fits: allocate_kv_cache adds the scratch block.
+        return int(free * fraction) // self.bytes_per_block() - 1
+
+    def init_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Compile or capture the decode buckets over the allocated KV cache (once, at start-up)."""
+        self.decode_graphs = build_decode_graphs(self.model, self.kv_cache, self.platform, self.compile_mode,
+                                                 max_num_seqs, max_model_len, self.block_size, self.scratch_block)
 
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
@@ -210,6 +229,10 @@ class ModelRunner:
     def _forward(self, batch: StepBatch) -> torch.Tensor | None:
         """The model forward plus the logits of the sampled tokens ([N, vocab] float32; None when no
         sequence reaches its end this step)."""
+        if self.decode_graphs is not None and not batch.metadata.num_prefill_seqs and batch.sampled:
+            logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.logits_indices)
+            if logits is not None:
+                return logits
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
         if not batch.sampled:
             return None

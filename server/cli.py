@@ -27,6 +27,7 @@ ENGINE_FLAGS = {
     "max_waiting_requests": "max_waiting_requests",
     "cpu_threads": "cpu_threads",
     "seed": "seed",
+    "enforce_eager": "enforce_eager",
 }
 EMBEDDED_DEFAULT = {"models": [{"name": "xinserve-tiny", "path": "embedded:xinserve-tiny", "workers": ["cpu"]}]}
 
@@ -53,6 +54,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, help="queued requests per worker before 429")
     p.add_argument("--cpu-threads", type=int, help="torch threads per CPU worker (default: cores - 1)")
     p.add_argument("--seed", type=int)
+    p.add_argument("--enforce-eager", action="store_const", const=True, default=None,
+                   help="never compile or graph-capture decode steps (the model's compile: off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
