@@ -26,6 +26,10 @@ from engines.attention_metadata import build_decode_gather
 from kernels import reference
 from kernels.routing import MoeRouting
 
+from . import npu  # graphs and streams; the real torch_npu registers its npu module as torch.npu too
+
+torch.npu = npu
+
 MASK_SIZE = 2048
 # What sparse_mode 3 must be given: 1 (masked) strictly above the diagonal.
 UPPER_TRIANGLE = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool).triu_(1)
