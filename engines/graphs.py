@@ -129,7 +129,6 @@ def _compile(forward: Callable, buffers: DecodeBuffers, mode: str, platform: Pla
     # Every bucket of every engine in this process is a compiled variant of the one ``forward`` code
     # object (guarded on its shapes and its model): let each build add its own.
     torch._dynamo.config.recompile_limit += len(buffers.sizes)
-    compiled = torch.compile(forward, dynamic=False)
     steps = {}
     for i, size in enumerate(buffers.sizes, start=1):
         inputs = buffers.inputs(size)
@@ -137,6 +136,8 @@ def _compile(forward: Callable, buffers: DecodeBuffers, mode: str, platform: Pla
         start = time.perf_counter()
         logger.info("compiling the decode step for batch bucket %d (%d of %d)", size, i, len(buffers.sizes))
         try:
+            if i == 1:
+                compiled = torch.compile(forward, dynamic=False)
             compiled(*inputs)  # compiles (or loads from the cache)
         except Exception as exc:  # noqa: BLE001  inductor can fail in many ways: stay eager
             logger.warning("torch.compile of the decode step failed (%s: %s); decode runs eagerly",

@@ -33,8 +33,11 @@ def _cpu_flags() -> str:
 
 
 def _build_key() -> str:
-    """Names the build: the source, the torch version and the CPU's instruction-set flags."""
-    return hashlib.sha256(f"{SOURCE.read_text()}\n{torch.__version__}\n{_cpu_flags()}".encode()).hexdigest()[:16]
+    """Names the build: the source, its path, the torch version and the CPU's instruction-set flags.
+    The path too, because ninja's build file names the source by it: two checkouts sharing one
+    build directory would rewrite that file and rebuild (half a minute each) on every load."""
+    text = f"{SOURCE.read_text()}\n{SOURCE}\n{torch.__version__}\n{_cpu_flags()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _build(key: str):
