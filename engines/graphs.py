@@ -145,8 +145,8 @@ def _compile(forward: Callable, buffers: DecodeBuffers, mode: str, platform: Pla
             return {}
         took = time.perf_counter() - start
         if mode == "auto":
-            eager_s = _median_seconds(lambda: forward(*inputs), platform)
-            compiled_s = _median_seconds(lambda: compiled(*inputs), platform)
+            eager_s = _median_seconds(_bind(forward, inputs), platform)
+            compiled_s = _median_seconds(_bind(compiled, inputs), platform)
             keep = compiled_s < eager_s
             logger.info("decode bucket %d compiled in %.1f s: %.3f ms compiled vs %.3f ms eager -> %s",
                         size, took, compiled_s * 1e3, eager_s * 1e3, "compiled" if keep else "eager")

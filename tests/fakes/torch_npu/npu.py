@@ -20,12 +20,12 @@ speed of replaying.
 from contextlib import contextmanager
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 class _Op:
-    __slots__ = ("func", "args", "kwargs", "outputs")
+    __slots__ = ("args", "func", "kwargs", "outputs")
 
     def __init__(self, func, args, kwargs, outputs) -> None:
         self.func, self.args, self.kwargs, self.outputs = func, args, kwargs, outputs
