@@ -21,7 +21,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -174,8 +173,14 @@ def _capture(forward: Callable, buffers: DecodeBuffers, platform: Platform) -> d
             forward(*inputs)  # warm-up: lazy initialisation and workspace allocation happen outside capture
             platform.synchronize()
             graph = graph_class()
-            with _recording_tasks(platform.kind) as tasks, api.graph(graph, pool=pool):
-                out = forward(*inputs)
+            gather = inputs[2].decode_gather
+            # Ascend: the kernels reading host lengths record their calls here during the capture.
+            tasks = gather.graph_tasks = [] if platform.kind == "npu" else None
+            try:
+                with api.graph(graph, pool=pool):
+                    out = forward(*inputs)
+            finally:
+                gather.graph_tasks = None
         except Exception as exc:  # noqa: BLE001  a driver or operator that cannot be captured: stay eager
             logger.warning("capturing the decode step for bucket %d failed (%s: %s); decode runs eagerly",
                            size, type(exc).__name__, (str(exc).strip().splitlines() or [""])[0][:200])
@@ -183,16 +188,6 @@ def _capture(forward: Callable, buffers: DecodeBuffers, platform: Platform) -> d
         steps[size] = _replayer(graph, out, tasks, platform.kind)
         logger.info("captured the decode step for batch bucket %d", size)
     return steps
-
-
-def _recording_tasks(kind: str):
-    """On Ascend, records the paged-attention calls made during capture (their host lengths are
-    updated before each replay); a no-op context elsewhere."""
-    if kind != "npu":
-        return nullcontext(None)
-    from kernels import npu
-
-    return npu.recording_graph_tasks()
 
 
 def _replayer(graph, out: torch.Tensor, tasks: list | None, kind: str) -> Callable[[], torch.Tensor]:

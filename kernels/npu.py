@@ -11,8 +11,6 @@ heads, D head dim, N KV blocks, BS block size, B blocks per sequence, V vocabula
 experts per token, Hd hidden size, I one expert's intermediate size.
 """
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -33,23 +31,6 @@ HALF_PRECISION = (torch.float16, torch.bfloat16)
 # MoeGatingTopK: at most 2048 experts, and a group's width rounded up to 32 times the groups as well
 MAX_GATING_EXPERTS = 2048
 GROUP_BY_TOP2_SUM = 1  # group_select_mode: a group ranks by the sum of its two best experts
-# While engines/graphs.py captures an ACL graph: the paged-attention calls made, each as (task group
-# handle, its arguments). The operator reads the context lengths from the host when it is launched,
-# so a graph would replay the lengths of its capture step; each replay first re-issues these calls
-# with the step's lengths (update_graph_tasks). None when nothing is being captured.
-_graph_tasks: list[tuple[object, dict]] | None = None
-
-
-@contextmanager
-def recording_graph_tasks() -> Iterator[list[tuple[object, dict]]]:
-    global _graph_tasks
-    _graph_tasks = []
-    try:
-        yield _graph_tasks
-    finally:
-        _graph_tasks = None
-
-
 def update_graph_tasks(tasks: list[tuple[object, dict]], stream: object) -> None:
     """Re-issue each recorded paged attention into its task group of the captured graph, on
     ``stream``, which the replaying stream then waits for. The arguments are the static decode
@@ -132,20 +113,24 @@ def paged_decode_attention(
     gather: "DecodeGather",
 ) -> torch.Tensor:
     """query: [S, H, D]; block_tables: [S, B] int32. The context lengths are read from the step's
-    host copy (``gather.host_seq_lens``), as the operator wants them: a device copy would sync."""
+    host copy (``gather.host_seq_lens``), as the operator wants them: a device copy would sync.
+
+    The operator reads them when it is launched, so a captured graph would replay the lengths of its
+    capture step: while a graph is captured (``gather.graph_tasks`` is a list) the call is made a
+    task group and recorded, and each replay first re-issues it (``update_graph_tasks``)."""
     out = torch.empty_like(query)
     arguments = {
         "query": query, "key_cache": key_cache, "value_cache": value_cache, "num_kv_heads": key_cache.shape[2],
         "num_heads": query.shape[1], "scale_value": scale, "block_table": block_tables,
         "context_lens": gather.host_seq_lens, "out": out,
     }
-    if _graph_tasks is None:
+    if gather.graph_tasks is None:
         torch_npu._npu_paged_attention(**arguments)
         return out
     stream = torch.npu.current_stream()
     torch.npu.graph_task_group_begin(stream)
     torch_npu._npu_paged_attention(**arguments)
-    _graph_tasks.append((torch.npu.graph_task_group_end(stream), arguments))
+    gather.graph_tasks.append((torch.npu.graph_task_group_end(stream), arguments))
     return out
 
 
