@@ -4,6 +4,7 @@ equals eager decode token for token across bucket boundaries, with preemption an
 and the paged attention's host context lengths are updated before every replay."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -82,3 +83,26 @@ def test_without_the_task_updates_a_replay_would_use_the_captured_lengths(npu_pl
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     batch = prompts(frozen.engine.vocab_size, 3, seed=5)
     assert [r.token_ids for r in frozen.generate(batch, params)] != [r.token_ids for r in eager.generate(batch, params)]
+
+
+def test_the_kv_pool_is_sized_with_a_captured_graph_held(npu_platform, tiny_models, monkeypatch):
+    """profile_num_blocks reads the free memory while the largest bucket's graph is captured, so
+    the pool leaves room for the graphs' memory (the fake counts captures; a real device's free
+    memory would drop by the graph pool)."""
+    fake_npu = torch.npu
+    captures = []
+    capture_end = fake_npu.NPUGraph.capture_end
+
+    def counting_capture_end(graph):
+        capture_end(graph)
+        captures.append(graph)
+
+    monkeypatch.setattr(fake_npu.NPUGraph, "capture_end", counting_capture_end)
+    seen = []
+    platform = replace(engines.engine.get_platform("npu:0"), free_memory=lambda: seen.append(len(captures)) or 2**30)
+    monkeypatch.setattr(engines.engine, "get_platform", lambda device: platform)
+    model = tiny_models("llama", hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=1)
+    llm = LLM(model, device="npu:0", compile="on", dtype="bfloat16", block_size=BS, max_num_seqs=4,
+              max_model_len=256, max_num_batched_tokens=256)
+    assert seen == [1]  # one graph (bucket 4) held while the pool was sized
+    assert len(captures) == 1 + 3 and sorted(llm.engine.runner.decode_graphs.steps) == [1, 2, 4]
