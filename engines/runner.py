@@ -143,6 +143,12 @@ class ModelRunner:
         # One block fewer than fits: allocate_kv_cache adds the scratch block.
         return int(free * fraction) // self.bytes_per_block() - 1
 
+    def decode_graphs_report(self) -> dict:
+        """For /health: the compile mode and which decode buckets run compiled or captured."""
+        graphs = self.decode_graphs
+        return {"mode": self.compile_mode, "kind": graphs.kind if graphs else "eager",
+                "buckets": sorted(graphs.steps) if graphs else []}
+
     def init_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Compile or capture the decode buckets over the allocated KV cache (once, at start-up)."""
         self.decode_graphs = build_decode_graphs(self.model, self.kv_cache, self.platform, self.compile_mode,

@@ -207,6 +207,7 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         "eos_token_id": getattr(tokenizer, "eos_token_id", None),
         "vocab_size": int(engine.vocab_size),
         "kernels": engine.runner.kernels.report(),
+        "decode_graphs": engine.runner.decode_graphs_report(),
     }
 
 

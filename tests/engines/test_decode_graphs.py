@@ -63,6 +63,9 @@ def test_bucket_sizes_and_choice():
 def test_compiled_decode_equals_eager_across_buckets_with_preemption_and_prefix_caching(compiled, eager):
     graphs = compiled.engine.runner.decode_graphs
     assert graphs.kind == "compiled" and sorted(graphs.steps) == BUCKETS
+    # what /health shows of each worker
+    assert compiled.engine.runner.decode_graphs_report() == {"mode": "on", "kind": "compiled", "buckets": BUCKETS}
+    assert eager.engine.runner.decode_graphs_report() == {"mode": "off", "kind": "eager", "buckets": []}
     before = graphs.steps_run
     vocab = compiled.engine.vocab_size
     for seed, count in enumerate((1, 3, 8, 9)):
