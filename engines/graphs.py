@@ -86,7 +86,7 @@ class DecodeGraphs:
             logits = step()
         except Exception as exc:  # noqa: BLE001  a recompile or replay that fails: this bucket goes eager
             logger.warning("%s decode for bucket %d failed (%s: %s); it runs eagerly from now on",
-                           self.kind, size, type(exc).__name__, str(exc).strip().splitlines()[0][:200])
+                           self.kind, size, type(exc).__name__, _first_line(exc))
             del self.steps[size]
             return None
         self.steps_run += 1
@@ -140,7 +140,7 @@ def _compile(forward: Callable, buffers: DecodeBuffers, mode: str, platform: Pla
             compiled(*inputs)  # compiles (or loads from the cache)
         except Exception as exc:  # noqa: BLE001  inductor can fail in many ways: stay eager
             logger.warning("torch.compile of the decode step failed (%s: %s); decode runs eagerly",
-                           type(exc).__name__, (str(exc).strip().splitlines() or [""])[0][:200])
+                           type(exc).__name__, _first_line(exc))
             return {}
         took = time.perf_counter() - start
         if mode == "auto":
@@ -183,7 +183,7 @@ def _capture(forward: Callable, buffers: DecodeBuffers, platform: Platform) -> d
                 gather.graph_tasks = None
         except Exception as exc:  # noqa: BLE001  a driver or operator that cannot be captured: stay eager
             logger.warning("capturing the decode step for bucket %d failed (%s: %s); decode runs eagerly",
-                           size, type(exc).__name__, (str(exc).strip().splitlines() or [""])[0][:200])
+                           size, type(exc).__name__, _first_line(exc))
             return {}
         steps[size] = _replayer(graph, out, tasks, platform.kind)
         logger.info("captured the decode step for batch bucket %d", size)
@@ -206,6 +206,10 @@ def _replayer(graph, out: torch.Tensor, tasks: list | None, kind: str) -> Callab
         return out
 
     return replay_with_updates
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
 def _bind(function: Callable, inputs: tuple) -> Callable[[], torch.Tensor]:
