@@ -82,22 +82,24 @@ def bench(url: str, label: str, args: argparse.Namespace, out: Path | None, conc
         raise RuntimeError(f"bench against {label} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
 
 
-def run_server(server: Server, model: Path, args: argparse.Namespace, scratch: Path) -> Path | None:
-    """Start, warm up, bench and stop one server; its JSON document, or None when it is not installed."""
+def run_server(server: Server, model: Path, args: argparse.Namespace, scratch: Path, label: str = "") -> Path | None:
+    """Start, warm up, bench and stop one server; its JSON document, or None when it is not installed.
+    ``label``: the server's name in the results (default: its own)."""
+    label = label or server.name
     port = launch.free_port()
     command = server.command(model, port, args.dtype, args.peers_dir, scratch)
     if command is None:
         return None
     cmd, env = command
-    log = scratch / f"{server.name}.log"
+    log = scratch / f"{label}.log".replace(" ", "_")
     url = f"http://127.0.0.1:{port}"
-    print(f"---- {server.name}: starting (log {log})", flush=True)
+    print(f"---- {label}: starting (log {log})", flush=True)
     proc = launch.start(cmd, log, ROOT, env)
     try:
         launch.wait_ready(url, proc, log, timeout=args.start_timeout)
-        bench(url, server.name, args, None, "4", 8)  # warm-up: first-call costs out of the figures
-        result = args.out_dir / f"{server.name}.json"
-        bench(url, server.name, args, result, args.concurrency, args.num_prompts)
+        bench(url, label, args, None, "4", 8)  # warm-up: first-call costs out of the figures
+        result = args.out_dir / f"{label}.json".replace(" ", "_")
+        bench(url, label, args, result, args.concurrency, args.num_prompts)
         return result
     finally:
         launch.stop(proc)
@@ -114,15 +116,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results" / "compare")
     p.add_argument("--peers-dir", type=Path, default=ROOT / ".peers", help="where peer servers' venvs live")
+    p.add_argument("--peers-before-and-after", action="store_true",
+                   help="run each peer before and after xinserve (a drifting machine shows as their difference)")
     args = p.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="xinserve-compare-") as tmp:
         scratch = Path(tmp)
         model = Path(args.model) if args.model else ensure_tiny_model(scratch, "llama-h256-l4", **DEFAULT_MODEL)
         results, skipped = [], []
-        for server in SERVERS:
+        runs = [(server, "") for server in SERVERS]
+        if args.peers_before_and_after:
+            peers = SERVERS[1:]
+            runs = [*((s, f"{s.name} before") for s in peers), (SERVERS[0], ""), *((s, f"{s.name} after") for s in peers)]
+        for server, label in runs:
             try:
-                path = run_server(server, model, args, scratch)
+                path = run_server(server, model, args, scratch, label)
             except (RuntimeError, TimeoutError) as exc:  # one server failing leaves the others' results
                 print(exc)
                 skipped.append(f"{server.name}: failed ({str(exc).splitlines()[0]})")

@@ -21,6 +21,9 @@ class DecodeGather:
     context_len: int  # Lc: the first Lc gathered positions are attended (the longest context)
     mask: torch.Tensor | None  # [S, 1, 1, Lc] bool, True where a position holds context; None: all do
     host_seq_lens: torch.Tensor | None = None  # [S] int32 on the host: each context length
+    # Set only while an Ascend graph is captured (engines/graphs.py): kernels that read host_seq_lens
+    # append (task group handle, call arguments) here, to be re-issued with each replay's lengths.
+    graph_tasks: list | None = None
 
 
 def build_decode_gather(

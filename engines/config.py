@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 from engines.parallel_config import ParallelConfig
 
+COMPILE_MODES = ("auto", "off", "on")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -23,6 +25,12 @@ class EngineConfig:
     # Ranks of one replica (engines/tp_runner.py); ``parallel`` places them (None: all on ``device``)
     tensor_parallel_size: int = 1
     parallel: ParallelConfig | None = None
+    # Pure-decode steps in padded buckets, compiled (CPU: torch.compile) or graph-captured (CUDA,
+    # Ascend, MUSA) per bucket: "auto" keeps a CPU bucket compiled only where it measures faster,
+    # "on" keeps every bucket that compiles, "off" runs eagerly (engines/graphs.py). None: the
+    # XINSERVE_COMPILE environment variable, else "auto".
+    compile: str | None = None
+    enforce_eager: bool = False  # vLLM's name for compile "off"; wins over ``compile``
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -33,5 +41,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.compile is not None and self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")

@@ -35,6 +35,7 @@ class LLMEngine:
         # A sequence can never outgrow the whole pool: cap the context so it always fits alone.
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.init_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, list[Sequence]] = {}

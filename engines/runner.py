@@ -10,6 +10,7 @@ import torch
 
 from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from engines.config import EngineConfig
+from engines.graphs import DecodeGraphs, build_decode_graphs, capture_memory_probe, effective_mode
 from engines.models.loader import load_model
 from engines.models.tensor_parallel import Collectives
 from engines.outputs import TokenLogprob
@@ -80,6 +81,14 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids  # suppressed until a sequence has min_tokens
         torch.manual_seed(config.seed)
         self.kv_cache = torch.empty(0)
+        # Pure-decode steps in padded buckets, compiled or graph-captured (engines/graphs.py).
+        self.compile_mode = effective_mode(config.compile, config.enforce_eager)
+        if group is not None and self.compile_mode != "off":
+            # Compiling or capturing across the group's collectives is not built or tested yet.
+            logger.info("tensor parallel: decode steps run eagerly (compile %r is ignored)", self.compile_mode)
+            self.compile_mode = "off"
+        self.decode_graphs: DecodeGraphs | None = None
+        self.scratch_block = 0  # the KV block past the pool where padded decode rows write
         # Benchmarks set 0.0 to sum the wall time of the model forward (with the logits) over steps;
         # None (the default) keeps the timer out of the step.
         self.forward_seconds: float | None = None
@@ -98,6 +107,8 @@ class ModelRunner:
         return self.block_size * self.model.kv_bytes_per_token(self.dtype)  # the model's cache spec
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.scratch_block = num_blocks  # one block more than the block manager hands out
+        num_blocks += 1
         # The model says the shape (dense: [2, layers, blocks, block_size, kv_heads, head_dim]); a layer gets a view.
         shape = self.model.kv_cache_shape(num_blocks, self.block_size)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -127,8 +138,26 @@ class ModelRunner:
             scheduled.append(ScheduledSeq(seq, n))
         self.execute(scheduled)
         self.platform.synchronize()
+        # Decode graphs are captured after the pool is allocated: hold one of the largest bucket
+        # while the free memory is read, so the pool leaves room for them.
+        probe = capture_memory_probe(self.model, self.kv_cache, self.platform, self.compile_mode, max_num_seqs,
+                                     max_model_len, self.block_size, self.scratch_block)
+        free = self.platform.free_memory()
+        del probe
         self.kv_cache = torch.empty(0)
-        return int(self.platform.free_memory() * fraction) // self.bytes_per_block()
+        # One block fewer than fits: allocate_kv_cache adds the scratch block.
+        return int(free * fraction) // self.bytes_per_block() - 1
+
+    def decode_graphs_report(self) -> dict:
+        """For /health: the compile mode and which decode buckets run compiled or captured."""
+        graphs = self.decode_graphs
+        return {"mode": self.compile_mode, "kind": graphs.kind if graphs else "eager",
+                "buckets": sorted(graphs.steps) if graphs else []}
+
+    def init_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Compile or capture the decode buckets over the allocated KV cache (once, at start-up)."""
+        self.decode_graphs = build_decode_graphs(self.model, self.kv_cache, self.platform, self.compile_mode,
+                                                 max_num_seqs, max_model_len, self.block_size, self.scratch_block)
 
     def close(self) -> None:
         """Release what outlives the runner (a tensor-parallel runner's other ranks); here nothing."""
@@ -214,6 +243,10 @@ class ModelRunner:
     def _forward(self, batch: StepBatch) -> torch.Tensor | None:
         """The model forward plus the logits of the sampled tokens ([N, vocab] float32; None when no
         sequence reaches its end this step)."""
+        if self.decode_graphs is not None and not batch.metadata.num_prefill_seqs and batch.sampled:
+            logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.logits_indices)
+            if logits is not None:
+                return logits
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
         if not batch.sampled:
             return None

@@ -33,8 +33,11 @@ def _cpu_flags() -> str:
 
 
 def _build_key() -> str:
-    """Names the build: the source, the torch version and the CPU's instruction-set flags."""
-    return hashlib.sha256(f"{SOURCE.read_text()}\n{torch.__version__}\n{_cpu_flags()}".encode()).hexdigest()[:16]
+    """Names the build: the source, its path, the torch version and the CPU's instruction-set flags.
+    The path too, because ninja's build file names the source by it: two checkouts sharing one
+    build directory would rewrite that file and rebuild (half a minute each) on every load."""
+    text = f"{SOURCE.read_text()}\n{SOURCE}\n{torch.__version__}\n{_cpu_flags()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _build(key: str):
@@ -60,6 +63,25 @@ BUILD_KEY = _build_key()
 _extension = _build(BUILD_KEY)
 
 
+# Registered with torch.library so torch.compile (engines/graphs.py) can trace a decode forward that
+# calls it: the fake implementation tells the compiler the output's shape without running the kernel.
+@torch.library.custom_op(f"xinserve::paged_decode_attention_{BUILD_KEY}", mutates_args=())
+def _paged_decode_op(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return _extension.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+@_paged_decode_op.register_fake
+def _(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -69,8 +91,11 @@ def paged_decode_attention(
     scale: float,
     gather: object = None,
 ) -> torch.Tensor:
-    """The reference's signature; the gather plan is not needed (nothing is gathered)."""
-    return _extension.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    """The reference's signature; the gather plan is not needed (nothing is gathered). Eager calls
+    skip the custom op's dispatch (tens of microseconds per layer); a traced one goes through it."""
+    if not torch.compiler.is_compiling():
+        return _extension.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    return _paged_decode_op(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
 paged_decode_attention.build_key = BUILD_KEY  # a rebuilt kernel is timed again (kernels/timing.py)

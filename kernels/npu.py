@@ -32,6 +32,16 @@ HALF_PRECISION = (torch.float16, torch.bfloat16)
 # MoeGatingTopK: at most 2048 experts, and a group's width rounded up to 32 times the groups as well
 MAX_GATING_EXPERTS = 2048
 GROUP_BY_TOP2_SUM = 1  # group_select_mode: a group ranks by the sum of its two best experts
+def update_graph_tasks(tasks: list[tuple[object, dict]], stream: object) -> None:
+    """Re-issue each recorded paged attention into its task group of the captured graph, on
+    ``stream``, which the replaying stream then waits for. The arguments are the static decode
+    buffers themselves, so the call reads the lengths the step just copied into them."""
+    with torch.npu.stream(stream):
+        for handle, arguments in tasks:
+            torch.npu.graph_task_update_begin(stream, handle)
+            torch_npu._npu_paged_attention(**arguments)
+            torch.npu.graph_task_update_end(stream)
+    torch.npu.current_stream().wait_stream(stream)
 
 
 def write_kv(
@@ -104,19 +114,24 @@ def paged_decode_attention(
     gather: "DecodeGather",
 ) -> torch.Tensor:
     """query: [S, H, D]; block_tables: [S, B] int32. The context lengths are read from the step's
-    host copy (``gather.host_seq_lens``), as the operator wants them: a device copy would sync."""
+    host copy (``gather.host_seq_lens``), as the operator wants them: a device copy would sync.
+
+    The operator reads them when it is launched, so a captured graph would replay the lengths of its
+    capture step: while a graph is captured (``gather.graph_tasks`` is a list) the call is made a
+    task group and recorded, and each replay first re-issues it (``update_graph_tasks``)."""
     out = torch.empty_like(query)
-    torch_npu._npu_paged_attention(
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        num_kv_heads=key_cache.shape[2],
-        num_heads=query.shape[1],
-        scale_value=scale,
-        block_table=block_tables,
-        context_lens=gather.host_seq_lens,
-        out=out,
-    )
+    arguments = {
+        "query": query, "key_cache": key_cache, "value_cache": value_cache, "num_kv_heads": key_cache.shape[2],
+        "num_heads": query.shape[1], "scale_value": scale, "block_table": block_tables,
+        "context_lens": gather.host_seq_lens, "out": out,
+    }
+    if gather.graph_tasks is None:
+        torch_npu._npu_paged_attention(**arguments)
+        return out
+    stream = torch.npu.current_stream()
+    torch.npu.graph_task_group_begin(stream)
+    torch_npu._npu_paged_attention(**arguments)
+    gather.graph_tasks.append((torch.npu.graph_task_group_end(stream), arguments))
     return out
 
 

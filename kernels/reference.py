@@ -40,7 +40,21 @@ def write_kv(
     key, value: [T, KVH, D]; key_cache, value_cache: [N, BS, KVH, D] (contiguous);
     slot_mapping: [T] int64, slot = block_id * BS + offset.
     """
+    if torch.compiler.is_compiling():  # traced (engines/graphs.py): the op that writes in place
+        _write_kv_in_place(key, value, key_cache, value_cache, slot_mapping)
+        return
     # view (not reshape) so a non-contiguous cache fails loudly instead of writing into a copy
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+# torch.compile would turn the in-place scatter into a view of the cache into a copy of the whole cache
+# and a write back, every layer of every step; as an opaque op that mutates its arguments it writes
+# the new slots where they lie.
+@torch.library.custom_op("xinserve::write_kv", mutates_args=("key_cache", "value_cache"))
+def _write_kv_in_place(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = key_cache.shape[-2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))

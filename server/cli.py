@@ -28,6 +28,7 @@ ENGINE_FLAGS = {
     "cpu_threads": "cpu_threads",
     "seed": "seed",
     "tensor_parallel_size": "tensor_parallel_size",
+    "enforce_eager": "enforce_eager",
 }
 # Flag -> distributed config key (tensor-parallel groups over several machines)
 DISTRIBUTED_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port")
@@ -62,6 +63,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, help="this machine's index; 0 serves HTTP, the others only run ranks")
     p.add_argument("--master-addr", help="node 0's address, reachable from every node")
     p.add_argument("--master-port", type=int, help="first rendezvous port on node 0 (one per group from it)")
+    p.add_argument("--enforce-eager", action="store_const", const=True, default=None,
+                   help="never compile or graph-capture decode steps (the model's compile: off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

@@ -133,6 +133,10 @@ class ModelSettings(_Section):
     # Force kernel implementations, op -> impl (e.g. {decode_attention: reference}); checked by each
     # worker's kernel registry at start-up, over XINSERVE_KERNELS.
     kernels: dict[str, str] = Field(default_factory=dict)
+    # Decode steps compiled (CPU) or graph-captured (accelerators) per padded batch bucket: auto keeps a
+    # CPU bucket compiled only where it measures faster; off (or enforce_eager, --enforce-eager) never.
+    compile: Literal["auto", "off", "on"] | None = None  # None: $XINSERVE_COMPILE, else auto
+    enforce_eager: bool = False
     # How tool calls are read from this model's output with tool_choice auto: hermes (also Qwen2.5
     # and Qwen3), llama3_json, glm45 or deepseek_v3. None: detected from the chat template.
     tool_call_parser: Literal["hermes", "llama3_json", "glm45", "deepseek_v3"] | None = None
@@ -200,6 +204,8 @@ class ModelSettings(_Section):
             "enable_prefix_caching": self.enable_prefix_caching,
             "seed": self.seed,
             "kernels": dict(self.kernels) or None,
+            "compile": self.compile,
+            "enforce_eager": self.enforce_eager,
         }
 
 

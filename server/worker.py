@@ -210,6 +210,7 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         # a tensor-parallel replica's ranks (engines/tp_runner.py); a single device is rank 0
         "ranks": getattr(engine.runner, "ranks", lambda: [
             {"rank": 0, "device": spec.device, "pid": os.getpid(), "node": 0}])(),
+        "decode_graphs": engine.runner.decode_graphs_report(),
     }
 
 

@@ -13,6 +13,9 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # Triton kernels run on CPU tensors under Triton's interpreter; set for the whole session (it is read
 # when kernels.triton is imported) so no test's outcome depends on which test imported it first.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Compiling decode buckets costs seconds per engine: only tests/engines/test_decode_graphs.py (which
+# asks for it) compiles; every other engine, in-process or a server's worker, decodes eagerly.
+os.environ.setdefault("XINSERVE_COMPILE", "off")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # so a bare `pytest` imports the in-tree packages too

@@ -1,6 +1,7 @@
 """One prepared run on a CUDA GPU: the kernel registry's choice on this GPU, the Triton kernels
 against the references at realistic shapes, greedy generation on the GPU against transformers, then
-decode attention timed against the reference. Prints a table, writes
+decode attention timed against the reference, then decode with CUDA graphs per bucket against
+eager (tokens and step time). Prints a table, writes
 benchmarks/results/cuda_check.json, and exits 1 when a kernel or the generation disagrees (2 when
 there is no CUDA GPU). Runs in well under five minutes on one GPU.
 
@@ -202,6 +203,40 @@ def greedy_vs_transformers(device: torch.device) -> dict:
     return {"prompts": len(prompts), "equal": sum(equal), "ok": all(equal), "kernels": kernels}
 
 
+def cuda_graphs(device: torch.device) -> dict:
+    """Decode with CUDA graphs per bucket (engines/graphs.py) against eager: greedy tokens equal at
+    batches 1, 3, 8 and 9 (bucket boundaries), and the decode step time per batch, graphs on and off."""
+    import tempfile
+    import time
+
+    from engines import LLM, SamplingParams
+    from engines.tiny_model import make_tiny_model
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(make_tiny_model(tmp, "llama", hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=4))
+        engines = {mode: LLM(path, device="cuda:0", dtype="float32", num_kv_blocks=1024, max_num_seqs=32,
+                             compile=mode) for mode in ("on", "off")}
+        captured = sorted(engines["on"].engine.runner.decode_graphs.steps)
+        rng = np.random.default_rng(1)
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        for batch in (1, 3, 8, 9, 32):
+            prompts = [rng.integers(3, 900, size=int(n)).tolist() for n in rng.integers(20, 200, size=batch)]
+            row = {"batch": batch}
+            tokens = {}
+            for mode, llm in engines.items():
+                llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                tokens[mode] = [out.token_ids for out in llm.generate(prompts, params)]
+                torch.cuda.synchronize()
+                # most of the 64 steps are decodes: the mean step of the whole generation
+                row[f"graphs_{mode}_ms_per_step"] = (time.perf_counter() - start) * 1e3 / params.max_tokens
+            row["equal"] = tokens["on"] == tokens["off"]
+            rows.append(row)
+    return {"captured_buckets": captured, "rows": rows, "ok": all(row["equal"] for row in rows)}
+
+
 def cuda_ms(fn: Callable, *args: object) -> float:
     """Median GPU time of fn(*args) over BENCH_ITERS calls after a warm-up (which also compiles),
     with the L2 cache flushed before each call: a real step reads each layer's K/V once, cold."""
@@ -247,6 +282,13 @@ def render(result: dict) -> str:
     for row in result["decode_timing"]:
         lines.append(f"| {row['batch']} | {row['context']} | {row['splits']} | {row['triton_ms']:.3f} | "
                      f"{row['reference_ms']:.3f} | {row['speedup']:.1f}x | {row['triton_kv_gbps']:.0f} |")
+    graphs = result["cuda_graphs"]
+    lines += ["", (f"CUDA graphs per decode bucket (captured {graphs['captured_buckets']}), 4-layer hidden-256 "
+              "Llama, fp32, 64 greedy tokens:"), "",
+              "| batch | graphs on ms/step | graphs off ms/step | tokens equal |", "|---:|---:|---:|---|"]
+    for row in graphs["rows"]:
+        lines.append(f"| {row['batch']} | {row['graphs_on_ms_per_step']:.2f} | {row['graphs_off_ms_per_step']:.2f} "
+                     f"| {'yes' if row['equal'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -265,6 +307,7 @@ def main() -> int:
         result["kernels"] = check_kernels(device)
         result["greedy"] = greedy_vs_transformers(device)
         result["decode_timing"] = time_decode(device)
+        result["cuda_graphs"] = cuda_graphs(device)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(render(result))
@@ -276,7 +319,9 @@ def main() -> int:
     if not greedy["ok"]:
         print(f"MISMATCH greedy generation: {greedy['equal']} of {greedy['prompts']} prompts equal "
               f"transformers", file=sys.stderr)
-    return 1 if failed or not greedy["ok"] else 0
+    if not result["cuda_graphs"]["ok"]:
+        print("MISMATCH decode with CUDA graphs differs from eager", file=sys.stderr)
+    return 1 if failed or not greedy["ok"] or not result["cuda_graphs"]["ok"] else 0
 
 
 if __name__ == "__main__":

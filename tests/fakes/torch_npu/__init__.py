@@ -33,6 +33,10 @@ from .mla import (  # noqa: F401  the MLA / DSA operators, part of this fake mod
     npu_sparse_flash_attention,
 )
 
+from . import npu  # graphs and streams; the real torch_npu registers its npu module as torch.npu too
+
+torch.npu = npu
+
 MASK_SIZE = 2048
 # What sparse_mode 3 must be given: 1 (masked) strictly above the diagonal.
 UPPER_TRIANGLE = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool).triu_(1)

@@ -1,0 +1,110 @@
+"""Decode step time per padded bucket and context length, eager vs torch.compile'd (CPU).
+
+The 5M-parameter Llama of ../shared/PEERS.md (hidden 256, 4 layers, 4 heads / 2 KV heads), float32,
+one thread. Two engines in one process: ``compile: off`` (eager, unpadded) and ``compile: on``
+(every bucket 1, 2, 4, ..., 32 compiled with inductor, whatever it measures, so both columns
+exist everywhere; ``auto`` would keep the compiled one only where it is faster). For each context
+(128, 512, 1900: the model's context is 2048) and batch (1, 3 — padded to bucket 4 —, 8, 32) each
+engine prefills, decodes a few steps, then times windows of ``engine.step()``; engines alternate and
+each keeps its fastest window (on a shared machine the least disturbed estimate). Also reports the
+start-up compile time (cold, or warm from the inductor cache). Prints a markdown table and writes
+``benchmarks/results/decode_buckets.json``.
+
+    python benchmarks/decode_buckets.py [--quick]
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "decode_buckets.json"
+MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+MODES = ("off", "on")
+
+
+def step_time(llm, batch: int, context: int, windows: int, window: int) -> tuple[float, int]:
+    """(best mean seconds per decode step of ``batch`` sequences at about ``context`` tokens, how
+    many timed steps ran compiled)."""
+    from engines import SamplingParams
+
+    engine = llm.engine
+    graphs = engine.runner.decode_graphs
+    params = SamplingParams(temperature=0, max_tokens=8 + windows * window, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{batch}-{context}-{i}", [7 + (i * 31 + j * 7) % 900 for j in range(context)], params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    before = graphs.steps_run if graphs else 0
+    best = float("inf")
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(window):
+            engine.step()
+        best = min(best, (time.perf_counter() - start) / window)
+    compiled_steps = (graphs.steps_run if graphs else 0) - before
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    return best, compiled_steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer windows, contexts and batches (a smoke run)")
+    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from engines import LLM
+    from engines.tiny_model import ensure_tiny_model
+
+    torch.set_num_threads(1)
+    contexts, batches = ((128, 512), (1, 3, 8)) if args.quick else ((128, 512, 1900), (1, 3, 8, 32))
+    windows, window = (2, 4) if args.quick else (5, 8)
+    max_num_seqs = max(batches)
+    path = str(ensure_tiny_model(args.model_dir, name="llama-5m", **MODEL))
+    num_blocks = max_num_seqs * (-(-(max(contexts) + 8 + windows * window) // 16)) + 16
+    engines, startup = {}, {}
+    for mode in MODES:
+        start = time.perf_counter()
+        engines[mode] = LLM(path, dtype="float32", num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, block_size=16,
+                            max_num_batched_tokens=4096, compile=mode)
+        startup[mode] = time.perf_counter() - start
+        print(f"compile {mode}: engine ready in {startup[mode]:.1f} s", file=sys.stderr)
+    rows = []
+    with torch.inference_mode():
+        for context in contexts:
+            for batch in batches:
+                row = {"context": context, "batch": batch}
+                for mode, llm in engines.items():
+                    seconds, compiled_steps = step_time(llm, batch, context, windows, window)
+                    row["eager_ms" if mode == "off" else "compiled_ms"] = 1e3 * seconds
+                    if mode == "on":
+                        row["compiled_steps"] = compiled_steps
+                row["speedup"] = row["eager_ms"] / row["compiled_ms"]
+                rows.append(row)
+                print(f"context {context:>5} batch {batch:>3}: eager {row['eager_ms']:.2f} ms, "
+                      f"compiled {row['compiled_ms']:.2f} ms", file=sys.stderr)
+    load = os.getloadavg()[0]
+    result = {"model": MODEL, "dtype": "float32", "threads": 1, "startup_s": startup, "load_avg_1m_after": load,
+              "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"start-up: eager {startup['off']:.1f} s, compiled {startup['on']:.1f} s; load average {load:.2f}")
+    print("| context | batch | bucket | eager step ms | compiled step ms | speedup |\n|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        bucket = 1 << (row["batch"] - 1).bit_length()
+        print(f"| {row['context']} | {row['batch']} | {min(bucket, max_num_seqs)} | {row['eager_ms']:.2f} | "
+              f"{row['compiled_ms']:.2f} | {row['speedup']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

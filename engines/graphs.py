@@ -1,0 +1,240 @@
+"""Compiled and graph-captured decode steps, one per padded bucket (engines/decode_buckets.py).
+
+- CPU: ``torch.compile`` (inductor, ``dynamic=False``) of the decode forward per bucket, compiled
+  at start-up with a progress line per bucket; with ``compile: auto`` a bucket stays compiled only
+  where it measures faster than eager. Inductor's cache lives in ``$XINSERVE_CACHE_DIR/inductor``
+  (default ``~/.cache/xinserve/inductor``) unless TORCHINDUCTOR_CACHE_DIR says otherwise, so a
+  restart loads the compiled code instead of compiling again.
+- CUDA / Ascend / MUSA: each bucket's forward is captured once with the device's graph API
+  (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``, ``torch.musa.MUSAGraph`` when torch_musa has
+  it), largest bucket first so the smaller ones share its memory pool; a step copies its inputs
+  into the static buffers and replays. Ascend's paged attention takes the context lengths on the
+  host, which a graph would freeze at capture: its calls are recorded as task groups and re-issued
+  with the step's lengths before each replay (kernels/npu.py).
+
+Only pure-decode steps take this path; steps with prefill stay eager. A failure to compile or
+capture is logged and leaves the decode eager (never fatal).
+"""
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engines.attention_metadata import AttentionMetadata
+from engines.config import COMPILE_MODES
+from engines.decode_buckets import DecodeBuffers, bucket_for, bucket_sizes
+from engines.platforms import Platform
+
+logger = logging.getLogger(__name__)
+
+COMPILE_ENV_VAR = "XINSERVE_COMPILE"
+GRAPH_CLASSES = {"cuda": "CUDAGraph", "npu": "NPUGraph", "musa": "MUSAGraph"}
+TIMING_ITERATIONS = 5
+
+
+def effective_mode(compile_mode: str | None, enforce_eager: bool) -> str:
+    """"auto" | "on" | "off": ``enforce_eager`` means "off"; an unset mode is $XINSERVE_COMPILE's
+    (the test suite sets "off", so only the tests about compiling pay for it), else "auto"."""
+    if enforce_eager:
+        return "off"
+    if compile_mode is not None:
+        return compile_mode
+    mode = os.environ.get(COMPILE_ENV_VAR, "auto").strip().lower()
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"{COMPILE_ENV_VAR} must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    return mode
+
+
+def inductor_cache_dir() -> Path:
+    root = os.environ.get("XINSERVE_CACHE_DIR") or Path.home() / ".cache" / "xinserve"
+    return Path(root) / "inductor"
+
+
+def decode_forward(model: torch.nn.Module, kv_cache: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The function compiled or captured: (input_ids [B], positions [B], metadata) -> logits [B, V]."""
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
+
+    return forward
+
+
+class DecodeGraphs:
+    """The buckets that run compiled or captured; ``run`` takes a pure-decode step through them."""
+
+    def __init__(self, buffers: DecodeBuffers, steps: dict[int, Callable[[], torch.Tensor]], kind: str) -> None:
+        self.buffers = buffers
+        self.steps = steps  # bucket -> runs the bucket on the buffers, returns its logits [bucket, V]
+        self.kind = kind  # "compiled" | "captured", for logs and benchmarks
+        self.steps_run = 0  # steps that ran compiled or captured (tests and benchmarks read it)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+            logits_indices: torch.Tensor | None) -> torch.Tensor | None:
+        """The logits of a pure-decode step's sampled rows, or None when its bucket runs eagerly
+        (the caller then runs the step as it is)."""
+        num_rows = input_ids.shape[0]
+        size = bucket_for(num_rows, self.buffers.sizes)
+        step = self.steps.get(size)
+        if step is None or self.buffers.fill(input_ids, positions, metadata) is None:
+            return None
+        try:
+            logits = step()
+        except Exception as exc:  # noqa: BLE001  a recompile or replay that fails: this bucket goes eager
+            logger.warning("%s decode for bucket %d failed (%s: %s); it runs eagerly from now on",
+                           self.kind, size, type(exc).__name__, _first_line(exc))
+            del self.steps[size]
+            return None
+        self.steps_run += 1
+        logits = logits[:num_rows]  # padded rows are never sampled
+        return logits if logits_indices is None else logits.index_select(0, logits_indices)
+
+
+@torch.inference_mode()
+def build_decode_graphs(
+    model: torch.nn.Module,
+    kv_cache: torch.Tensor,
+    platform: Platform,
+    mode: str,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    scratch_block: int,
+    sizes: list[int] | None = None,
+) -> DecodeGraphs | None:
+    """Compile (CPU) or capture (accelerators) the decode forward per bucket; None when every
+    bucket runs eagerly (mode "off", nothing compiled or captured, or eager faster everywhere)."""
+    if mode == "off":
+        return None
+    sizes = sizes or bucket_sizes(max_num_seqs)
+    buffers = DecodeBuffers(sizes, max_model_len, block_size, scratch_block, platform.device)
+    forward = decode_forward(model, kv_cache)
+    if platform.kind == "cpu":
+        steps, kind = _compile(forward, buffers, mode, platform), "compiled"
+    else:
+        steps, kind = _capture(forward, buffers, platform), "captured"
+    if not steps:
+        return None
+    logger.info("decode buckets %s run %s; the others eagerly", sorted(steps), kind)
+    return DecodeGraphs(buffers, steps, kind)
+
+
+def _compile(forward: Callable, buffers: DecodeBuffers, mode: str, platform: Platform) -> dict:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    # Every bucket of every engine in this process is a compiled variant of the one ``forward`` code
+    # object (guarded on its shapes and its model): let each build add its own.
+    torch._dynamo.config.recompile_limit += len(buffers.sizes)
+    steps = {}
+    for i, size in enumerate(buffers.sizes, start=1):
+        inputs = buffers.inputs(size)
+        buffers.pad(size)
+        start = time.perf_counter()
+        logger.info("compiling the decode step for batch bucket %d (%d of %d)", size, i, len(buffers.sizes))
+        try:
+            if i == 1:
+                compiled = torch.compile(forward, dynamic=False)
+            compiled(*inputs)  # compiles (or loads from the cache)
+        except Exception as exc:  # noqa: BLE001  inductor can fail in many ways: stay eager
+            logger.warning("torch.compile of the decode step failed (%s: %s); decode runs eagerly",
+                           type(exc).__name__, _first_line(exc))
+            return {}
+        took = time.perf_counter() - start
+        if mode == "auto":
+            eager_s = _median_seconds(_bind(forward, inputs), platform)
+            compiled_s = _median_seconds(_bind(compiled, inputs), platform)
+            keep = compiled_s < eager_s
+            logger.info("decode bucket %d compiled in %.1f s: %.3f ms compiled vs %.3f ms eager -> %s",
+                        size, took, compiled_s * 1e3, eager_s * 1e3, "compiled" if keep else "eager")
+            if not keep:
+                continue
+        else:
+            logger.info("decode bucket %d compiled in %.1f s", size, took)
+        steps[size] = _bind(compiled, inputs)
+    return steps
+
+
+def _capture(forward: Callable, buffers: DecodeBuffers, platform: Platform) -> dict:
+    api = getattr(torch, platform.kind, None)
+    graph_class = getattr(api, GRAPH_CLASSES.get(platform.kind, ""), None)
+    if graph_class is None:
+        logger.info("torch.%s exposes no graph capture here; decode runs eagerly", platform.kind)
+        return {}
+    pool = api.graph_pool_handle()
+    steps = {}
+    # Largest first: the smaller graphs then fit in the memory pool the largest one reserved.
+    for size in reversed(buffers.sizes):
+        inputs = buffers.inputs(size)
+        buffers.pad(size)
+        try:
+            forward(*inputs)  # warm-up: lazy initialisation and workspace allocation happen outside capture
+            platform.synchronize()
+            graph = graph_class()
+            gather = inputs[2].decode_gather
+            # Ascend: the kernels reading host lengths record their calls here during the capture.
+            tasks = gather.graph_tasks = [] if platform.kind == "npu" else None
+            try:
+                with api.graph(graph, pool=pool):
+                    out = forward(*inputs)
+            finally:
+                gather.graph_tasks = None
+        except Exception as exc:  # noqa: BLE001  a driver or operator that cannot be captured: stay eager
+            logger.warning("capturing the decode step for bucket %d failed (%s: %s); decode runs eagerly",
+                           size, type(exc).__name__, _first_line(exc))
+            return {}
+        steps[size] = _replayer(graph, out, tasks, platform.kind)
+        logger.info("captured the decode step for batch bucket %d", size)
+    return steps
+
+
+def _replayer(graph, out: torch.Tensor, tasks: list | None, kind: str) -> Callable[[], torch.Tensor]:
+    if not tasks:
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+        return replay
+    from kernels import npu
+
+    update_stream = getattr(torch, kind).Stream()
+
+    def replay_with_updates() -> torch.Tensor:
+        npu.update_graph_tasks(tasks, update_stream)
+        graph.replay()
+        return out
+
+    return replay_with_updates
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:200]
+
+
+def _bind(function: Callable, inputs: tuple) -> Callable[[], torch.Tensor]:
+    return lambda: function(*inputs)
+
+
+def _median_seconds(function: Callable[[], object], platform: Platform) -> float:
+    function()
+    times = []
+    for _ in range(TIMING_ITERATIONS):
+        start = time.perf_counter()
+        function()
+        platform.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def capture_memory_probe(model: torch.nn.Module, kv_cache: torch.Tensor, platform: Platform, mode: str,
+                         max_num_seqs: int, max_model_len: int, block_size: int,
+                         scratch_block: int) -> DecodeGraphs | None:
+    """The largest bucket captured on the warm-up cache, to be held while the free memory is read,
+    so the KV pool leaves room for the graphs' memory pool (which the smaller buckets share).
+    None on the CPU (compiled code takes no device memory) or when graphs are off."""
+    if mode == "off" or platform.kind == "cpu":
+        return None
+    return build_decode_graphs(model, kv_cache, platform, mode, max_num_seqs, max_model_len, block_size,
+                               scratch_block, sizes=[bucket_sizes(max_num_seqs)[-1]])

@@ -1,0 +1,197 @@
+"""Padded decode buckets compiled with torch.compile on the CPU (engines/decode_buckets.py,
+engines/graphs.py): compiled decode equals eager token for token across bucket boundaries with
+preemption and prefix caching; padded rows never touch a real sequence's KV or output; a compile
+failure falls back to eager with a log line; ``compile: off`` and ``enforce_eager`` never compile.
+
+Inductor compiles take seconds each, so one compiled engine (a one-layer model, three buckets) is
+shared by the module."""
+
+import argparse
+import logging
+import random
+
+import pytest
+import torch
+
+import engines.graphs
+from engines import LLM, EngineConfig, SamplingParams
+from engines.decode_buckets import bucket_for, bucket_sizes
+from engines.scheduler import ScheduledSeq
+from engines.sequence import Sequence
+from server.cli import _add_serve_args, build_config
+from server.config import ConfigError, parse_config
+
+BUCKETS = [1, 4, 9]  # batches 1, 3, 8, 9 land in 1, 4 (one padded row), 9 (one padded row), 9
+BS = 4
+OPTIONS = {"block_size": BS, "num_kv_blocks": 40, "max_num_seqs": 9, "max_model_len": 64}
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models("llama", num_layers=1, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engines.graphs, "bucket_sizes", lambda max_num_seqs: BUCKETS)
+        llm = LLM(model, compile="on", **OPTIONS)
+    assert llm.engine.runner.decode_graphs is not None
+    return llm
+
+
+@pytest.fixture(scope="module")
+def eager(model):
+    return LLM(model, compile="off", **OPTIONS)
+
+
+def prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
+    """Prompts of 10-17 tokens sharing an 8-token prefix (two whole blocks)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab_size) for _ in range(8)]
+    return [prefix + [rng.randrange(3, vocab_size) for _ in range(rng.randint(2, 9))] for _ in range(count)]
+
+
+def test_bucket_sizes_and_choice():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(9) == [1, 2, 4, 8, 9]
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert [bucket_for(n, [1, 4, 9]) for n in (1, 2, 3, 4, 5, 9, 10)] == [1, 4, 4, 4, 9, 9, None]
+
+
+def test_compiled_decode_equals_eager_across_buckets_with_preemption_and_prefix_caching(compiled, eager):
+    graphs = compiled.engine.runner.decode_graphs
+    assert graphs.kind == "compiled" and sorted(graphs.steps) == BUCKETS
+    # what /health shows of each worker
+    assert compiled.engine.runner.decode_graphs_report() == {"mode": "on", "kind": "compiled", "buckets": BUCKETS}
+    assert eager.engine.runner.decode_graphs_report() == {"mode": "off", "kind": "eager", "buckets": []}
+    before = graphs.steps_run
+    vocab = compiled.engine.vocab_size
+    for seed, count in enumerate((1, 3, 8, 9)):
+        batch = prompts(vocab, count, seed)
+        got = [r.token_ids for r in compiled.generate(batch, GREEDY)]
+        want = [r.token_ids for r in eager.generate(batch, GREEDY)]
+        assert got == want, f"batch of {count}"
+    stats = compiled.engine.stats()
+    # 9 sequences of up to 27 tokens need 7 blocks each (2 shared) of the 40: the largest batches preempt.
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits_total > 0
+    assert stats == eager.engine.stats()  # the same schedule on both paths
+    assert graphs.steps_run - before >= 4 * 9  # every batch decoded compiled
+
+
+def decode_step(vocab_size: int) -> list[ScheduledSeq]:
+    """Three sequences of 5, 9 and 14 tokens each decoding its last token, in blocks 0-7."""
+    rng = random.Random(7)
+    scheduled, block = [], 0
+    for length in (5, 9, 14):
+        seq = Sequence(100 + length, f"r{length}", [rng.randrange(3, vocab_size) for _ in range(length)],
+                       SamplingParams(temperature=0, max_tokens=4))
+        count = -(-length // BS)
+        seq.block_table = list(range(block, block + count))
+        block += count
+        seq.num_computed_tokens = length - 1
+        scheduled.append(ScheduledSeq(seq, 1))
+    return scheduled
+
+
+def test_padded_rows_never_change_real_kv_or_outputs(compiled, eager):
+    """A step of 3 in bucket 4: the padded row writes only the scratch block, and every real slot
+    and token equals an eager step from the same cache."""
+    runner, reference = compiled.engine.runner, eager.engine.runner
+    scratch = runner.scratch_block
+    assert scratch == runner.kv_cache.shape[2] - 1 == OPTIONS["num_kv_blocks"]
+    torch.manual_seed(0)
+    runner.kv_cache.copy_(torch.randn_like(runner.kv_cache))
+    reference.kv_cache.copy_(runner.kv_cache)
+    before = runner.kv_cache.clone()
+    steps = runner.decode_graphs.steps_run
+    scheduled = decode_step(compiled.engine.vocab_size)
+    got = [t.token_id for t in runner.execute(scheduled)]
+    assert runner.decode_graphs.steps_run == steps + 1
+    want = [t.token_id for t in reference.execute(scheduled)]
+    assert got == want
+    # [2, L, N + 1, BS, KVH, D] -> which (block, offset) slots changed
+    changed = (runner.kv_cache != before).flatten(4).any(-1).any(0).any(0).nonzero().tolist()
+    real = [[s.seq.block_table[(n - 1) // BS], (n - 1) % BS] for s, n in ((s, s.seq.num_tokens) for s in scheduled)]
+    assert [slot for slot in changed if slot[0] != scratch] == real
+    assert [scratch, 0] in changed  # the padded row's slot
+    torch.testing.assert_close(runner.kv_cache[:, :, :scratch], reference.kv_cache[:, :, :scratch], rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_auto_keeps_a_bucket_compiled_only_where_it_measures_faster(model, monkeypatch, caplog):
+    """The choice follows the timings (here set: compiled faster only in bucket 2)."""
+    monkeypatch.setattr(engines.graphs.torch, "compile", lambda function, dynamic: lambda *a: function(*a))
+    timings = iter([1.0, 2.0, 2.0, 1.0, 1.0, 2.0])  # (eager, compiled) per bucket 1, 2, 4
+
+    monkeypatch.setattr(engines.graphs, "_median_seconds", lambda function, platform: next(timings))
+    with caplog.at_level(logging.INFO, logger="engines.graphs"):
+        llm = LLM(model, compile="auto", block_size=BS, num_kv_blocks=8, max_num_seqs=4)
+    assert sorted(llm.engine.runner.decode_graphs.steps) == [2]
+    assert "decode bucket 1 compiled" in caplog.text and "-> eager" in caplog.text and "-> compiled" in caplog.text
+
+
+def test_a_compile_failure_falls_back_to_eager_with_a_log_line(model, eager, monkeypatch, caplog):
+    def failing_compile(function, dynamic):
+        def compiled(*args):
+            raise RuntimeError("inductor: C++ compile error")  # where inductor fails: at the first call
+        return compiled
+
+    monkeypatch.setattr(engines.graphs.torch, "compile", failing_compile)
+    with caplog.at_level(logging.WARNING, logger="engines.graphs"):
+        llm = LLM(model, compile="on", **OPTIONS)
+    assert llm.engine.runner.decode_graphs is None
+    assert "torch.compile of the decode step failed (RuntimeError: inductor: C++ compile error)" in caplog.text
+    batch = prompts(llm.engine.vocab_size, 3, seed=11)
+    assert [r.token_ids for r in llm.generate(batch, GREEDY)] == [r.token_ids for r in eager.generate(batch, GREEDY)]
+
+
+def test_a_failing_compiled_step_goes_eager_for_that_bucket(compiled, eager, monkeypatch, caplog):
+    graphs = compiled.engine.runner.decode_graphs
+    steps = dict(graphs.steps)
+
+    def broken():
+        raise RuntimeError("guard failure")
+
+    monkeypatch.setattr(graphs, "steps", {**steps, 1: broken})
+    with caplog.at_level(logging.WARNING, logger="engines.graphs"):
+        got = compiled.generate(prompts(compiled.engine.vocab_size, 1, seed=12), GREEDY)
+    want = eager.generate(prompts(eager.engine.vocab_size, 1, seed=12), GREEDY)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert 1 not in graphs.steps and "compiled decode for bucket 1 failed" in caplog.text
+
+
+@pytest.mark.parametrize("options", [{"compile": "off"}, {"compile": "on", "enforce_eager": True}])
+def test_compile_off_and_enforce_eager_do_not_compile(model, monkeypatch, options):
+    calls = []
+    monkeypatch.setattr(engines.graphs.torch, "compile", lambda *a, **k: calls.append(a))
+    llm = LLM(model, block_size=BS, num_kv_blocks=8, **options)
+    assert llm.engine.runner.decode_graphs is None and calls == []
+
+
+def test_compile_config_validation(monkeypatch):
+    with pytest.raises(ValueError, match="compile must be one of auto, off, on, got 'fast'"):
+        EngineConfig(model="m", compile="fast")
+    assert engines.graphs.effective_mode("on", enforce_eager=True) == "off"
+    monkeypatch.setenv("XINSERVE_COMPILE", "sometimes")
+    with pytest.raises(ValueError, match="XINSERVE_COMPILE must be one of auto, off, on"):
+        engines.graphs.effective_mode(None, enforce_eager=False)
+    monkeypatch.setenv("XINSERVE_COMPILE", "on")
+    assert engines.graphs.effective_mode(None, enforce_eager=False) == "on"
+    assert engines.graphs.effective_mode("off", enforce_eager=False) == "off"
+    with pytest.raises(ConfigError, match="models.0.compile"):
+        parse_config({"models": [{"name": "m", "path": "p", "compile": "always"}]})
+    settings = parse_config({"models": [{"name": "m", "path": "p", "compile": "off"}]}).models[0]
+    assert settings.engine_kwargs()["compile"] == "off" and settings.engine_kwargs()["enforce_eager"] is False
+    parser = argparse.ArgumentParser()
+    _add_serve_args(parser)
+    flagged = build_config(parser.parse_args(["--model", "embedded:xinserve-tiny", "--enforce-eager"]), env={})
+    assert flagged.models[0].engine_kwargs()["enforce_eager"] is True
+    plain = build_config(parser.parse_args(["--model", "embedded:xinserve-tiny"]), env={})
+    assert plain.models[0].engine_kwargs()["enforce_eager"] is False
+
+
+def test_the_inductor_cache_lives_in_the_xinserve_cache_dir(compiled):
+    assert engines.graphs.inductor_cache_dir().name == "inductor"
+    assert engines.graphs.os.environ["TORCHINDUCTOR_CACHE_DIR"]  # set before the first compile
