@@ -157,6 +157,7 @@ class MLACausalLM(CausalLM):
             config.hidden_size, config.vocab_size, bias=False
         )
         self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
+        self.logits_gather = None  # never tensor parallel (TENSOR_PARALLEL is False): logits stay whole
 
     @staticmethod
     def spec(config: Any) -> DecoderSpec:

@@ -76,14 +76,16 @@ def test_pool_bytes_per_block_are_the_latent_plus_the_indexer_keys(tiny_models, 
     expected = (3 * 4 * latent + indexer_layers * 4 * (config.index_head_dim if indexer_layers else 0)) * 4
     assert config.num_hidden_layers == 3 and latent == 40
     assert runner.bytes_per_block() == expected
-    assert runner.kv_cache.numel() * runner.kv_cache.element_size() == 10 * expected
+    # ten blocks plus the scratch block where padded decode rows write (engines/decode_buckets.py)
+    assert runner.kv_cache.numel() * runner.kv_cache.element_size() == 11 * expected
 
 
 def test_dense_pool_layout_is_unchanged(tiny_models):
     llm = LLM(tiny_models("llama"), num_kv_blocks=10, block_size=4)
     runner, config = llm.engine.runner, llm.engine.runner.hf_config
     head_dim = config.hidden_size // config.num_attention_heads
-    assert runner.kv_cache.shape == (2, config.num_hidden_layers, 10, 4, config.num_key_value_heads, head_dim)
+    # ten blocks plus the scratch block
+    assert runner.kv_cache.shape == (2, config.num_hidden_layers, 11, 4, config.num_key_value_heads, head_dim)
     assert runner.bytes_per_block() == 2 * config.num_hidden_layers * 4 * config.num_key_value_heads * head_dim * 4
 
 

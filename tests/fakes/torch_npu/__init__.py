@@ -26,14 +26,13 @@ from engines.attention_metadata import build_decode_gather
 from kernels import reference
 from kernels.routing import MoeRouting
 
+from . import npu  # graphs and streams; the real torch_npu registers its npu module as torch.npu too
 from .mla import (  # noqa: F401  the MLA / DSA operators, part of this fake module's API
     mla_fused_infer_attention_score,
     npu_lightning_indexer,
     npu_scatter_nd_update_,
     npu_sparse_flash_attention,
 )
-
-from . import npu  # graphs and streams; the real torch_npu registers its npu module as torch.npu too
 
 torch.npu = npu
 
