@@ -224,7 +224,8 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_cache: [2, L, N, BS, KVH, D]. Returns [T, hidden]."""
+        """input_ids, positions: [T] int64; kv_cache: ``kv_cache_shape(...)`` (dense: [2, L, N, BS, KVH, D]).
+        Returns [T, hidden]."""
         return self.model(input_ids, positions, kv_cache, metadata, self.cos_sin_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

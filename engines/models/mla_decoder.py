@@ -189,15 +189,7 @@ class MLACausalLM(CausalLM):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.model.values_per_token * dtype.itemsize
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_cache: ``kv_cache_shape``. Returns [T, hidden]."""
-        return self.model(input_ids, positions, kv_cache, metadata, self.cos_sin_cache)
+    # forward: CausalLM's (kv_cache is ``kv_cache_shape``, the model's own layout)
 
     def _target(self, name: str) -> tuple[str, int | None, int | None]:
         # q_proj (MLA without q_lora_rank) is a projection of its own, not a shard of a fused qkv

@@ -1,5 +1,6 @@
 """Server test helpers: a real ``xinserve serve`` subprocess on a free port, and OpenAI's schemas."""
 
+import asyncio
 import copy
 import json
 import os
@@ -23,6 +24,61 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    """Parsed ``data:`` payloads of a stream; "[DONE]" stays a string."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def check_chat_stream(events: list[Any], schemas: "Schemas", completion_tokens: int) -> str:
+    """The shape every chat stream with ``include_usage`` must have (schema-valid chunks, one id, the
+    role first, one "length" finish, a final usage-only chunk, then [DONE]); returns the streamed text."""
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    for chunk in chunks:
+        schemas.validate("CreateChatCompletionStreamResponse", chunk)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len({c["id"] for c in chunks}) == 1
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == completion_tokens
+    assert all(c["usage"] is None for c in chunks[:-1])
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def concurrent_greedy_chats(
+    url: str, api_key: str, model: str, prompts: list[str], max_tokens: list[int], timeout: float
+) -> list[tuple[str, int | None, str | None]]:
+    """One greedy streamed chat per prompt, all at once, through the openai SDK; each gives (text,
+    completion tokens from the final usage chunk, finish reason)."""
+    import openai
+
+    async def one(ac: openai.AsyncOpenAI, prompt: str, limit: int) -> tuple[str, int | None, str | None]:
+        stream = await ac.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=limit,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+        )
+        text, usage, reason = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                reason = chunk.choices[0].finish_reason or reason
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return text, usage, reason
+
+    async def run_all() -> list[tuple[str, int | None, str | None]]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=timeout) as ac:
+            return await asyncio.gather(*(one(ac, p, m) for p, m in zip(prompts, max_tokens)))
+
+    return asyncio.run(run_all())
 
 
 class ServerProcess:

@@ -6,7 +6,6 @@ against OpenAI's published schemas.
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import check_chat_stream, concurrent_greedy_chats, sse_events
 
 MODEL = "xinserve-tiny"
 KEY = "sk-xinserve-test"
@@ -41,16 +42,6 @@ def client(server) -> openai.OpenAI:
 def http(server):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
         yield c
-
-
-def sse_events(response: httpx.Response) -> list[Any]:
-    """Parsed ``data:`` payloads of a stream; "[DONE]" stays a string."""
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data:"):
-            data = line[5:].strip()
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def metric_values(server, name: str) -> dict[tuple, float]:
@@ -138,18 +129,7 @@ def test_chat_stream_chunks(http, schemas):
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
-    assert events[-1] == "[DONE]"
-    chunks = events[:-1]
-    for chunk in chunks:
-        schemas.validate("CreateChatCompletionStreamResponse", chunk)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert len({c["id"] for c in chunks}) == 1
-    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
-    usage_chunk = chunks[-1]
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
-    assert all(c["usage"] is None for c in chunks[:-1])
-    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    streamed = check_chat_stream(events, schemas, completion_tokens=6)
     whole = http.post("/v1/chat/completions", json=chat_body(temperature=0, max_tokens=6)).json()
     assert streamed == whole["choices"][0]["message"]["content"]
 
@@ -373,26 +353,7 @@ def test_64_concurrent_streams_match_offline(server, client):
     prompts = [f"Story number {i}: the {['river', 'library', 'bread', 'harbour'][i % 4]}" for i in range(64)]
     max_tokens = [4 + i % 13 for i in range(64)]
 
-    async def one(ac: openai.AsyncOpenAI, i: int) -> tuple[str, int, str]:
-        stream = await ac.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompts[i]}], max_tokens=max_tokens[i],
-            temperature=0, stream=True, stream_options={"include_usage": True},
-        )
-        text, usage, reason = "", None, None
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-                reason = chunk.choices[0].finish_reason or reason
-            if chunk.usage:
-                usage = chunk.usage.completion_tokens
-        return text, usage, reason
-
-    async def run_all() -> list[tuple[str, int, str]]:
-        ac = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
-        async with ac:
-            return await asyncio.gather(*(one(ac, i) for i in range(64)))
-
-    results = asyncio.run(run_all())
+    results = concurrent_greedy_chats(server.url, KEY, MODEL, prompts, max_tokens, timeout=300)
 
     llm = LLM(model=str(server.cache / MODEL), device="cpu")
     tok = llm.tokenizer

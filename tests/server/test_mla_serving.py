@@ -2,13 +2,12 @@
 API: the checks tests/server/test_api.py makes of a completion and of a chat stream, and the served
 greedy text equals the offline engine's (itself equal to transformers', tests/engines/test_mla.py)."""
 
-import json
-from typing import Any
 
 import httpx
 import pytest
 
 from engines import LLM, SamplingParams
+from tests.server.conftest import check_chat_stream, sse_events
 
 MODEL = "tiny-glm-5"
 
@@ -25,15 +24,6 @@ def http(start_server, model_dir):
     with httpx.Client(base_url=srv.url, timeout=120) as client:
         yield client
     srv.stop()
-
-
-def sse_events(response: httpx.Response) -> list[Any]:
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data:"):
-            data = line[5:].strip()
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def test_completion_matches_the_offline_engine(http, schemas, model_dir):
@@ -58,16 +48,7 @@ def test_chat_stream_chunks(http, schemas):
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
-    assert events[-1] == "[DONE]"
-    chunks = events[:-1]
-    for chunk in chunks:
-        schemas.validate("CreateChatCompletionStreamResponse", chunk)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert len({c["id"] for c in chunks}) == 1
-    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
-    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    streamed = check_chat_stream(events, schemas, completion_tokens=6)
     whole = http.post("/v1/chat/completions", json=body).json()
     schemas.validate("CreateChatCompletionResponse", whole)
     assert streamed == whole["choices"][0]["message"]["content"]

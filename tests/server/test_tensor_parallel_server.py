@@ -2,17 +2,15 @@
 /health lists both ranks, a killed rank fails the replica (503, no hang) and the group comes back;
 and a group over two "nodes" (two processes on 127.0.0.1, ``--nnodes 2``) serves a request."""
 
-import asyncio
 import json
 import os
 import signal
 import time
 
 import httpx
-import openai
 import pytest
 
-from tests.server.conftest import free_port
+from tests.server.conftest import concurrent_greedy_chats, free_port
 
 MODEL = "tiny"
 
@@ -58,25 +56,7 @@ def test_api_answers_as_one_device(server, offline):
     prompts = [f"Story number {i}: the {['river', 'library', 'bread', 'harbour'][i % 4]}" for i in range(12)]
     max_tokens = [4 + i % 9 for i in range(12)]
 
-    async def one(ac: openai.AsyncOpenAI, i: int) -> tuple[str, int, str]:
-        stream = await ac.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompts[i]}], max_tokens=max_tokens[i],
-            temperature=0, stream=True, stream_options={"include_usage": True},
-        )
-        text, usage, reason = "", None, None
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-                reason = chunk.choices[0].finish_reason or reason
-            if chunk.usage:
-                usage = chunk.usage.completion_tokens
-        return text, usage, reason
-
-    async def run_all() -> list[tuple[str, int, str]]:
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120) as ac:
-            return await asyncio.gather(*(one(ac, i) for i in range(len(prompts))))
-
-    results = asyncio.run(run_all())
+    results = concurrent_greedy_chats(server.url, "x", MODEL, prompts, max_tokens, timeout=120)
     expected = offline.generate([chat_ids(offline, p) for p in prompts],
                                 [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens])
     for (text, usage, reason), ref in zip(results, expected):
