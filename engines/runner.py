@@ -30,6 +30,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 @dataclass(slots=True)
+class HostInputs:
+    """The host arrays a step's device inputs were copied from: a tensor-parallel rank 0 sends these
+    to its other ranks (engines/step_message.py) without copying anything back from the device."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [S, B] int32
+    seq_lens: np.ndarray  # [S] int32
+    logits_indices: np.ndarray | None  # [N] int64
+
+
+@dataclass(slots=True)
 class StepBatch:
     """Device inputs of one step plus which sequences get a new token from it."""
 
@@ -39,6 +52,7 @@ class StepBatch:
     # [N] int64: flat index of the last token of each sampled sequence; None when that is every token
     logits_indices: torch.Tensor | None
     sampled: list[Sequence]  # N sequences whose computed tokens reach their end this step
+    host: HostInputs | None = None  # set by ModelRunner._prepare; None in a batch rebuilt by a follower
 
 
 @dataclass(slots=True)
@@ -286,8 +300,9 @@ class ModelRunner:
             decode_gather = build_decode_gather(
                 block_tables[:num_decode], seq_lens_np[:num_decode], bs, self.device
             )
+        slot_mapping = np.concatenate(slot_parts)
         metadata = AttentionMetadata(
-            slot_mapping=self._to_device(np.concatenate(slot_parts)),
+            slot_mapping=self._to_device(slot_mapping),
             block_tables=self._to_device(block_tables),
             seq_lens=self._to_device(seq_lens_np),
             num_decode_seqs=num_decode,
@@ -299,13 +314,16 @@ class ModelRunner:
         is_sampled = [n == seq.num_tokens for n, seq in zip(seq_lens, seqs)]
         logits_indices = None  # None: every token is sampled, in order, so no gather is needed
         if prefills or not all(is_sampled):
-            logits_indices = self._to_device((np.cumsum(num_new) - 1)[is_sampled])
+            logits_indices = (np.cumsum(num_new) - 1)[is_sampled]
+        host = HostInputs(np.array(ids, dtype=np.int64), np.concatenate(pos_parts), slot_mapping, block_tables,
+                          seq_lens_np, logits_indices)
         return StepBatch(
-            input_ids=self._to_device(np.array(ids, dtype=np.int64)),
-            positions=self._to_device(np.concatenate(pos_parts)),
+            input_ids=self._to_device(host.input_ids),
+            positions=self._to_device(host.positions),
             metadata=metadata,
-            logits_indices=logits_indices,
+            logits_indices=None if logits_indices is None else self._to_device(logits_indices),
             sampled=[seq for seq, yes in zip(seqs, is_sampled) if yes],
+            host=host,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

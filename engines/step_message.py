@@ -25,19 +25,20 @@ def encode_command(kind: int, value: int = 0) -> torch.Tensor:
 
 
 def encode_step(batch: StepBatch, prompt_rows: list[tuple[int, int]] | None) -> torch.Tensor:
-    """``prompt_rows``: None on the normal path; else the step computes prompt log-probs too."""
-    m = batch.metadata
-    num_seqs, width = m.block_tables.shape
+    """``batch``: as ``ModelRunner._prepare`` built it (its host arrays are sent, so nothing is copied
+    back from the device). ``prompt_rows``: None on the normal path; else the step computes prompt
+    log-probs too."""
+    m, host = batch.metadata, batch.host
+    num_seqs, width = host.block_tables.shape
     rows = prompt_rows or []
-    header = [STEP, 0, len(batch.input_ids), num_seqs, width, m.num_decode_seqs, m.num_prefill_seqs,
-              len(batch.sampled), batch.logits_indices is not None, prompt_rows is not None, len(rows)]
-    parts = [torch.tensor(header, dtype=torch.int64), batch.input_ids.cpu(), batch.positions.cpu(),
-             m.slot_mapping.cpu(), m.block_tables.cpu().reshape(-1).long(), m.seq_lens.cpu().long(),
-             torch.tensor(m.prefill_query_start_loc, dtype=torch.int64)]
-    if batch.logits_indices is not None:
-        parts.append(batch.logits_indices.cpu())
-    parts.append(torch.tensor(rows, dtype=torch.int64).reshape(-1))
-    return torch.cat(parts)
+    header = [STEP, 0, len(host.input_ids), num_seqs, width, m.num_decode_seqs, m.num_prefill_seqs,
+              len(batch.sampled), host.logits_indices is not None, prompt_rows is not None, len(rows)]
+    parts = [np.array(header, dtype=np.int64), host.input_ids, host.positions, host.slot_mapping,
+             host.block_tables.reshape(-1), host.seq_lens, np.array(m.prefill_query_start_loc, dtype=np.int64)]
+    if host.logits_indices is not None:
+        parts.append(host.logits_indices)
+    parts.append(np.array(rows, dtype=np.int64).reshape(-1))
+    return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
 
 
 def decode_header(message: torch.Tensor) -> tuple[int, int]:
