@@ -151,9 +151,9 @@ class ParallelGroup:
         self._checked(dist.broadcast, rest, src=0, group=self.control_group)
         return torch.cat([first[1:], rest])
 
-    def _checked(self, op, *args, **kwargs) -> None:
+    def _checked(self, collective, /, *args, **kwargs) -> None:
         try:
-            op(*args, **kwargs)
+            collective(*args, **kwargs)
         except RuntimeError as exc:  # gloo / nccl report a lost peer or a timeout this way
             raise GroupFailure(f"rank {self.rank}: a collective of the tensor-parallel group failed "
                                f"(a rank died or timed out): {exc}") from exc

@@ -203,3 +203,21 @@ def test_a_rank_that_never_joins_fails_the_group_with_a_clear_message(tiny_model
     lonely = ParallelConfig(devices=["cpu", "cpu"], nnodes=2, master_port=_free_port(), rendezvous_timeout_s=1.5)
     with pytest.raises(RuntimeError, match=r"did not assemble at 127.0.0.1:\d+ within 1.5s"):
         LLM(tiny_model_dir, tensor_parallel_size=2, parallel=lonely)
+
+
+def test_the_pool_is_sized_from_each_ranks_free_memory(tiny_model_dir):
+    """Without ``num_kv_blocks`` every rank measures its own free memory after the warm-up step and
+    the group takes the smallest count (one all-reduce over the control group)."""
+    from engines.platforms import get_platform
+
+    fraction = 1e-4
+    reference = Reference(tiny_model_dir)
+    prompts = random_prompts(3, reference.vocab_size, seed=5)
+    with LLM(tiny_model_dir, tensor_parallel_size=2, kv_cache_memory_fraction=fraction,
+             max_num_batched_tokens=64) as llm:
+        runner, bm = llm.engine.runner, llm.engine.block_manager
+        assert 0 < bm.num_blocks * runner.bytes_per_block() <= 1.5 * fraction * get_platform("cpu").free_memory()
+        assert runner.kv_cache.shape[2] == bm.num_blocks + 1  # plus the scratch block
+        results = llm.generate(prompts, GREEDY)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference.generate(prompt)
