@@ -26,32 +26,19 @@ RESULTS = ROOT / "benchmarks" / "results" / "decode_buckets.json"
 MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
 MODES = ("off", "on")
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from decode_context import best_window, decoding  # a sibling script: one way to time a step
+
 
 def step_time(llm, batch: int, context: int, windows: int, window: int) -> tuple[float, int]:
     """(best mean seconds per decode step of ``batch`` sequences at about ``context`` tokens, how
     many timed steps ran compiled)."""
-    from engines import SamplingParams
-
     engine = llm.engine
     graphs = engine.runner.decode_graphs
-    params = SamplingParams(temperature=0, max_tokens=8 + windows * window, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"{batch}-{context}-{i}", [7 + (i * 31 + j * 7) % 900 for j in range(context)], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    for _ in range(4):
-        engine.step()
-    before = graphs.steps_run if graphs else 0
-    best = float("inf")
-    for _ in range(windows):
-        start = time.perf_counter()
-        for _ in range(window):
-            engine.step()
-        best = min(best, (time.perf_counter() - start) / window)
-    compiled_steps = (graphs.steps_run if graphs else 0) - before
-    for request_id in list(engine.requests):
-        engine.abort_request(request_id)
-    return best, compiled_steps
+    with decoding(engine, batch, context, windows * window):
+        before = graphs.steps_run if graphs else 0
+        best = best_window(engine, windows, window)
+        return best, (graphs.steps_run if graphs else 0) - before
 
 
 def main() -> None:

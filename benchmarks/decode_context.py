@@ -17,6 +17,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,27 +27,41 @@ MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
 IMPLEMENTATIONS = ("reference", "cpp")
 
 
-def step_time(llm, batch: int, context: int, windows: int, window: int) -> float:
-    """Best mean seconds per decode step of ``batch`` sequences at about ``context`` tokens."""
+@contextmanager
+def decoding(engine, batch: int, context: int, steps: int) -> Iterator[None]:
+    """``batch`` sequences of ``context`` prompt tokens, prefilled and 4 decode steps in, with
+    ``steps`` more tokens to go; aborted on exit."""
     from engines import SamplingParams
 
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=8 + windows * window, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8 + steps, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"{batch}-{context}-{i}", [7 + (i * 31 + j * 7) % 900 for j in range(context)], params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(4):
         engine.step()
+    try:
+        yield
+    finally:
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
+
+
+def best_window(engine, windows: int, window: int) -> float:
+    """The fastest mean seconds per ``engine.step()`` over ``windows`` windows of ``window`` steps."""
     best = float("inf")
     for _ in range(windows):
         start = time.perf_counter()
         for _ in range(window):
             engine.step()
         best = min(best, (time.perf_counter() - start) / window)
-    for request_id in list(engine.requests):
-        engine.abort_request(request_id)
     return best
+
+
+def step_time(llm, batch: int, context: int, windows: int, window: int) -> float:
+    """Best mean seconds per decode step of ``batch`` sequences at about ``context`` tokens."""
+    with decoding(llm.engine, batch, context, windows * window):
+        return best_window(llm.engine, windows, window)
 
 
 def main() -> None:
