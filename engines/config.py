@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from engines.parallel_config import ParallelConfig
 
 COMPILE_MODES = ("auto", "off", "on")
+COMPILE_ENV_VAR = "XINSERVE_COMPILE"  # the mode when a config leaves ``compile`` unset
 
 
 @dataclass(slots=True)

@@ -26,13 +26,12 @@ from pathlib import Path
 import torch
 
 from engines.attention_metadata import AttentionMetadata
-from engines.config import COMPILE_MODES
+from engines.config import COMPILE_ENV_VAR, COMPILE_MODES
 from engines.decode_buckets import DecodeBuffers, bucket_for, bucket_sizes
 from engines.platforms import Platform
 
 logger = logging.getLogger(__name__)
 
-COMPILE_ENV_VAR = "XINSERVE_COMPILE"
 GRAPH_CLASSES = {"cuda": "CUDAGraph", "npu": "NPUGraph", "musa": "MUSAGraph"}
 TIMING_ITERATIONS = 5
 

@@ -156,10 +156,17 @@ class ModelRunner:
         # while the free memory is read, so the pool leaves room for them.
         probe = capture_memory_probe(self.model, self.kv_cache, self.platform, self.compile_mode, max_num_seqs,
                                      max_model_len, self.block_size, self.scratch_block)
-        free = self.platform.free_memory()
+        num_blocks = self.blocks_that_fit(fraction)
         del probe
+        return num_blocks
+
+    def blocks_that_fit(self, fraction: float) -> int:
+        """After the warm-up step, its pool still allocated: the KV blocks ``fraction`` of the free
+        memory holds, one fewer for the scratch block ``allocate_kv_cache`` adds. Frees the warm-up
+        pool. (Every rank of a tensor-parallel group measures itself this way.)"""
+        self.platform.synchronize()
+        free = self.platform.free_memory()
         self.kv_cache = torch.empty(0)
-        # One block fewer than fits: allocate_kv_cache adds the scratch block.
         return int(free * fraction) // self.bytes_per_block() - 1
 
     def decode_graphs_report(self) -> dict:

@@ -58,10 +58,7 @@ def follow(runner: ModelRunner, group: ParallelGroup) -> None:
         elif kind == ALLOCATE:
             runner.allocate_kv_cache(value)
         elif kind == PROFILE:
-            runner.platform.synchronize()
-            runner.kv_cache = torch.empty(0)
-            num_blocks = int(runner.platform.free_memory() * value / 1e9) // runner.bytes_per_block()
-            group.min_over_ranks(num_blocks)
+            group.min_over_ranks(runner.blocks_that_fit(value / 1e9))
         elif kind == STOP:
             return
         else:

@@ -32,13 +32,22 @@ STOP_WAIT_S = 10.0
 
 
 def parallel_config(config: EngineConfig) -> ParallelConfig:
-    """The group's layout: the config's, or ``tensor_parallel_size`` ranks on ``device``, one node."""
-    parallel = config.parallel or ParallelConfig(devices=[config.device] * config.tensor_parallel_size)
+    """The group's layout: the config's, or ``tensor_parallel_size`` ranks on one node: all on the
+    CPU for ``device`` cpu, else consecutive cards from ``device``'s (``npu:2`` -> npu:2, npu:3, ...)."""
+    parallel = config.parallel or ParallelConfig(devices=default_devices(config.device, config.tensor_parallel_size))
     if parallel.world_size != config.tensor_parallel_size:
         raise ValueError(f"model {config.model}: tensor_parallel_size {config.tensor_parallel_size} but "
                          f"{parallel.world_size} devices ({', '.join(parallel.devices)})")
     parallel.check(config.model)
     return parallel
+
+
+def default_devices(device: str, tp: int) -> list[str]:
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return ["cpu"] * tp
+    first = int(index or 0)
+    return [f"{kind}:{first + rank}" for rank in range(tp)]
 
 
 def cpu_threads_per_rank(parallel: ParallelConfig, node: int) -> int:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engines.config import COMPILE_ENV_VAR, COMPILE_MODES
 from server.config import AppConfig, ConfigError, default_config_path, load_config, parse_config
 
 # Flag -> per-model config key; None (not given) leaves the config's value alone.
@@ -110,6 +111,10 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     if env.get("XINSERVE_API_KEY"):
         keys.append(env["XINSERVE_API_KEY"])
     server["api_keys"] = keys
+    compile_mode = env.get(COMPILE_ENV_VAR)
+    if compile_mode is not None and compile_mode.strip().lower() not in COMPILE_MODES:
+        # read by every worker's engine: refuse it here, not after each worker has loaded its model
+        raise ConfigError(f"{COMPILE_ENV_VAR} must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
     return parse_config(data, args.config or "(flags)")
 
 

@@ -23,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from engines.config import COMPILE_MODES
+
 EMBEDDED_PREFIX = "embedded:"
 _DEVICE = re.compile(r"^(cpu|(cuda|npu|musa)(:\d+)?)$")
 
@@ -135,7 +137,7 @@ class ModelSettings(_Section):
     kernels: dict[str, str] = Field(default_factory=dict)
     # Decode steps compiled (CPU) or graph-captured (accelerators) per padded batch bucket: auto keeps a
     # CPU bucket compiled only where it measures faster; off (or enforce_eager, --enforce-eager) never.
-    compile: Literal["auto", "off", "on"] | None = None  # None: $XINSERVE_COMPILE, else auto
+    compile: Literal[COMPILE_MODES] | None = None  # None: $XINSERVE_COMPILE, else auto
     enforce_eager: bool = False
     # How tool calls are read from this model's output with tool_choice auto: hermes (also Qwen2.5
     # and Qwen3), llama3_json, glm45 or deepseek_v3. None: detected from the chat template.
@@ -287,6 +289,11 @@ class AppConfig(_Section):
                             raise ValueError(f"model {model.name}: device {device} is listed twice "
                                              f"(in two tensor-parallel groups)")
                         used.add((node, device))
+        groups = sum(len(g) > 1 for m in self.models for g in m.groups)
+        port = self.distributed.master_port
+        if port and port + groups - 1 > 65535:
+            raise ValueError(f"distributed.master_port {port}: the {groups} tensor-parallel groups rendezvous "
+                             f"on ports {port}..{port + groups - 1}, past 65535")
         return self
 
     @model_validator(mode="after")

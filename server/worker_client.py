@@ -289,9 +289,11 @@ class WorkerClient:
                 continue  # another node's rank: its loss reaches rank 0 as a failed collective
             try:
                 fd = os.pidfd_open(pid)
-            except (AttributeError, OSError):  # not Linux, or already gone
+            except ProcessLookupError:  # already gone
                 self._on_rank_exit(rank["rank"], None)
                 return
+            except (AttributeError, OSError):  # no pidfd here (not Linux): rank 0 still sees a dead
+                return  # rank before its next step (and through failed collectives)
             self._rank_watches[rank["rank"]] = fd
             asyncio.get_running_loop().add_reader(fd, self._on_rank_exit, rank["rank"], fd)
 

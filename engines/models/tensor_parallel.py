@@ -200,8 +200,7 @@ def shard_model(model: nn.Module, group: Collectives, name: str) -> None:
     """Replace ``model``'s layers with this rank's tensor-parallel shards, in place (on the meta
     device, before the loader allocates it). Sets the model's ``num_kv_heads`` to the local count,
     which sizes the KV pool. Raises ValueError naming ``name`` for a model that cannot be split."""
-    config, tp, rank = model.config, group.world_size, group.rank
-    check_tensor_parallel(config, tp, name)
+    config, tp, rank = model.config, group.world_size, group.rank  # load_model checked the split
     split = HeadSplit.of(config.num_attention_heads, config.num_key_value_heads, rank, tp)
     for layer in model.model.layers:
         _shard_attention(layer.self_attn, split, group)

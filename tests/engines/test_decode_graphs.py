@@ -190,6 +190,8 @@ def test_compile_config_validation(monkeypatch):
     assert flagged.models[0].engine_kwargs()["enforce_eager"] is True
     plain = build_config(parser.parse_args(["--model", "embedded:xinserve-tiny"]), env={})
     assert plain.models[0].engine_kwargs()["enforce_eager"] is False
+    with pytest.raises(ConfigError, match="XINSERVE_COMPILE must be one of auto, off, on, got 'always'"):
+        build_config(parser.parse_args(["--model", "embedded:xinserve-tiny"]), env={"XINSERVE_COMPILE": "always"})
 
 
 def test_the_inductor_cache_lives_in_the_xinserve_cache_dir(compiled):

@@ -221,3 +221,11 @@ def test_the_pool_is_sized_from_each_ranks_free_memory(tiny_model_dir):
         results = llm.generate(prompts, GREEDY)
     for prompt, result in zip(prompts, results):
         assert result.token_ids == reference.generate(prompt)
+
+
+def test_an_accelerator_group_defaults_to_consecutive_cards():
+    from engines.tp_runner import default_devices
+
+    assert default_devices("cpu", 2) == ["cpu", "cpu"]
+    assert default_devices("npu", 4) == ["npu:0", "npu:1", "npu:2", "npu:3"]
+    assert default_devices("cuda:2", 2) == ["cuda:2", "cuda:3"]

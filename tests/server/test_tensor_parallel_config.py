@@ -52,3 +52,10 @@ def test_nodes_split_each_group_and_number_the_rendezvous_ports():
         build_config(args("--model", "/m", "--tensor-parallel-size", "2", "--nnodes", "2"), env={})
     with pytest.raises(ConfigError, match="node_rank 2 is not below nnodes 2"):
         build_config(args("--model", "/m", "--nnodes", "2", "--node-rank", "2", "--master-port", "1"), env={})
+
+
+def test_every_groups_rendezvous_port_must_exist():
+    groups = {"workers": [["npu:0", "npu:1"], ["npu:2", "npu:3"]]}
+    with pytest.raises(ConfigError, match="ports 65535..65536, past 65535"):
+        parse_config({**model(**groups), "distributed": {"master_port": 65535}})
+    assert parse_config({**model(**groups), "distributed": {"master_port": 65534}}).distributed.master_port == 65534
