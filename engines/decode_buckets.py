@@ -74,15 +74,14 @@ class DecodeBuffers:
             decode_gather=gather,
         )
 
-    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> int | None:
-        """Copy a pure-decode step (n rows) into the buffers and pad up to its bucket, which is
-        returned; None when the step does not fit (more rows than the largest bucket, or a block
-        table wider than W), and the caller runs it eagerly."""
+    def fill(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> bool:
+        """Copy a pure-decode step (n rows) into the buffers and pad up to ``size``, its bucket
+        (``bucket_for``); False when the step does not fit (a block table wider than W), and the
+        caller runs it eagerly."""
         n = input_ids.shape[0]
-        size = bucket_for(n, self.sizes)
         tables = metadata.block_tables  # [n, w] int32
-        if size is None or tables.shape[1] > self.width or metadata.decode_gather is None:
-            return None
+        if tables.shape[1] > self.width or metadata.decode_gather is None:
+            return False
         w = tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:size].zero_()
@@ -99,7 +98,7 @@ class DecodeBuffers:
         self.host_seq_lens[n:size].fill_(1)
         self.block_ids[: size * self.width].copy_(self.block_tables[:size].reshape(-1))
         torch.lt(self._arange, self.seq_lens[:size, None], out=self.mask[:size, 0, 0])
-        return size
+        return True
 
     def pad(self, size: int) -> None:
         """Make rows [0, size) all padding: what compiling, capturing and timing a bucket run on."""

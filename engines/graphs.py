@@ -20,6 +20,7 @@ import logging
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,7 +71,12 @@ class DecodeGraphs:
         self.buffers = buffers
         self.steps = steps  # bucket -> runs the bucket on the buffers, returns its logits [bucket, V]
         self.kind = kind  # "compiled" | "captured", for logs and benchmarks
-        self.steps_run = 0  # steps that ran compiled or captured (tests and benchmarks read it)
+        self.bucket_runs: Counter[int] = Counter()  # bucket -> steps it ran compiled or captured
+
+    @property
+    def steps_run(self) -> int:
+        """Steps that ran compiled or captured (tests and benchmarks read it)."""
+        return self.bucket_runs.total()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
             logits_indices: torch.Tensor | None) -> torch.Tensor | None:
@@ -78,8 +84,8 @@ class DecodeGraphs:
         (the caller then runs the step as it is)."""
         num_rows = input_ids.shape[0]
         size = bucket_for(num_rows, self.buffers.sizes)
-        step = self.steps.get(size)
-        if step is None or self.buffers.fill(input_ids, positions, metadata) is None:
+        step = self.steps.get(size)  # None too for a step larger than every bucket (size None)
+        if step is None or not self.buffers.fill(size, input_ids, positions, metadata):
             return None
         try:
             logits = step()
@@ -88,7 +94,7 @@ class DecodeGraphs:
                            self.kind, size, type(exc).__name__, _first_line(exc))
             del self.steps[size]
             return None
-        self.steps_run += 1
+        self.bucket_runs[size] += 1
         logits = logits[:num_rows]  # padded rows are never sampled
         return logits if logits_indices is None else logits.index_select(0, logits_indices)
 
@@ -122,8 +128,14 @@ def build_decode_graphs(
     return DecodeGraphs(buffers, steps, kind)
 
 
+def use_inductor_cache() -> str:
+    """Point inductor's cache at ``$XINSERVE_CACHE_DIR/inductor`` unless TORCHINDUCTOR_CACHE_DIR is
+    set already; returns the one in use."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+
+
 def _compile(forward: Callable, buffers: DecodeBuffers, mode: str, platform: Platform) -> dict:
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    use_inductor_cache()
     # Every bucket of every engine in this process is a compiled variant of the one ``forward`` code
     # object (guarded on its shapes and its model): let each build add its own.
     torch._dynamo.config.recompile_limit += len(buffers.sizes)

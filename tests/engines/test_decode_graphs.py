@@ -66,7 +66,7 @@ def test_compiled_decode_equals_eager_across_buckets_with_preemption_and_prefix_
     # what /health shows of each worker
     assert compiled.engine.runner.decode_graphs_report() == {"mode": "on", "kind": "compiled", "buckets": BUCKETS}
     assert eager.engine.runner.decode_graphs_report() == {"mode": "off", "kind": "eager", "buckets": []}
-    before = graphs.steps_run
+    before, runs_before = graphs.steps_run, graphs.bucket_runs.copy()
     vocab = compiled.engine.vocab_size
     for seed, count in enumerate((1, 3, 8, 9)):
         batch = prompts(vocab, count, seed)
@@ -78,6 +78,7 @@ def test_compiled_decode_equals_eager_across_buckets_with_preemption_and_prefix_
     assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits_total > 0
     assert stats == eager.engine.stats()  # the same schedule on both paths
     assert graphs.steps_run - before >= 4 * 9  # every batch decoded compiled
+    assert set(graphs.bucket_runs - runs_before) == set(BUCKETS)  # in each of the three buckets
 
 
 def decode_step(vocab_size: int) -> list[ScheduledSeq]:
@@ -194,6 +195,12 @@ def test_compile_config_validation(monkeypatch):
         build_config(parser.parse_args(["--model", "embedded:xinserve-tiny"]), env={"XINSERVE_COMPILE": "always"})
 
 
-def test_the_inductor_cache_lives_in_the_xinserve_cache_dir(compiled):
+def test_the_inductor_cache_lives_in_the_xinserve_cache_dir(compiled, monkeypatch, tmp_path):
     assert engines.graphs.inductor_cache_dir().name == "inductor"
     assert engines.graphs.os.environ["TORCHINDUCTOR_CACHE_DIR"]  # set before the first compile
+    monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert engines.graphs.use_inductor_cache() == str(tmp_path / "inductor")
+    assert engines.graphs.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # a user's own choice is kept
+    assert engines.graphs.use_inductor_cache() == "/elsewhere"
