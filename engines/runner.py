@@ -101,6 +101,10 @@ class ModelRunner:
             # Compiling or capturing across the group's collectives is not built or tested yet.
             logger.info("tensor parallel: decode steps run eagerly (compile %r is ignored)", self.compile_mode)
             self.compile_mode = "off"
+        if self.compile_mode != "off" and platform.kind != "cpu" and not self.model.DECODE_GRAPH_CAPTURE:
+            logger.info("%s decodes eagerly on %s: its kernels cannot be graph-captured yet",
+                        type(self.model).__name__, self.device)
+            self.compile_mode = "off"
         self.decode_graphs: DecodeGraphs | None = None
         self.scratch_block = 0  # the KV block past the pool where padded decode rows write
         # Benchmarks set 0.0 to sum the wall time of the model forward (with the logits) over steps;

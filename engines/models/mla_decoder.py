@@ -143,6 +143,7 @@ class MLACausalLM(CausalLM):
     FLOAT32_PARAMETERS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
     INDEXER_ROPE_IS_NEOX: ClassVar[bool] = False
     TENSOR_PARALLEL = False  # the latent projections and the indexer have no tensor-parallel split yet
+    DECODE_GRAPH_CAPTURE = False  # Ascend's MLA attention takes host lengths (kernels/npu_mla.py)
 
     def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
         nn.Module.__init__(self)
@@ -175,8 +176,12 @@ class MLACausalLM(CausalLM):
     @classmethod
     def kernel_shapes(cls, config: Any, block_size: int = 16) -> ModelShapes:
         indexed = bool(cls.indexer_layers(config))
+        rope = config.qk_rope_head_dim
         return replace(
             super().kernel_shapes(config, block_size),
+            # the rotary the attention runs: interleaved or not by the architecture, on the rope dims
+            # of each head and of the one shared key
+            rope_is_neox=cls.rope_is_neox(config), head_dim=rope, rotary_dim=rope, num_kv_heads=1,
             kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
             index_topk=config.index_topk if indexed else 0, index_n_heads=config.index_n_heads if indexed else 0,
             index_head_dim=config.index_head_dim if indexed else 0,

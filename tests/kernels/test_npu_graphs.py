@@ -106,3 +106,14 @@ def test_the_kv_pool_is_sized_with_a_captured_graph_held(npu_platform, tiny_mode
               max_model_len=256, max_num_batched_tokens=256)
     assert seen == [1]  # one graph (bucket 4) held while the pool was sized
     assert len(captures) == 1 + 3 and sorted(llm.engine.runner.decode_graphs.steps) == [1, 2, 4]
+
+
+def test_an_mla_model_is_never_captured_on_ascend(npu_platform, tiny_models, caplog):
+    """Ascend's MLA attention takes host lengths with no graph-task update: a replay would freeze them."""
+    model = tiny_models("deepseek_v3")
+    with caplog.at_level("INFO", logger="engines.runner"):
+        llm = LLM(model, device="npu:0", compile="on", dtype="bfloat16", block_size=BS, num_kv_blocks=16, max_num_seqs=2)
+    assert llm.engine.runner.decode_graphs is None and llm.engine.runner.compile_mode == "off"
+    assert "DeepseekV3ForCausalLM decodes eagerly on cpu: its kernels cannot be graph-captured yet" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
