@@ -4,13 +4,16 @@ use: decode attention that reads the paged cache in place.
 The build takes a minute or two and is cached under ``$TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/xinserve/torch_extensions``), keyed by the source, the torch version and the CPU's
 instruction-set flags (it is compiled with ``-march=native``), so restarts and later workers load it
-at once; concurrent builders wait on torch's lock file. Without a C++ compiler (or
+at once; concurrent builders wait on an ``flock`` (``_build_lock``). Without a C++ compiler (or
 ninja) importing this module raises ImportError, and the registry keeps the reference.
 """
 
+import fcntl
 import hashlib
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -40,21 +43,34 @@ def _build_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Holds the build directory alone. torch's own lock is a plain file (``lock``) that a builder
+    killed mid-build leaves behind, and every later load then waits on it forever. An ``flock`` is
+    released by the kernel when its holder dies; while we hold it no builder of ours is running, so a
+    ``lock`` file still there is stale and is removed."""
+    with open(build_dir / "xinserve.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
+
+
 def _build(key: str):
     from torch.utils import cpp_extension
 
     build_dir = _cache_dir() / f"paged_decode_{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
-            name=f"xinserve_paged_decode_{key}",
-            sources=[str(SOURCE)],
-            # Reassociation lets the compiler vectorise the dot products' float sums.
-            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-                          "-fno-trapping-math"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        with _build_lock(build_dir):
+            return cpp_extension.load(
+                name=f"xinserve_paged_decode_{key}",
+                sources=[str(SOURCE)],
+                # Reassociation lets the compiler vectorise the dot products' float sums.
+                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fassociative-math",
+                              "-fno-signed-zeros", "-fno-trapping-math"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
         raise ImportError(f"cannot build the C++ CPU kernels: {str(exc).strip().splitlines()[-1]}") from None
 

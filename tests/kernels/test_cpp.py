@@ -1,5 +1,10 @@
 """The C++ CPU decode kernel (reads the paged cache in place) against the reference, and end to end."""
 
+import multiprocessing
+import threading
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -76,3 +81,37 @@ def test_greedy_generation_with_the_cpp_kernel_equals_the_reference(tiny_models)
         if impl == "cpp":
             assert llm.engine.stats().num_preemptions_total > 0  # a pool small enough to preempt
     assert runs["cpp"] == runs["reference"]
+
+
+def _hold_build_lock(build_dir: str, held) -> None:
+    with cpp._build_lock(Path(build_dir)):
+        held.set()
+        time.sleep(600)
+
+
+def test_a_builder_killed_mid_build_does_not_block_the_next_load(tmp_path):
+    # torch's lock file, as a builder SIGKILLed mid-build leaves it: a later load must not wait on it.
+    (tmp_path / "lock").write_text("")
+    ctx = multiprocessing.get_context("spawn")
+    held = ctx.Event()
+    builder = ctx.Process(target=_hold_build_lock, args=(str(tmp_path), held))
+    builder.start()
+    try:
+        assert held.wait(60)
+        assert not (tmp_path / "lock").exists()  # the live builder cleared the stale file
+        (tmp_path / "lock").write_text("")  # ... and is now mid-build, with torch's lock taken again
+        entered = threading.Event()
+
+        def load() -> None:
+            with cpp._build_lock(tmp_path):
+                entered.set()
+
+        waiter = threading.Thread(target=load, daemon=True)
+        waiter.start()
+        assert not entered.wait(1)  # a live builder is waited for
+        builder.kill()
+        assert entered.wait(30)  # its death releases the flock; its torch lock file is stale
+        assert not (tmp_path / "lock").exists()
+    finally:
+        builder.kill()
+        builder.join()
