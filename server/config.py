@@ -84,6 +84,9 @@ class ServerSettings(_Section):
     # Paths reachable without a key even when api_keys is set (probes and Prometheus scrapers).
     auth_exempt_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics"])
     log_requests: bool = True
+    # Whether a chat request may replace the model's chat template (``chat_template_kwargs.chat_template``,
+    # vLLM's --trust-request-chat-template): a template is code that runs on the server; off by default.
+    trust_request_chat_template: bool = False
     # After SIGTERM/SIGINT: seconds running requests get to finish (the rest then end with an
     # error), then seconds workers get to leave before they are killed.
     shutdown_timeout_s: float = Field(10, gt=0)
