@@ -73,8 +73,9 @@ def chat_prompt_ids(
 ) -> list[int]:
     """The prompt's token ids; a 400 for a refused ``chat_template_kwargs`` key (see the module
     docstring) or a rendered prompt of more than ``max_chars`` characters, before tokenising it."""
-    check_template_kwargs(request.chat_template_kwargs, trust_template)
-    if not getattr(tokenizer, "chat_template", None):
+    kwargs = request.chat_template_kwargs or {}
+    check_template_kwargs(kwargs, trust_template)
+    if not getattr(tokenizer, "chat_template", None) and TEMPLATE_KEY not in kwargs:
         raise APIError(
             400, f"The model '{request.model}' has no chat template; use /v1/completions instead.",
             param="messages",
@@ -86,7 +87,7 @@ def chat_prompt_ids(
             tools=request.tool_dicts(),
             add_generation_prompt=request.add_generation_prompt,
             tokenize=False,
-            **(request.chat_template_kwargs or {}),
+            **kwargs,
         )
     except (TemplateError, ValueError, TypeError, KeyError) as exc:  # a template's own raise_exception too
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
