@@ -20,13 +20,14 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
 
-from server.auth import require_api_key
+from server.auth import limited_key, require_api_key
 from server.body_limit import BodyLimitMiddleware
 from server.config import AppConfig
+from server.docs import add_docs
 from server.drain import Drain, DrainMiddleware
 from server.errors import install_error_handlers
 from server.key_usage import KeyUsageMiddleware
-from server.metrics import EngineStatsCollector, KeyMetrics, RequestMetrics
+from server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics
 from server.pool import ModelPool, default_cpu_threads, local_cpu_ranks
 from server.request_log import RequestLogMiddleware
 from server.router import Router
@@ -59,7 +60,9 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
             shutil.rmtree(ipc_dir, ignore_errors=True)
             logger.info("all workers stopped")
 
-    app = FastAPI(title="xinserve", version="0.1.0", lifespan=lifespan)
+    # The API description and its pages are added by add_docs, behind the key check like the rest.
+    app = FastAPI(title="xinserve", version="0.1.0", lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None)
     app.state.config = config
     app.state.router = Router(pools)
     app.state.drain = Drain(pools.values())
@@ -80,11 +83,15 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.include_router(completions.router, dependencies=guarded)
     app.include_router(models.router, dependencies=guarded)
     app.include_router(health.router, dependencies=[] if "/health" in exempt else guarded)
+    add_docs(app, lambda path: [] if path in exempt else guarded)
     if config.monitoring.metrics:
         Instrumentator(registry=registry, excluded_handlers=["/metrics"]).instrument(app)
 
         async def metrics_endpoint(request: Request) -> Response:
-            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+            # A key limited to some models does not see the others' series (when /metrics needs a key).
+            key = limited_key(request)
+            view = registry if key is None else LimitedKeyView(registry, key.models, key.name)
+            return Response(generate_latest(view), media_type=CONTENT_TYPE_LATEST)
 
         app.add_api_route(
             "/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False,

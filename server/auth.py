@@ -54,6 +54,12 @@ def may_use(request: Request, model: str) -> bool:
     return key is None or not key.models or model in key.models
 
 
+def limited_key(request: Request) -> ApiKey | None:
+    """The request's key when it is limited to some models; None for no key or an unlimited one."""
+    key: ApiKey | None = getattr(request.state, "api_key", None)
+    return key if key is not None and key.models else None
+
+
 def check_model_access(request: Request, model: str) -> None:
     """The router's 404 for an unknown model when the request's key may not use ``model``."""
     if not may_use(request, model):

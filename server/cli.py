@@ -47,6 +47,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", action="append", help="accepted API key (repeatable; also XINSERVE_API_KEY)")
     p.add_argument("--request-timeout", type=float, help="seconds before a request is aborted")
+    p.add_argument("--trust-request-chat-template", action="store_const", const=True, default=None,
+                   help="let requests replace the chat template (chat_template_kwargs.chat_template)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
@@ -107,6 +109,8 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         server["port"] = args.port
     if args.request_timeout is not None:
         server["request_timeout_s"] = args.request_timeout
+    if args.trust_request_chat_template:
+        server["trust_request_chat_template"] = True
     keys = list(server.get("api_keys") or []) + list(args.api_key or [])
     if env.get("XINSERVE_API_KEY"):
         keys.append(env["XINSERVE_API_KEY"])

@@ -84,6 +84,9 @@ class ServerSettings(_Section):
     # Paths reachable without a key even when api_keys is set (probes and Prometheus scrapers).
     auth_exempt_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics"])
     log_requests: bool = True
+    # Whether a chat request may replace the model's chat template (``chat_template_kwargs.chat_template``,
+    # vLLM's --trust-request-chat-template): a template is code that runs on the server; off by default.
+    trust_request_chat_template: bool = False
     # After SIGTERM/SIGINT: seconds running requests get to finish (the rest then end with an
     # error), then seconds workers get to leave before they are killed.
     shutdown_timeout_s: float = Field(10, gt=0)
@@ -253,7 +256,8 @@ class LimitsSettings(_Section):
     # Bytes of request body; larger bodies get a 413 before any of it is parsed.
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
     max_messages: int = Field(2048, ge=1)
-    # Characters of prompt text per request (all messages, or all string prompts), before tokenising.
+    # Characters of prompt text per request (all messages, or all string prompts; and the rendered chat
+    # prompt), before tokenising.
     max_prompt_chars: int = Field(1_000_000, ge=1)
     # Characters per stop string: the detokenizer's hold-back check costs O(length^2) per token
     # (measured 0.16 ms at 256 characters, 0.8 s at 100,000), and it runs in the HTTP process.

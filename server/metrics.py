@@ -5,6 +5,9 @@ custom collector), so a slow or dead worker never blocks /metrics. Latency histo
 ``request_success_total`` are observed here, in the HTTP process, as requests finish. HTTP
 metrics come from prometheus-fastapi-instrumentator, in the same per-app registry. Per-API-key
 counters are named ``api_key_*`` and labelled ``key_name``.
+
+``LimitedKeyView`` is what a scrape with a key limited to some models sees (when ``/metrics`` needs a
+key): the series of the other models, and the other keys' counters, are left out.
 """
 
 from collections.abc import Iterator
@@ -125,3 +128,28 @@ class KeyMetrics:
         self.requests.labels(key_name, model).inc()
         self.prompt_tokens.labels(key_name, model).inc(prompt_tokens)
         self.generation_tokens.labels(key_name, model).inc(generation_tokens)
+
+
+class LimitedKeyView:
+    """``registry`` as a key limited to some models sees it: without the samples labelled with a
+    ``model_name`` it may not use or with another key's ``key_name``; unlabelled series (the HTTP
+    metrics) stay. A collector, so ``generate_latest(LimitedKeyView(...))`` renders it."""
+
+    def __init__(self, registry: CollectorRegistry, models: list[str], key_name: str) -> None:
+        self.registry = registry
+        self.models = set(models)
+        self.key_name = key_name
+
+    def _visible(self, labels: dict[str, str]) -> bool:
+        model, key = labels.get("model_name"), labels.get("key_name")
+        return (model is None or model in self.models) and (key is None or key == self.key_name)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            kept = [s for s in family.samples if self._visible(s.labels)]
+            if len(kept) == len(family.samples):
+                yield family
+                continue
+            view = Metric(family.name, family.documentation, family.type, family.unit)
+            view.samples = kept
+            yield view

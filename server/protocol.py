@@ -162,7 +162,8 @@ class _SamplingFields(_Strict):
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(value)}")
         for key, bias in value.items():
             # The token ids' upper bound is the model's vocabulary: ``check_vocab``, once routed.
-            if not key.isdigit():
+            # ASCII digits only: str.isdigit() also holds for "²", which int() then refuses.
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
@@ -191,7 +192,11 @@ class _SamplingFields(_Strict):
         self, max_tokens: int, logprobs: int | None, json_schema: str | None = None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
         """The engine's ``SamplingParams``, built here so a bad value is a 400 before any round trip
-        to a worker (which receives the same record)."""
+        to a worker (which receives the same record). ``max_tokens``: the budget in effect (asked for,
+        or what the context leaves), which ``min_tokens`` may not exceed (as in vLLM)."""
+        if self.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens must be at most max_tokens ({max_tokens}), got {self.min_tokens}",
+                           param="min_tokens")
         try:
             return SamplingParams(
                 n=self.n,

@@ -3,6 +3,7 @@
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 
 from server.errors import APIError
 from server.pool import ModelPool
@@ -22,22 +23,29 @@ class Router:
         self._turn = itertools.count()
         self._last_pick: dict[int, int] = {}
 
-    def chain(self, name: str) -> list[ModelPool]:
-        """The model, then its fallbacks breadth-first, each once."""
-        if name not in self.pools:
+    def chain(self, name: str, may_use: Callable[[str], bool] | None = None) -> list[ModelPool]:
+        """The model, then its fallbacks breadth-first, each once.
+
+        ``may_use`` (the request's key, ``server.auth.may_use``): a model it refuses is not in the
+        chain, as if it did not exist, so a key never gets answers (nor errors) from a model it may
+        not use through another's fallbacks; None: every model.
+        """
+        if name not in self.pools or (may_use is not None and not may_use(name)):
             raise APIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
         order, queue = [], [name]
         while queue:
             current = queue.pop(0)
-            if current in order:
+            if current in order or (may_use is not None and not may_use(current)):
                 continue
             order.append(current)
             queue.extend(self.pools[current].settings.fallback)
         return [self.pools[n] for n in order]
 
-    def route(self, name: str, n: int = 1) -> tuple[ModelPool, WorkerClient]:
+    def route(
+        self, name: str, n: int = 1, may_use: Callable[[str], bool] | None = None
+    ) -> tuple[ModelPool, WorkerClient]:
         """Pick a worker for a request of ``n`` sequences; 404, 429 or 503 as an APIError."""
-        for pool in self.chain(name):
+        for pool in self.chain(name, may_use):
             ready = pool.ready_workers()
             if not ready:
                 continue  # down (or still loading): try the fallback

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server import responses
-from server.auth import check_model_access
-from server.chat_template import chat_prompt_ids
+from server.auth import check_model_access, may_use
+from server.chat_template import chat_prompt_ids, check_template_kwargs
 from server.generation import Delta, Generation
 from server.limits import cap_max_tokens, check_chat
 from server.protocol import ChatCompletionRequest
@@ -28,12 +28,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     body.check()
     state = request.app.state
     check_chat(body, state.config.limits)
+    # Also checked where the template is applied; here too so a refused key is a 400 while no worker is up.
+    check_template_kwargs(body.chat_template_kwargs, state.config.server.trust_request_chat_template)
     check_model_access(request, body.model)
     # The output plan checks JSON schemas (a few ms for a large one, then cached): in the thread too.
     pool, worker, (prompt_ids, plan) = await route_encoded(
         state.router, body.model, body.n,
-        lambda p: (chat_prompt_ids(p.tokenizer, body),
+        lambda p: (chat_prompt_ids(p.tokenizer, body, max_chars=state.config.limits.max_prompt_chars,
+                                   trust_template=state.config.server.trust_request_chat_template),
                    plan_output(body, p.settings.tool_call_parser, getattr(p.tokenizer, "chat_template", None))),
+        may_use=partial(may_use, request),
     )
     body.check_vocab(int(worker.info["vocab_size"]))
     max_tokens = cap_max_tokens(max_tokens_for(

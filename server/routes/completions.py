@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server import responses
-from server.auth import check_model_access
+from server.auth import check_model_access, may_use
 from server.errors import APIError
 from server.generation import Delta, Generation
 from server.limits import cap_max_tokens, check_completion
@@ -42,6 +42,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     pool, worker, prompt_ids = await route_encoded(
         state.router, body.model, body.n * len(prompts),
         lambda p: [_prompt_ids(p.tokenizer, prompt, len(p.tokenizer)) for prompt in prompts],
+        may_use=partial(may_use, request),
     )
     body.check_vocab(int(worker.info["vocab_size"]))
     tokenizer = pool.tokenizer

@@ -8,23 +8,32 @@ answers at all: a dead worker is restarted by the server itself, so an orchestra
 the server only when this fails.
 
 Both read only state the HTTP process already holds, so a busy or hung worker cannot block them.
+
+When ``/health`` needs a key (it is not in ``auth_exempt_paths``), a key limited to some models sees
+only those: their states, their workers and errors, and a status that says whether *its* models can
+answer (a fallback it may not use does not count). An unlimited key, or an exempt path, sees all.
 """
+
+from collections.abc import Callable
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from server.auth import may_use
 from server.router import Router
 
 router = APIRouter()
 
 
-def model_state(models: Router, name: str) -> str:
-    """"ready" (every worker), "degraded" (some), "fallback" (none, a fallback answers), "unavailable"."""
+def model_state(models: Router, name: str, allowed: Callable[[str], bool] | None = None) -> str:
+    """"ready" (every worker), "degraded" (some), "fallback" (none, a fallback ``allowed`` answers),
+    "unavailable"."""
     pool = models.pools[name]
     ready = len(pool.ready_workers())
     if ready:
         return "ready" if ready == len(pool.workers) else "degraded"
-    if any(p.ready_workers() for p in models.chain(name)[1:]):
+    if any(p.ready_workers() for p in models.chain(name, allowed)[1:]):
         return "fallback"
     return "unavailable"
 
@@ -32,8 +41,9 @@ def model_state(models: Router, name: str) -> str:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     state = request.app.state
-    pools = state.router.pools.values()
-    models = {name: model_state(state.router, name) for name in state.router.pools}
+    allowed = partial(may_use, request)
+    pools = [pool for pool in state.router.pools.values() if allowed(pool.name)]
+    models = {pool.name: model_state(state.router, pool.name, allowed) for pool in pools}
     if state.drain.draining:
         status = "draining"
     elif all(s == "ready" for s in models.values()):

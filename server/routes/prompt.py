@@ -18,15 +18,20 @@ T = TypeVar("T")
 
 
 async def route_encoded(
-    router: Router, model: str, n: int, encode: Callable[[ModelPool], T]
+    router: Router, model: str, n: int, encode: Callable[[ModelPool], T], *, may_use: Callable[[str], bool]
 ) -> tuple[ModelPool, WorkerClient, T]:
-    """``(pool, worker, encode(pool))``, ``encode`` run in a thread; the router's errors as they are."""
+    """``(pool, worker, encode(pool))``, ``encode`` run in a thread; the router's errors as they are.
+
+    ``may_use``: the models the request's key may use (``functools.partial(server.auth.may_use,
+    request)``); required, so that no route can reach a fallback the key may not use by forgetting it.
+    """
     # The pool the router would pick from, found without picking (a pick moves its round-robin
     # turn); when none is ready, ``route`` raises its own 503.
-    pool = next((p for p in router.chain(model) if p.ready_workers()), None) or router.route(model, n)[0]
+    pool = (next((p for p in router.chain(model, may_use) if p.ready_workers()), None)
+            or router.route(model, n, may_use)[0])
     while True:
         encoded = await asyncio.to_thread(encode, pool)
-        routed, worker = router.route(model, n)
+        routed, worker = router.route(model, n, may_use)
         if routed is pool:
             return pool, worker, encoded
         pool = routed  # a pool went up or down meanwhile: another tokenizer may now apply

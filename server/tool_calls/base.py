@@ -33,6 +33,15 @@ def arguments_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def function_name(call: Any) -> str:
+    """A JSON call's ``name``; a name that is not a string makes the output malformed, like bad JSON
+    (``ToolCallParser.parse`` then returns it all as content)."""
+    name = call["name"]
+    if not isinstance(name, str):
+        raise TypeError(f"a tool call's name must be a string, got {type(name).__name__}")
+    return name
+
+
 def content_or_none(text: str) -> str | None:
     text = text.strip()
     return text or None

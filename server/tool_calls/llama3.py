@@ -4,7 +4,14 @@
 import json
 import re
 
-from server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser, arguments_text, content_or_none
+from server.tool_calls.base import (
+    ParsedOutput,
+    ToolCall,
+    ToolCallParser,
+    arguments_text,
+    content_or_none,
+    function_name,
+)
 
 _PYTHON_TAG = "<|python_tag|>"
 _CALL_START = re.compile(r'\{\s*"name"\s*:')
@@ -24,7 +31,7 @@ class Llama3JsonParser(ToolCallParser):
             call, pos = decoder.raw_decode(text, pos)
             # Llama's templates ask for "parameters"; some fine-tunes write "arguments".
             arguments = call["parameters"] if "parameters" in call else call.get("arguments", {})
-            calls.append(ToolCall(call["name"], arguments_text(arguments)))
+            calls.append(ToolCall(function_name(call), arguments_text(arguments)))
             while pos < len(text) and text[pos] in "; \n\t":
                 pos += 1
         return ParsedOutput(content_or_none(before), calls)

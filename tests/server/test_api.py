@@ -254,6 +254,9 @@ BAD_CHAT = [
     ({"n": "2"}, "n"),
     ({"stream": "yes"}, "stream"),
     ({"model": None}, "model"),
+    ({"chat_template_kwargs": {"chat_template": "{{ 'ab ' * 2000000 }}"}}, "chat_template_kwargs.chat_template"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
 ]
 
 

@@ -94,6 +94,11 @@ def test_model_flags(tmp_path):
     assert build_config(args("--model", "/data/glm-4-9b"), env={}).models[0].name == "glm-4-9b"
 
 
+def test_trust_request_chat_template_is_off_unless_asked():
+    assert build_config(args(), env={}).server.trust_request_chat_template is False
+    assert build_config(args("--trust-request-chat-template"), env={}).server.trust_request_chat_template is True
+
+
 def test_engine_flags_override_every_model_of_a_config():
     config = build_config(args("--config", str(REPO / "config" / "hybrid.yaml"), "--max-num-seqs", "8"), env={})
     assert [m.max_num_seqs for m in config.models] == [8, 8]

@@ -90,7 +90,7 @@ SAMPLING = {
     "seed": Field(st.integers(-(2**63), 2**63 - 1), big_ints),
     "stop": Field(stop_strings | st.lists(stop_strings, max_size=4), st.lists(texts, max_size=6)),
     "stop_token_ids": Field(token_ids, bad_token_ids),
-    "min_tokens": Field(st.integers(0, 8), st.integers(-1, 8) | big_ints),
+    "min_tokens": Field(st.integers(0, 1), st.integers(-1, 8) | big_ints),  # valid: at most max_tokens
     "ignore_eos": Field(st.booleans()),
     "skip_special_tokens": Field(st.booleans()),
     "stream": Field(st.booleans()),

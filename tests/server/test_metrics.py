@@ -1,10 +1,10 @@
 """Metric names and labels (DESIGN.md), read from worker stats at scrape time."""
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.outputs import EngineStats
-from server.metrics import EngineStatsCollector, RequestMetrics
+from server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics
 
 DESIGN_NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                 "generation_tokens_total", "num_preemptions_total", "request_success_total",
@@ -71,3 +71,30 @@ def test_every_design_metric_is_exported_with_model_and_worker_labels():
     assert samples["xinserve:worker_ready"][("glm", "musa:0", None, None)] == 0
     restarts = samples["xinserve:worker_restarts_total"]
     assert restarts[("glm", "musa:0", None, None)] == 2 and restarts[("glm", "npu:0", None, None)] == 0
+
+
+def test_a_limited_key_sees_only_its_models_series_and_its_own_key_counters():
+    stats = EngineStats(1, 0, 0.5, 0, 0, 0, 3, 4)
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector({"glm": Pool([Worker("glm", "npu:0", True, stats)]),
+                                            "secret": Pool([Worker("secret", "npu:1", True, stats)])}))
+    RequestMetrics(registry).observe(Gen(Worker("secret", "npu:1", True, stats)), end=11.0)
+    keys = KeyMetrics(registry)
+    keys.observe("team-a", "glm", 5, 6)
+    keys.observe("team-b", "glm", 7, 8)
+    keys.observe("team-b", "secret", 9, 10)
+    Counter("http_requests", "an unlabelled series", registry=registry).inc()
+
+    def series(source) -> set[tuple]:
+        text = generate_latest(source).decode()
+        return {(s.name, s.labels.get("model_name"), s.labels.get("key_name"))
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    everything = series(registry)
+    seen = series(LimitedKeyView(registry, ["glm"], "team-a"))
+    assert {m for _, m, _ in everything} == {"glm", "secret", None}
+    assert {m for _, m, _ in seen} == {"glm", None}
+    assert {k for _, _, k in seen} == {"team-a", None}
+    assert ("http_requests_total", None, None) in seen
+    # Nothing else is left out: every series of "glm" without another key's name.
+    assert seen == {s for s in everything if s[1] in ("glm", None) and s[2] in ("team-a", None)}

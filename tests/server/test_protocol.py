@@ -68,6 +68,9 @@ def test_logit_bias_within_openais_limits_reaches_the_engine():
     assert "at most 300" in message({str(i): 1.0 for i in range(301)})
     assert "[-100, 100]" in message({"3": 100.5})
     assert "token ids" in message({"-3": 1.0})
+    # Digits int() refuses, which isdigit() accepts: once a 500 when the ids were checked.
+    assert "token ids" in message({"\u00b2": 1.0})
+    assert "token ids" in message({"\u0663": 1.0})  # ARABIC-INDIC DIGIT THREE: ASCII ids only
     assert chat(logit_bias={}).logit_bias == {}
     bias = {str(i): -100.0 + i / 2 for i in range(300)}
     assert chat(logit_bias=bias).sampling_params(max_tokens=1, logprobs=None).logit_bias == {
@@ -118,6 +121,16 @@ def test_a_value_the_engine_refuses_is_a_400_before_any_worker_sees_it():
     with pytest.raises(APIError) as info:
         chat(seed=None).sampling_params(max_tokens=0, logprobs=None)
     assert info.value.status == 400 and "max_tokens" in info.value.message
+
+
+def test_min_tokens_above_max_tokens_is_a_400_naming_min_tokens():
+    assert chat(min_tokens=4).sampling_params(max_tokens=4, logprobs=None).min_tokens == 4
+    with pytest.raises(APIError) as info:  # the budget in effect: asked for, or what the context leaves
+        chat(min_tokens=5, max_tokens=4).sampling_params(max_tokens=4, logprobs=None)
+    assert (info.value.status, info.value.param) == (400, "min_tokens") and "4" in info.value.message
+    with pytest.raises(ValueError, match="min_tokens"):  # the offline engine refuses it too
+        SamplingParams(min_tokens=17, max_tokens=16)
+    assert SamplingParams(min_tokens=17, max_tokens=None).min_tokens == 17
 
 
 def test_completion_prompts_and_checks():

@@ -66,6 +66,27 @@ def test_cyclic_fallbacks_all_down_end_in_503():
     assert info.value.status == 503
 
 
+def test_a_fallback_the_key_may_not_use_is_skipped_as_if_absent():
+    # "public" is down and falls back to "secret", then "open"; the key may use "public" and "open".
+    r = router(Pool("public", [Worker("p", ready=False)], ["secret", "open"]),
+               Pool("secret", [Worker("s")], ["hidden"]), Pool("hidden", [Worker("h")]),
+               Pool("open", [Worker("o")]))
+    allowed = {"public", "open"}.__contains__
+    assert [p.name for p in r.chain("public", allowed)] == ["public", "open"]
+    pool, worker = r.route("public", may_use=allowed)
+    assert (pool.name, worker.label) == ("open", "o")
+    # Nor do its errors name it: with "open" down too, a 503 for "public" (not a 429 or 400 of "secret").
+    r.pools["open"].workers[0].ready = False
+    r.pools["secret"].workers[0].load = 4
+    for n in (1, 99):
+        with pytest.raises(APIError) as info:
+            r.route("public", n, may_use=allowed)
+        assert info.value.status == 503 and "secret" not in info.value.message
+    with pytest.raises(APIError) as info:
+        r.route("secret", may_use=allowed)
+    assert info.value.status == 404 and info.value.code == "model_not_found"
+
+
 def test_worker_labels():
     assert worker_labels(["npu:0", "npu:1", "musa:0"]) == ["npu:0", "npu:1", "musa:0"]
     assert worker_labels(["cpu", "npu:0", "cpu"]) == ["cpu#0", "npu:0", "cpu#1"]
