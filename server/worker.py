@@ -3,8 +3,9 @@
 Loop: drain control messages (add / abort / shutdown) -> one ``engine.step()`` -> one OUTPUTS
 message with every request's new tokens. When idle it blocks on the socket and sends a STATS
 heartbeat every ``heartbeat_s``. Both come from the loop itself, never from a side thread: the
-server takes their absence for a stuck loop (server/heartbeat.py). A bad request (``ValueError`` from ``add_request``) or a failing step is
-reported per request; the loop itself only ends on SHUTDOWN or when the parent process is gone.
+server takes their absence for a stuck loop (server/heartbeat.py). A bad request (``ValueError``
+from ``add_request``) or a failing step is reported per request; the loop itself only ends on
+SHUTDOWN or when the parent process is gone.
 This module imports no torch at import time: the spawned child selects the device first.
 """
 

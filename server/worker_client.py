@@ -292,7 +292,10 @@ class WorkerClient:
     async def _watch_heartbeat(self) -> None:
         while True:
             await asyncio.sleep(heartbeat.tick_s(self.heartbeat_timeout_s))
-            self._check_heartbeat()
+            try:
+                self._check_heartbeat()
+            except Exception:  # the watch must outlive any one bad check
+                logger.exception("worker %s/%s: heartbeat check failed", self.model_name, self.label)
 
     def _check_heartbeat(self) -> None:
         """Route around a serving worker that fell silent; kill it when the silence lasts."""
