@@ -1,15 +1,21 @@
 """WorkerClient's heartbeat watch, in-process: silence -> unresponsive (its requests moved or ended)
--> killed; a message in between makes the worker ready again.
+-> killed; a message in between makes the worker ready again. And the worker loop's side: an idle
+loop beats at the period the server asks for.
 
 No process is spawned: the client's clock of the worker's last message is moved back instead, and
 the process is a stand-in that records the kill. tests/server/test_hung_worker.py does it for real.
 """
 
 import asyncio
+import threading
 import time
 
+import zmq
+
+from engines.outputs import EngineStats
 from engines.sampling_params import SamplingParams
 from server import heartbeat, ipc
+from server.worker import WorkerLoop
 from server.worker_client import READY, UNRESPONSIVE, RequestStream, WorkerClient, WorkerError
 
 TIMEOUT = 2.0
@@ -103,3 +109,36 @@ def test_the_watch_checks_on_its_own():
         return state
 
     assert asyncio.run(go()) == UNRESPONSIVE
+
+
+class IdleEngine:
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+
+
+def test_an_idle_worker_loop_beats_at_the_servers_period():
+    ctx = zmq.Context()
+    to_worker, from_worker = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_worker.bind("inproc://beat-in")
+    from_worker.bind("inproc://beat-out")
+    recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    recv.connect("inproc://beat-in")
+    send.connect("inproc://beat-out")
+    loop = WorkerLoop(IdleEngine(), recv, send, "test", heartbeat_s=heartbeat.tick_s(0.2))  # every 50 ms
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        beats, deadline = 0, time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            if from_worker.poll(100) and ipc.unpack(from_worker.recv())[0] == ipc.STATS:
+                beats += 1
+        assert beats >= 8  # about 20 at 50 ms; the default period (1 s) would give one or two
+    finally:
+        to_worker.send(ipc.pack([ipc.SHUTDOWN]))
+        thread.join(5)
+        for s in (to_worker, from_worker, recv, send):
+            s.close(linger=0)
+        ctx.term()
