@@ -42,7 +42,8 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     num_cpu_workers = sum(local_cpu_ranks(g, config.distributed) for m in config.models for g in m.groups)
     threads = default_cpu_threads(num_cpu_workers)
     first_groups = itertools.accumulate([len(m.groups) for m in config.models], initial=0)
-    pools = {m.name: ModelPool(m, threads, log_level, config.distributed, first)
+    pools = {m.name: ModelPool(m, threads, log_level, config.distributed, first,
+                               heartbeat_timeout_s=config.server.heartbeat_timeout_s)
              for m, first in zip(config.models, first_groups)}
 
     @contextlib.asynccontextmanager

@@ -90,6 +90,9 @@ class ServerSettings(_Section):
     # After SIGTERM/SIGINT: seconds running requests get to finish (the rest then end with an
     # error), then seconds workers get to leave before they are killed.
     shutdown_timeout_s: float = Field(10, gt=0)
+    # A ready worker silent this long is "unresponsive" (routed around, its requests moved or ended);
+    # silent twice as long, it is killed and restarted (server/heartbeat.py).
+    heartbeat_timeout_s: float = Field(10, gt=0)
 
     @model_validator(mode="after")
     def _check_key_names(self) -> "ServerSettings":

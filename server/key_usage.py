@@ -4,6 +4,10 @@ A pure ASGI middleware, like the request log, and for the same reason: a stream 
 the app returns. It reads what the request left in its state: the key ``require_api_key`` matched,
 and the summary the handler wrote for the log line (model, prompt and completion tokens), which
 generation requests leave whatever their outcome and other requests do not.
+
+A request that fails once routed and started (its worker died, the engine failed, it timed out)
+counts its whole prompt, which was sent to the engine, and the tokens generated for it until then;
+one refused before it started (a 400, 404, 429 or 503 from validation or routing) counts nothing.
 """
 
 from typing import Any

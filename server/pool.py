@@ -11,6 +11,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from engines.parallel_config import ParallelConfig
+from server import heartbeat
 from server.config import DistributedSettings, ModelSettings
 from server.embedded import resolve_model_path
 from server.hub import local_path
@@ -74,7 +75,7 @@ def load_tokenizer(path: str) -> Any:
 class ModelPool:
     def __init__(
         self, settings: ModelSettings, cpu_threads: int, log_level: int,
-        distributed: DistributedSettings | None = None, first_group: int = 0,
+        distributed: DistributedSettings | None = None, first_group: int = 0, heartbeat_timeout_s: float = 10.0,
     ) -> None:
         self.settings = settings
         self.distributed = distributed or DistributedSettings()
@@ -85,13 +86,15 @@ class ModelPool:
         self._progress: asyncio.Task | None = None
         self.cpu_threads = cpu_threads
         self.log_level = log_level
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         # One worker per replica, labelled by its device ("npu:0+npu:1" for a tensor-parallel group).
         groups = settings.groups
         self.groups = {}
         self.workers = []
         for label, group in zip(worker_labels(["+".join(g) for g in groups]), groups, strict=True):
             self.workers.append(WorkerClient(settings.name, label, group[0], settings.max_num_seqs,
-                                             settings.max_waiting_requests, devices=group))
+                                             settings.max_waiting_requests, devices=group,
+                                             heartbeat_timeout_s=heartbeat_timeout_s))
             self.groups[label] = group
 
     @property
@@ -144,6 +147,7 @@ class ModelPool:
             output_addr=f"ipc://{ipc_dir}/{slug}-out",
             cpu_threads=threads,
             log_level=self.log_level,
+            heartbeat_s=heartbeat.tick_s(self.heartbeat_timeout_s),
         )
 
     async def _log_progress(self, every_s: float = 15.0) -> None:

@@ -2,8 +2,10 @@
 
 Loop: drain control messages (add / abort / shutdown) -> one ``engine.step()`` -> one OUTPUTS
 message with every request's new tokens. When idle it blocks on the socket and sends a STATS
-heartbeat every second. A bad request (``ValueError`` from ``add_request``) or a failing step is
-reported per request; the loop itself only ends on SHUTDOWN or when the parent process is gone.
+heartbeat every ``heartbeat_s``. Both come from the loop itself, never from a side thread: the
+server takes their absence for a stuck loop (server/heartbeat.py). A bad request (``ValueError``
+from ``add_request``) or a failing step is reported per request; the loop itself only ends on
+SHUTDOWN or when the parent process is gone.
 This module imports no torch at import time: the spawned child selects the device first.
 """
 
@@ -21,7 +23,7 @@ from server import ipc
 
 logger = logging.getLogger("xinserve.worker")
 
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 1.0  # the idle heartbeat's default period; the server sends its own (heartbeat.tick_s)
 # Stats ride along with step outputs at most this often; /metrics needs freshness, not every step.
 STATS_INTERVAL_S = 0.05
 
@@ -40,6 +42,7 @@ class WorkerSpec:
     cpu_threads: int | None = None
     log_level: int = logging.INFO
     env: dict[str, str] = field(default_factory=dict)
+    heartbeat_s: float = HEARTBEAT_S
 
 
 def _load_engine(spec: WorkerSpec) -> Any:
@@ -66,8 +69,10 @@ class _Active:
 class WorkerLoop:
     """The step loop around one engine; separate from process set-up so it is testable in-process."""
 
-    def __init__(self, engine: Any, recv: zmq.Socket, send: zmq.Socket, label: str = "worker") -> None:
+    def __init__(self, engine: Any, recv: zmq.Socket, send: zmq.Socket, label: str = "worker",
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
         self.engine = engine
+        self.heartbeat_s = heartbeat_s
         self.recv = recv
         self.send = send
         self.label = label
@@ -187,7 +192,7 @@ class WorkerLoop:
                 logger.warning("%s: parent process is gone; exiting", self.label)
                 break
             busy = self.engine.has_unfinished_requests()
-            self._drain(0 if busy else int(HEARTBEAT_S * 1000))
+            self._drain(0 if busy else int(self.heartbeat_s * 1000))
             if not self.running:
                 break
             if self.engine.has_unfinished_requests():
@@ -244,7 +249,7 @@ def run_worker(spec: WorkerSpec) -> None:
     logger.info("%s ready on %s in %.1fs (max_model_len=%d)", spec.model_name, spec.device,
                 info["load_seconds"], info["max_model_len"])
     send.send(ipc.pack([ipc.READY, info]))
-    loop = WorkerLoop(engine, recv, send, spec.label)
+    loop = WorkerLoop(engine, recv, send, spec.label, spec.heartbeat_s)
     send.send(ipc.pack([ipc.STATS, ipc.encode_stats(engine.stats())]))  # /metrics has values from the start
     try:
         loop.run()

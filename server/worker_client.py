@@ -9,7 +9,8 @@ It also supervises the process: one that dies is started again after a backoff
 (``restart_policy``), and the requests it held fail with a retryable error, which
 ``Generation`` retries elsewhere if they had produced no token yet. A worker whose first load
 failed (bad path, bad config) is not restarted: it would fail the same way; one that has served
-before and then fails to load again is retried with the same backoff.
+before and then fails to load again is retried with the same backoff. A ready worker that falls
+silent is unresponsive, then killed and restarted (``server.heartbeat``).
 """
 
 import asyncio
@@ -25,13 +26,14 @@ import zmq
 
 from engines.outputs import EngineStats
 from engines.sampling_params import SamplingParams
-from server import ipc
+from server import heartbeat, ipc
 from server.restart_policy import RestartBackoff
 from server.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger("xinserve.server")
 
 STARTING, READY, FAILED, DEAD, STOPPED = "starting", "ready", "failed", "dead", "stopped"
+UNRESPONSIVE = "unresponsive"  # ready, then silent for heartbeat_timeout_s: routed around until it speaks
 
 _context: zmq.Context | None = None
 
@@ -75,7 +77,7 @@ class WorkerClient:
 
     def __init__(
         self, model_name: str, label: str, device: str, max_num_seqs: int, max_waiting_requests: int,
-        devices: list[str] | None = None,
+        devices: list[str] | None = None, heartbeat_timeout_s: float = 10.0,
     ) -> None:
         self.model_name = model_name
         self.label = label  # "cpu", "npu:0", "cpu#1" when a model lists a device twice, "npu:0+npu:1"
@@ -90,7 +92,10 @@ class WorkerClient:
         self.info: dict[str, Any] = {}
         self.stats: EngineStats | None = None  # the latest the worker sent
         self.load = 0  # sequences submitted and not finished
-        self.last_message_at: float | None = None
+        self.last_message_at: float | None = None  # time.monotonic() of the worker's latest message
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._watchdog: asyncio.Task | None = None  # checks a serving worker's silence
+        self._kill_reason: str | None = None  # set when the watchdog killed the process
         self.started_at = time.time()
         self.restarts = 0
         self._backoff = RestartBackoff()
@@ -128,6 +133,7 @@ class WorkerClient:
         self.spec = spec
         self.listen(spec.output_addr)
         self._spawn()
+        self._watchdog = asyncio.ensure_future(self._watch_heartbeat())
 
     def _spawn(self) -> None:
         """Start a worker process (never fork: NPUs and CUDA cannot survive it) on a fresh input socket.
@@ -149,7 +155,7 @@ class WorkerClient:
         self._send.setsockopt(zmq.LINGER, 0)
         self._send.bind(spec.input_addr)
         self.state, self.info, self.stats = STARTING, {}, None
-        self._lost_rank = None
+        self._lost_rank = self._kill_reason = None
         self.started_at = time.time()
         self._proc = mp.get_context("spawn").Process(
             target=run_worker, args=(spec,), name=f"xinserve-{self.model_name}-{self.label}", daemon=True
@@ -237,7 +243,10 @@ class WorkerClient:
                 logger.exception("worker %s/%s: bad message ignored", self.model_name, self.label)
 
     def _dispatch(self, message: list[Any]) -> None:
-        self.last_message_at = time.time()
+        self.last_message_at = time.monotonic()
+        if self.state == UNRESPONSIVE and self._kill_reason is None:
+            self.state = READY  # it speaks again (SIGCONT, the driver call returned)
+            logger.warning("worker %s/%s responds again; ready", self.model_name, self.label)
         kind = message[0]
         if kind == ipc.OUTPUTS:
             self._on_outputs(message[1], message[3])
@@ -280,6 +289,43 @@ class WorkerClient:
                 if stream.unfinished <= 0:
                     del streams[out.request_id]
 
+    async def _watch_heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(heartbeat.tick_s(self.heartbeat_timeout_s))
+            try:
+                self._check_heartbeat()
+            except Exception:  # the watch must outlive any one bad check
+                logger.exception("worker %s/%s: heartbeat check failed", self.model_name, self.label)
+
+    def _check_heartbeat(self) -> None:
+        """Route around a serving worker that fell silent; kill it when the silence lasts."""
+        if self.state not in (READY, UNRESPONSIVE) or self._kill_reason is not None:
+            return
+        self._on_readable()  # queued messages are signs of life: a busy event loop is not a silent worker
+        assert self.last_message_at is not None  # set when it became ready
+        silence = time.monotonic() - self.last_message_at
+        verdict = heartbeat.verdict(silence, self.heartbeat_timeout_s)
+        if verdict != heartbeat.OK and self.state == READY:
+            self._mark_unresponsive(silence)
+        if verdict == heartbeat.HUNG and self._proc is not None:
+            self._kill_reason = f"unresponsive for {silence:.1f}s; killed"
+            logger.error("worker %s/%s: %s (pid %s)", self.model_name, self.label, self._kill_reason,
+                         self._proc.pid)
+            self._proc.kill()  # SIGKILL: a stopped process would never see SIGTERM; _on_exit restarts it
+
+    def _mark_unresponsive(self, silence: float) -> None:
+        """No new requests; the held ones fail now (retried elsewhere when they have no token yet)."""
+        held = list(self._streams)
+        if held:  # should the worker resume, it drops them rather than run them for nobody
+            self._post([ipc.ABORT, [[request_id, None] for request_id in held]])
+        self.state = UNRESPONSIVE
+        self.last_error = f"no message for {silence:.1f}s (heartbeat_timeout_s={self.heartbeat_timeout_s:g})"
+        logger.error("worker %s/%s is unresponsive: %s; %d request(s) moved or ended", self.model_name,
+                     self.label, self.last_error, len(held))
+        for request_id in held:
+            self._fail(request_id, WorkerError(503, f"worker {self.label} of {self.model_name} is unresponsive",
+                                               retryable=True))
+
     def _watch_ranks(self) -> None:
         """Watch the other ranks' processes on this node: a dead rank ends the whole replica (its
         rank 0 is killed, so the usual exit path fails the requests and restarts the group)."""
@@ -306,7 +352,7 @@ class WorkerClient:
 
     def _on_rank_exit(self, rank: int, fd: int | None) -> None:
         self._unwatch_ranks()
-        if self.state != READY:  # stopping: rank 0 ends its group itself
+        if self.state not in (READY, UNRESPONSIVE):  # stopping: rank 0 ends its group itself
             return
         info = self.info["ranks"][rank]
         why = f"rank {rank} of the group (pid {info['pid']} on {info['device']}) died"
@@ -339,8 +385,8 @@ class WorkerClient:
         if self.state == DEAD:
             # The sentinel can fire a moment before the child is reapable; wait off the event loop.
             await asyncio.to_thread(proc.join, 5)
-            self.last_error = (self._lost_rank[1] if self._lost_rank
-                               else f"worker process exited with code {proc.exitcode}")
+            self.last_error = (self._lost_rank[1] if self._lost_rank else self._kill_reason
+                               or f"worker process exited with code {proc.exitcode}")
             logger.error("worker %s/%s died (exit code %s)", self.model_name, self.label, proc.exitcode)
         if not restart:
             return
@@ -352,7 +398,7 @@ class WorkerClient:
 
     def describe(self) -> dict[str, Any]:
         """Per-worker detail for /health."""
-        age = None if self.last_message_at is None else round(time.time() - self.last_message_at, 3)
+        age = None if self.last_message_at is None else round(time.monotonic() - self.last_message_at, 3)
         return {
             "model": self.model_name,
             "worker": self.label,
@@ -387,6 +433,8 @@ class WorkerClient:
         """Ask the worker to stop, wait, then kill it; release the sockets."""
         if self._supervisor is not None:
             self._supervisor.cancel()  # no restart after this
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         proc = self._proc
         if proc is not None and proc.is_alive():
             was_ready = self.state == READY

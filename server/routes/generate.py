@@ -2,7 +2,8 @@
 
 validate and build the generations (the endpoint) -> start them all -> wait for every prompt's first
 tokens, so that an error still gets a real HTTP status -> stream, or collect the whole answer ->
-abort in the workers on a disconnect or an error -> one log line and one metrics observation.
+abort in the workers on a disconnect or an error -> one log line and one metrics observation. The
+log line's fields (which the per-key usage counts from) are left whatever the outcome, once routed.
 The endpoints only say how a response body or a stream frame looks.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from server.errors import APIError
 from server.generation import Delta, Generation
 from server.routes.common import ClientDisconnected, log_fields, run_until_disconnect, sse_response
 from server.worker_client import WorkerClient
@@ -74,6 +76,13 @@ class GenerationGroup:
             pass
 
 
+def _outcome(exc: BaseException) -> str:
+    """The log line's outcome of a request that ended with ``exc``: its HTTP status when it has one."""
+    if isinstance(exc, APIError):
+        return f"error {exc.status}"
+    return "error 500" if isinstance(exc, Exception) else "cancelled"
+
+
 Frames = Callable[[GenerationGroup, list[list[Delta]]], AsyncIterator[dict[str, Any]]]
 Body = Callable[[GenerationGroup], dict[str, Any]]
 
@@ -91,8 +100,10 @@ async def respond(request: Request, group: GenerationGroup, stream: bool, frames
         group.abort()
         log_fields(request, group, "disconnected")
         return Response(status_code=499)
-    except BaseException:
+    except BaseException as exc:
+        # Routed and started: the log line and the key's usage still count what was consumed.
         group.abort()
+        log_fields(request, group, _outcome(exc))
         raise
     log_fields(request, group, "ok")
     group.observe(metrics, time.perf_counter())
