@@ -19,6 +19,9 @@ MODEL = "tiny"
 KEY = "sk-anthropic-full-81c2e0"  # every model
 KEY_OTHER = "sk-anthropic-other-5b7d13"  # limited to "other"
 MESSAGES = [{"role": "user", "content": "Tell me about the harbour."}]
+# The SDK no longer offers the sampling fields (newer Claude models dropped them); older clients send
+# them and the server takes them.
+GREEDY = {"extra_body": {"temperature": 0}}
 WEATHER = {"name": "get_weather", "description": "The weather in a city.", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
     "required": ["city", "unit"]}}
@@ -67,7 +70,7 @@ def hf_prompt_tokens(tokenizer, messages: list[dict], tools: list[dict] | None =
 
 
 def test_create_returns_a_message(client):
-    message = client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    message = client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=6, **GREEDY)
     assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
     assert message.model == MODEL
     assert [b.type for b in message.content] == ["text"] and message.content[0].text
@@ -76,7 +79,7 @@ def test_create_returns_a_message(client):
 
 
 def test_stream_deltas_add_up_to_the_message_create_returns(client):
-    kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
+    kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, **GREEDY,
           "system": [{"type": "text", "text": "You are terse."}]}
     whole = client.messages.create(**kw)
     with client.messages.stream(**kw) as stream:
@@ -107,8 +110,8 @@ def test_the_event_sequence_is_anthropics(server):
 
 def test_the_same_request_as_chat_completions(server, client):
     """One request path: greedy text equals the chat completions endpoint's for the same prompt."""
-    message = client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
-                                     system="Be brief.")
+    message = client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=10,
+                                     system="Be brief.", **GREEDY)
     chat = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0).chat.completions.create(
         model=MODEL, messages=[{"role": "system", "content": "Be brief."}, *MESSAGES], max_tokens=10, temperature=0)
     assert message.content[0].text == chat.choices[0].message.content
@@ -116,13 +119,13 @@ def test_the_same_request_as_chat_completions(server, client):
 
 
 def test_stop_sequence_is_reported(client):
-    text = client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0).content[0].text
+    text = client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=16, **GREEDY).content[0].text
     word = next(w for w in text.split()[1:] if text.index(w) > 0)
-    message = client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+    message = client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=16, **GREEDY,
                                      stop_sequences=[word, "zzzz-never"])
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == word
     assert message.content[0].text == text[: text.index(word)]
-    with client.messages.stream(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+    with client.messages.stream(model=MODEL, messages=MESSAGES, max_tokens=16, **GREEDY,
                                 stop_sequences=[word]) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == word
