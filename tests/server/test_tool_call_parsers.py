@@ -147,3 +147,16 @@ def test_the_model_setting_offers_every_parser():
 
     (names, _) = get_args(ModelSettings.model_fields["tool_call_parser"].annotation)
     assert set(get_args(names)) == set(PARSERS)
+
+
+def test_the_serve_flag_selects_the_parser_of_every_model(tmp_path):
+    import argparse
+
+    from server.cli import _add_serve_args, build_config
+
+    parser = argparse.ArgumentParser()
+    _add_serve_args(parser)
+    config = build_config(parser.parse_args(["--model", str(tmp_path), "--tool-call-parser", "glm47"]), env={})
+    assert [m.tool_call_parser for m in config.models] == ["glm47"]
+    with pytest.raises(SystemExit):  # argparse refuses a name no parser has
+        parser.parse_args(["--tool-call-parser", "glm99"])
