@@ -3,7 +3,8 @@
 ``system`` becomes a system message; a user turn's ``tool_result`` blocks become ``tool`` messages
 (in order, around its text); an assistant turn's ``tool_use`` blocks become its ``tool_calls``;
 ``tool_choice`` ``any`` is ``required`` and ``tool`` a named function, so forced calls go through the
-same grammar; a conversation that ends with an assistant turn is continued (a prefill), not answered.
+same grammar, as ``output_config.format`` is a json_schema ``response_format``; a conversation that ends
+with an assistant turn is continued (a prefill), not answered.
 """
 
 import json
@@ -45,6 +46,10 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         optional = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                     "stop": body.stop_sequences, "user": body.metadata.user_id if body.metadata else None}
         fields.update({k: v for k, v in optional.items() if v is not None})
+        if body.output_config is not None and body.output_config.format is not None:
+            # Structured outputs: the chat path's json_schema response format, the same grammar.
+            fields["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": body.output_config.format.schema_}}
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:

@@ -108,6 +108,17 @@ class ToolChoice(_Strict):
         return self
 
 
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    """Structured outputs: ``format`` forces a JSON schema on the text (``effort`` is ignored)."""
+
+    format: OutputFormat | None = None
+
+
 class Metadata(_Strict):
     user_id: str | None = None
 
@@ -146,3 +157,11 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0)
     metadata: Metadata | None = None
     stream: bool = False
+    output_config: OutputConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> "MessagesRequest":
+        forced = self.tool_choice is not None and self.tool_choice.type in ("any", "tool")
+        if forced and self.output_config is not None and self.output_config.format is not None:
+            raise ValueError("output_config.format cannot be combined with a tool_choice that forces tool use")
+        return self

@@ -80,3 +80,16 @@ def test_an_invalid_chat_request_is_a_400_naming_the_messages_field():
     with pytest.raises(APIError) as exc:
         chat_request(_messages(messages=[{"role": "user", "content": "x"}], stop_sequences=list("abcdef")))
     assert exc.value.status == 400 and exc.value.param == "stop_sequences"
+
+
+def test_output_config_format_is_the_json_schema_response_format():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    chat = chat_request(_messages(messages=[{"role": "user", "content": "x"}],
+                                  output_config={"format": {"type": "json_schema", "schema": schema}}))
+    assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == schema
+
+
+def test_output_config_format_and_forced_tool_use_do_not_mix():
+    with pytest.raises(ValueError, match="output_config.format"):
+        _messages(messages=[{"role": "user", "content": "x"}], tools=[WEATHER], tool_choice={"type": "any"},
+                  output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})

@@ -164,6 +164,16 @@ def test_any_tool_with_parallel_use_disabled_makes_one_call(client):
     jsonschema.validate(block.input, (WEATHER if block.name == "get_weather" else TIME)["input_schema"])
 
 
+def test_structured_output_follows_the_schema(client):
+    schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 10},
+                                               "year": {"type": "integer", "minimum": 1900, "maximum": 2000}},
+              "required": ["title", "year"]}
+    message = client.messages.create(model=MODEL, messages=MESSAGES, max_tokens=64,
+                                     output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
 def test_tool_round_trip_with_tool_result(client, tokenizer):
     messages = [
         *MESSAGES,
