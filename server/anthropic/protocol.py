@@ -63,7 +63,8 @@ class Message(_Strict):
         # Checked before the union, whose error would name a branch, not the problem.
         if not isinstance(value, dict) or not isinstance(value.get("content"), list):
             return value
-        allowed = _BLOCKS_BY_ROLE.get(value.get("role"))
+        role = value.get("role")
+        allowed = _BLOCKS_BY_ROLE.get(role) if isinstance(role, str) else None
         if allowed is None:
             return value  # the role's own error says what roles are allowed
         for block in value["content"]:

@@ -263,6 +263,8 @@ HOSTILE = [
     ("tool_use from the user", _body(messages=[{"role": "user", "content": [
         {"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]), 400, "tool_use"),
     ("system role in messages", _body(messages=[{"role": "system", "content": "hi"}]), 400, "role"),
+    ("a role that is a list", _body(messages=[{"role": ["user"], "content": [{"type": "text", "text": "x"}]}]),
+     400, "role"),
     ("no messages", _body(messages=[]), 400, "messages"),
     ("content of the wrong type", _body(messages=[{"role": "user", "content": 42}]), 400, "content"),
     ("temperature above 1", _body(temperature=1.5), 400, "temperature"),
