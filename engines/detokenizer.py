@@ -40,6 +40,7 @@ class IncrementalDetokenizer:
         self._text = ""
         self._emitted = 0  # characters of _text already returned
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text (Anthropic reports it)
 
     @property
     def text(self) -> str:
@@ -84,7 +85,7 @@ class IncrementalDetokenizer:
         if hits:
             index, stop = min(hits)
             self._text = self._text[: index + (len(stop) if self.include_stop_str_in_output else 0)]
-            self.stopped = True
+            self.stopped, self.stop_string = True, stop
 
     def _partial_stop_len(self) -> int:
         """Length of the longest text suffix that is a proper prefix of some stop string."""

@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
 
+from server import anthropic
 from server.auth import limited_key, require_api_key
 from server.body_limit import BodyLimitMiddleware
 from server.config import AppConfig
@@ -83,6 +84,7 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.include_router(chat.router, dependencies=guarded)
     app.include_router(completions.router, dependencies=guarded)
     app.include_router(models.router, dependencies=guarded)
+    app.include_router(anthropic.router, dependencies=guarded)
     app.include_router(health.router, dependencies=[] if "/health" in exempt else guarded)
     add_docs(app, lambda path: [] if path in exempt else guarded)
     if config.monitoring.metrics:
@@ -104,4 +106,6 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
     app.add_middleware(KeyUsageMiddleware, metrics=KeyMetrics(registry))
     app.add_middleware(RequestLogMiddleware)
+    # Outermost: every error on /v1/messages paths, whichever layer raised it, in Anthropic's shape.
+    app.add_middleware(anthropic.AnthropicErrorMiddleware)
     return app

@@ -1,4 +1,5 @@
-"""API keys: ``Authorization: Bearer <key>`` compared in constant time against every configured key.
+"""API keys: ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) compared in constant time
+against every configured key.
 
 The matching key's entry is left in ``request.state.api_key``: its name for the request log and the
 per-key metrics, its ``models`` for ``check_model_access``. To a key limited to some models the
@@ -38,7 +39,8 @@ async def require_api_key(request: Request) -> None:
     keys: list[ApiKey] = request.app.state.api_keys
     if not keys:
         return
-    token = bearer_token(request.headers.get("authorization"))
+    # Anthropic's SDKs send the key as ``x-api-key``; the same keys, scoping and limits apply.
+    token = bearer_token(request.headers.get("authorization")) or request.headers.get("x-api-key") or None
     if token is None:
         raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
                        code="invalid_api_key")

@@ -14,6 +14,7 @@ from typing import Any
 
 from engines.config import COMPILE_ENV_VAR, COMPILE_MODES
 from server.config import AppConfig, ConfigError, default_config_path, load_config, parse_config
+from server.tool_calls import PARSERS
 
 # Flag -> per-model config key; None (not given) leaves the config's value alone.
 ENGINE_FLAGS = {
@@ -30,6 +31,7 @@ ENGINE_FLAGS = {
     "seed": "seed",
     "tensor_parallel_size": "tensor_parallel_size",
     "enforce_eager": "enforce_eager",
+    "tool_call_parser": "tool_call_parser",
 }
 # Flag -> distributed config key (tensor-parallel groups over several machines)
 DISTRIBUTED_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port")
@@ -68,6 +70,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, help="first rendezvous port on node 0 (one per group from it)")
     p.add_argument("--enforce-eager", action="store_const", const=True, default=None,
                    help="never compile or graph-capture decode steps (the model's compile: off)")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
+                   help="how tool calls are read with tool_choice auto (default: detected from the chat template)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

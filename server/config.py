@@ -146,8 +146,9 @@ class ModelSettings(_Section):
     compile: Literal[COMPILE_MODES] | None = None  # None: $XINSERVE_COMPILE, else auto
     enforce_eager: bool = False
     # How tool calls are read from this model's output with tool_choice auto: hermes (also Qwen2.5
-    # and Qwen3), llama3_json, glm45 or deepseek_v3. None: detected from the chat template.
-    tool_call_parser: Literal["hermes", "llama3_json", "glm45", "deepseek_v3"] | None = None
+    # and Qwen3), llama3_json, glm45, glm47 (GLM-4.7, GLM-5) or deepseek_v3. None: detected from the
+    # chat template.
+    tool_call_parser: Literal["hermes", "llama3_json", "glm45", "glm47", "deepseek_v3"] | None = None
 
     @field_validator("dtype")
     @classmethod

@@ -13,6 +13,7 @@ from server.auth import check_model_access, may_use
 from server.chat_template import chat_prompt_ids, check_template_kwargs
 from server.generation import Delta, Generation
 from server.limits import cap_max_tokens, check_chat
+from server.pool import ModelPool
 from server.protocol import ChatCompletionRequest
 from server.responses import TokenTexts
 from server.routes.common import max_tokens_for, new_request_id
@@ -25,6 +26,17 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    request_id = new_request_id("chatcmpl")
+    pool, gen, plan = await prepare_chat(body, request, request_id)
+    view = _ChatView(body, pool.name, pool.token_texts, plan)
+    return await respond(request, GenerationGroup(request_id, [gen]), bool(body.stream), view.frames, view.body)
+
+
+async def prepare_chat(
+    body: ChatCompletionRequest, request: Request, request_id: str
+) -> tuple[ModelPool, Generation, OutputPlan]:
+    """The one chat path: checks, routing, the chat template, the output plan and the (unstarted)
+    generation. Other chat-shaped APIs (``server/anthropic``) convert their request and come here."""
     body.check()
     state = request.app.state
     check_chat(body, state.config.limits)
@@ -44,14 +56,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         len(prompt_ids), body.requested_max_tokens, int(worker.info["max_model_len"]), prompt_param="messages",
         param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
     ), state.config.limits)
-    request_id = new_request_id("chatcmpl")
     params = body.sampling_params(max_tokens, body.num_logprobs, json_schema=plan.json_schema)
     gen = Generation(
         worker, request_id, prompt_ids, params, pool.tokenizer,
         timeout_s=state.config.server.request_timeout_s, retry=partial(state.router.replacement, pool),
     )
-    view = _ChatView(body, pool.name, pool.token_texts, plan)
-    return await respond(request, GenerationGroup(request_id, [gen]), bool(body.stream), view.frames, view.body)
+    return pool, gen, plan
 
 
 class _ChatView:

@@ -87,14 +87,20 @@ Frames = Callable[[GenerationGroup, list[list[Delta]]], AsyncIterator[dict[str, 
 Body = Callable[[GenerationGroup], dict[str, Any]]
 
 
-async def respond(request: Request, group: GenerationGroup, stream: bool, frames: Frames, body: Body) -> Response:
-    """Run the group and answer: ``frames(group, first deltas)`` as SSE, or ``body(group)`` as JSON."""
+async def respond(
+    request: Request, group: GenerationGroup, stream: bool, frames: Frames, body: Body,
+    stream_response: Callable[..., Response] = sse_response,
+) -> Response:
+    """Run the group and answer: ``frames(group, first deltas)`` as SSE, or ``body(group)`` as JSON.
+
+    ``stream_response(request, group, frames, metrics)`` frames the stream: OpenAI's ``data:`` lines
+    by default (``sse_response``); Anthropic's ``event:`` lines are ``server/anthropic/sse.py``'s."""
     metrics = request.app.state.metrics
     group.start()
     try:
         firsts = await run_until_disconnect(request, group.first_deltas())
         if stream:
-            return sse_response(request, group, frames(group, firsts), metrics)
+            return stream_response(request, group, frames(group, firsts), metrics)
         await run_until_disconnect(request, group.collect())
     except ClientDisconnected:
         group.abort()

@@ -9,6 +9,7 @@ chat template (``detect``).
 from server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser
 from server.tool_calls.deepseek_v3 import DeepSeekV3Parser
 from server.tool_calls.glm45 import Glm45Parser
+from server.tool_calls.glm47 import Glm47Parser
 from server.tool_calls.hermes import HermesParser
 from server.tool_calls.llama3 import Llama3JsonParser
 
@@ -16,12 +17,15 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,  # also Qwen2.5 and Qwen3
     "llama3_json": Llama3JsonParser,
     "glm45": Glm45Parser,  # also GLM-4 (a JSON body after the name)
+    "glm47": Glm47Parser,  # GLM-4.7 and GLM-5: the same tags, no newlines between them
     "deepseek_v3": DeepSeekV3Parser,
 }
 
-# Template markers, most specific first: GLM-4.5's template also writes <tool_call>.
+# Template markers, most specific first: GLM-4.5's template also writes <tool_call>, and GLM-4.7's
+# writes GLM-4.5's tags with nothing between a key and its value (GLM-4.5's puts a newline there).
 _TEMPLATE_MARKERS = (
     ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
+    ("</arg_key><arg_value>", "glm47"),
     ("<arg_key>", "glm45"),
     ("<tool_call>", "hermes"),
     ("<|python_tag|>", "llama3_json"),

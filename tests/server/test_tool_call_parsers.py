@@ -19,6 +19,20 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_forecast", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"}}}}},
 ]
+# The assistant tool-call markup of GLM-4.5's and GLM-4.7's chat templates (zai-org/GLM-4.5 and
+# zai-org/GLM-4.7, chat_template.jinja; GLM-5 writes GLM-4.7's), rendered as transformers does.
+GLM45_CALLS = (
+    "{% for tc in tool_calls %}\n{%- if tc.function %}\n    {%- set tc = tc.function %}\n{%- endif %}\n"
+    "{{ '\\n<tool_call>' + tc.name }}\n{% set _args = tc.arguments %}\n{% for k, v in _args.items() %}\n"
+    "<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>\n"
+    "{% endfor %}\n</tool_call>{% endfor %}"
+)
+GLM47_CALLS = (
+    "{% for tc in tool_calls %}\n{%- if tc.function %}\n    {%- set tc = tc.function %}\n{%- endif %}\n"
+    "{{- '<tool_call>' + tc.name -}}\n{% set _args = tc.arguments %}{% for k, v in _args.items() %}<arg_key>{{ k }}"
+    "</arg_key><arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>{% endfor %}"
+    "</tool_call>{% endfor %}"
+)
 CASES = [(family, case) for family in PARSERS for case in json.loads((FIXTURES / f"{family}.json").read_text())]
 
 
@@ -86,6 +100,9 @@ def test_named_call_streams_the_whole_output_as_arguments():
 @pytest.mark.parametrize(("template", "expected"), [
     ("{% for m in messages %}<tool_call>\n{{ m }}</tool_call>{% endfor %}", "hermes"),
     ("<tool_call>{{ tc.name }}\n<arg_key>{{ k }}</arg_key>", "glm45"),
+    ("{{- '<tool_call>' + tc.name -}}{% for k, v in _args.items() %}<arg_key>{{ k }}</arg_key><arg_value>", "glm47"),
+    (GLM45_CALLS, "glm45"),
+    (GLM47_CALLS, "glm47"),
     ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>", "deepseek_v3"),
     ("<|start_header_id|>ipython<|end_header_id|><|python_tag|>", "llama3_json"),
     ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}", None),
@@ -93,6 +110,29 @@ def test_named_call_streams_the_whole_output_as_arguments():
 ])
 def test_parser_detected_from_chat_template(template, expected):
     assert detect(template) == expected
+
+
+@pytest.mark.parametrize(("family", "template"), [("glm45", GLM45_CALLS), ("glm47", GLM47_CALLS)])
+def test_glm_calls_rendered_by_their_template_parse_back(family, template, tiny_tokenizer):
+    tools = [*TOOLS, {"type": "function", "function": {"name": "configure", "parameters": {"type": "object", "properties": {
+        "label": {"type": "string"}, "options": {"type": "object"}, "count": {"type": "integer"}}}}}]
+    calls = [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich", "unit": "c"}}},
+        {"type": "function", "function": {"name": "configure", "arguments": {
+            "label": "a <b> & \"c\"\nd", "options": {"depth": [1, 2], "name": "é"}, "count": 7}}},
+        {"type": "function", "function": {"name": "get_time", "arguments": {}}},
+    ]
+    # Rendered by transformers itself (its Jinja settings and its tojson filter).
+    text = tiny_tokenizer.apply_chat_template(
+        [{"role": "assistant", "content": "", "tool_calls": calls}], tokenize=False,
+        chat_template="{% for m in messages %}{% set tool_calls = m.tool_calls %}" + template + "{% endfor %}")
+    if family == "glm47":  # the compact layout: nothing between a call's tags
+        assert text.startswith("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Zürich</arg_value>")
+        assert "</tool_call><tool_call>get_time</tool_call>" in text
+    parsed = PARSERS[family](tools).parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert detect(template) == family
 
 
 def test_configured_parser_wins_over_the_template():
@@ -107,3 +147,16 @@ def test_the_model_setting_offers_every_parser():
 
     (names, _) = get_args(ModelSettings.model_fields["tool_call_parser"].annotation)
     assert set(get_args(names)) == set(PARSERS)
+
+
+def test_the_serve_flag_selects_the_parser_of_every_model(tmp_path):
+    import argparse
+
+    from server.cli import _add_serve_args, build_config
+
+    parser = argparse.ArgumentParser()
+    _add_serve_args(parser)
+    config = build_config(parser.parse_args(["--model", str(tmp_path), "--tool-call-parser", "glm47"]), env={})
+    assert [m.tool_call_parser for m in config.models] == ["glm47"]
+    with pytest.raises(SystemExit):  # argparse refuses a name no parser has
+        parser.parse_args(["--tool-call-parser", "glm99"])

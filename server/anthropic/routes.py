@@ -1,0 +1,50 @@
+"""POST /v1/messages and /v1/messages/count_tokens: converted to a chat request, then the chat path."""
+
+import uuid
+from functools import partial
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.anthropic.convert import chat_request
+from server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from server.anthropic.sse import event_stream_response
+from server.anthropic.view import MessageView
+from server.auth import check_model_access, may_use
+from server.chat_template import chat_prompt_ids, check_template_kwargs
+from server.limits import check_chat
+from server.routes.chat import prepare_chat
+from server.routes.generate import GenerationGroup, respond
+from server.routes.prompt import route_encoded
+
+router = APIRouter()
+
+
+@router.post("/v1/messages", response_model=None)
+async def create_message(body: MessagesRequest, request: Request) -> Response:
+    # Anthropic's ids read msg_<random>; unique, so also the engine's request id.
+    message_id = f"msg_{uuid.uuid4().hex}"
+    pool, gen, plan = await prepare_chat(chat_request(body), request, message_id)
+    single_call = body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use
+    view = MessageView(message_id, pool.name, plan, single_call)
+    return await respond(request, GenerationGroup(message_id, [gen]), body.stream, view.frames, view.body,
+                         stream_response=event_stream_response)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_message_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+    """The prompt's length in tokens, as ``/v1/messages`` would template and tokenise it."""
+    chat = chat_request(body)
+    chat.check()
+    state = request.app.state
+    check_chat(chat, state.config.limits)
+    check_model_access(request, chat.model)
+    trust = state.config.server.trust_request_chat_template
+    check_template_kwargs(chat.chat_template_kwargs, trust)
+    _, _, prompt_ids = await route_encoded(
+        state.router, chat.model, 1,
+        lambda p: chat_prompt_ids(p.tokenizer, chat, max_chars=state.config.limits.max_prompt_chars,
+                                  trust_template=trust),
+        may_use=partial(may_use, request),
+    )
+    return {"input_tokens": len(prompt_ids)}
