@@ -62,6 +62,9 @@ class AttentionMetadata:
     prefill_seq_lens: list[int]  # [P] context lengths after this step
     # The decode part's gather plan (see DecodeGather); None when there is no decode part.
     decode_gather: DecodeGather | None = None
+    # [P] each prefill sequence's prompt length (the DSA indexer ranks a prompt token's row over the
+    # whole prompt, as transformers does); None: as long as its context after this step.
+    prefill_prompt_lens: list[int] | None = None
 
     @property
     def num_prefill_seqs(self) -> int:

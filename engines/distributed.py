@@ -159,5 +159,10 @@ class ParallelGroup:
                                f"(a rank died or timed out): {exc}") from exc
 
     def close(self) -> None:
+        """Leave the group once: destroy this process's process groups and drop the rendezvous store
+        (rank 0's closes its port), so that a later group can form in this process."""
+        if self.store is None:
+            return
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.store = self.device_group = self.control_group = None

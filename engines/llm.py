@@ -4,6 +4,7 @@ Structured output, logit bias and prompt log-probs are ``SamplingParams`` fields
 ``logit_bias``, ``prompt_logprobs``), as on the server.
 """
 
+import weakref
 from collections.abc import Sequence as Seq
 from typing import Self
 
@@ -21,10 +22,14 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=str(model), device=device, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
+        # close() once, on request, when this LLM is garbage-collected, or at exit: the finalizer holds
+        # the engine's bound method (the engine), never the LLM, so it does not keep the LLM alive.
+        self._finalizer = weakref.finalize(self, self.engine.close)
 
     def close(self) -> None:
-        """Stop the engine's other ranks (``tensor_parallel_size`` > 1); also on leaving a ``with``."""
-        self.engine.close()
+        """Stop the engine's other ranks and leave its process group (``tensor_parallel_size`` > 1), so
+        that another engine can start in this process; also on leaving a ``with`` or when collected."""
+        self._finalizer()
 
     def __enter__(self) -> Self:
         return self

@@ -320,6 +320,7 @@ class ModelRunner:
             prefill_query_start_loc=query_start_loc,
             prefill_seq_lens=seq_lens[num_decode:],
             decode_gather=decode_gather,
+            prefill_prompt_lens=[s.seq.num_prompt_tokens for s in prefills],
         )
         # A sequence gets a token when this step's tokens reach its end (not mid-prompt chunks).
         is_sampled = [n == seq.num_tokens for n, seq in zip(seq_lens, seqs)]

@@ -2,9 +2,9 @@
 
 Layout: an 11-int header ``[kind, value, T, S, B, D, P, N, has_logits_indices, prompt_mode, R]``, then
 input_ids [T], positions [T], slot_mapping [T], block_tables [S * B], seq_lens [S],
-prefill_query_start_loc [P + 1], logits_indices [N] (when present) and R (row, count) pairs: the
-rows of the prompts whose log-probs rank 0 computes this step, in the order it computes them.
-``kind`` is STEP, or a command (ALLOCATE: ``value`` KV blocks; PROFILE: measure the KV pool with
+prefill_query_start_loc [P + 1], prefill_prompt_lens [P], logits_indices [N] (when present) and R
+(row, count) pairs: the rows of the prompts whose log-probs rank 0 computes this step, in the order it
+computes them. ``kind`` is STEP, or a command (ALLOCATE: ``value`` KV blocks; PROFILE: measure the KV pool with
 ``value`` / 1e9 of the free memory; STOP). A follower rebuilds the same ``StepBatch`` from it.
 """
 
@@ -34,7 +34,8 @@ def encode_step(batch: StepBatch, prompt_rows: list[tuple[int, int]] | None) -> 
     header = [STEP, 0, len(host.input_ids), num_seqs, width, m.num_decode_seqs, m.num_prefill_seqs,
               len(batch.sampled), host.logits_indices is not None, prompt_rows is not None, len(rows)]
     parts = [np.array(header, dtype=np.int64), host.input_ids, host.positions, host.slot_mapping,
-             host.block_tables.reshape(-1), host.seq_lens, np.array(m.prefill_query_start_loc, dtype=np.int64)]
+             host.block_tables.reshape(-1), host.seq_lens, np.array(m.prefill_query_start_loc, dtype=np.int64),
+             np.array(m.prefill_prompt_lens or m.prefill_seq_lens, dtype=np.int64)]
     if host.logits_indices is not None:
         parts.append(host.logits_indices)
     parts.append(np.array(rows, dtype=np.int64).reshape(-1))
@@ -51,8 +52,8 @@ def decode_step(
 ) -> tuple[StepBatch, list[tuple[int, int]] | None]:
     """The ``StepBatch`` rank 0 built (its ``sampled`` holds N placeholders) and its prompt rows."""
     _, _, t, s, b, d, p, n, has_indices, prompt_mode, r = message[:HEADER].tolist()
-    sizes = [t, t, t, s * b, s, p + 1, n if has_indices else 0, 2 * r]
-    ids, pos, slots, tables, lens, qsl, indices, rows = message[HEADER:].split(sizes)
+    sizes = [t, t, t, s * b, s, p + 1, p, n if has_indices else 0, 2 * r]
+    ids, pos, slots, tables, lens, qsl, prompt_lens, indices, rows = message[HEADER:].split(sizes)
     tables_np = tables.reshape(s, b).numpy().astype(np.int32)
     lens_np = lens.numpy().astype(np.int32)
     metadata = AttentionMetadata(
@@ -63,6 +64,7 @@ def decode_step(
         prefill_query_start_loc=qsl.tolist(),
         prefill_seq_lens=lens_np[d:].tolist(),
         decode_gather=build_decode_gather(tables_np[:d], lens_np[:d], block_size, device) if d else None,
+        prefill_prompt_lens=prompt_lens.tolist(),
     )
     batch = StepBatch(ids.to(device), pos.to(device), metadata, indices.to(device) if has_indices else None,
                       sampled=[None] * n)

@@ -7,12 +7,14 @@ on STOP, or when the group breaks (rank 0 gone), or when its parent process dies
 """
 
 import base64
-import ctypes
 import logging
 import os
 import pickle
+import select
 import signal
 import sys
+import threading
+import time
 
 import torch
 
@@ -24,6 +26,8 @@ from engines.step_message import ALLOCATE, PROFILE, STEP, STOP, decode_header, d
 from engines.tp_runner import parallel_config
 
 logger = logging.getLogger("xinserve.rank")
+
+PARENT_POLL_S = 0.5  # where no pidfd exists: how often the parent is looked for
 
 
 def run_rank(config: EngineConfig, rank: int, master_port: int, threads: int | None) -> None:
@@ -78,19 +82,33 @@ def _prompt_logprobs_step(runner: ModelRunner, batch: StepBatch, prompt_rows: li
         model.compute_logits(hidden)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: SIGKILL this process when its parent dies, so no rank outlives its replica."""
+def watch_parent(parent_pid: int) -> None:
+    """Exit this process at once when process ``parent_pid`` (rank 0's) ends, so no rank outlives its
+    replica. A daemon thread waits on a pidfd of the parent (readable once the whole process has
+    exited), else polls ``getppid``. Not PR_SET_PDEATHSIG: that fires when the *thread* that started
+    this process exits, and a server or an offline user may start an engine from a passing thread."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != parent_pid:  # the parent died before the call
+        pidfd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3, or the parent is already gone
+        pidfd = None
+    if os.getppid() != parent_pid:  # the parent died before we looked (the pidfd may name another process)
         os._exit(1)
+    threading.Thread(target=_exit_when_gone, args=(parent_pid, pidfd), name="watch-parent", daemon=True).start()
+
+
+def _exit_when_gone(parent_pid: int, pidfd: int | None) -> None:
+    if pidfd is not None:
+        select.select([pidfd], [], [])
+    else:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+    logger.error("rank 0's process %d is gone; leaving", parent_pid)
+    os._exit(1)
 
 
 def main() -> None:
     config, rank, master_port, threads, parent_pid = pickle.loads(base64.b64decode(sys.argv[1]))
-    _die_with_parent(parent_pid)
+    watch_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 stops the others
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
     try:

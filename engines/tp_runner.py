@@ -5,16 +5,17 @@ same ``_forward``; rank 0 alone samples. Commands (KV allocation, the KV pool's 
 as messages of the same broadcast, so the ranks stay in lock-step.
 """
 
-import atexit
 import base64
 import logging
 import os
 import pickle
 import subprocess
 import sys
+import weakref
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 from engines.config import EngineConfig
 from engines.distributed import GroupFailure, ParallelGroup, open_store
@@ -60,7 +61,8 @@ def spawn_rank(config: EngineConfig, rank: int, master_port: int, threads: int |
     """Start rank ``rank`` (> 0) of the group in its own process (``python -m engines.tp_follower``).
 
     A plain subprocess, not multiprocessing: a server worker is a daemon process, which may not
-    have multiprocessing children. The child dies with this process (PR_SET_PDEATHSIG).
+    have multiprocessing children. The child watches this process and leaves when it dies
+    (engines/tp_follower.py), whichever thread started it.
     """
     payload = base64.b64encode(pickle.dumps((config, rank, master_port, threads, os.getpid()))).decode()
     return subprocess.Popen([sys.executable, "-m", "engines.tp_follower", payload])
@@ -72,6 +74,10 @@ def make_runner(config: EngineConfig, platform: Platform, block_size: int, eos_t
         return ModelRunner(config, platform, block_size, eos_token_ids)
     parallel = parallel_config(config)
     check_model_splits(config.model, parallel.world_size)
+    if dist.is_initialized():
+        # torch.distributed has one default group per process: the engine that holds it must go first.
+        raise RuntimeError(f"model {config.model}: this process already holds a tensor-parallel group (another "
+                           "engine is still open); close() it, or drop every reference to it, first")
     store = open_store(0, parallel.world_size, parallel.master_addr, parallel.master_port,
                        parallel.rendezvous_timeout_s)
     previous_threads = torch.get_num_threads()
@@ -108,10 +114,10 @@ class TensorParallelRunner(ModelRunner):
         previous_threads: int,
     ) -> None:
         self.group, self.parallel, self.followers = group, parallel, followers
-        self._previous_threads = previous_threads
-        self._closed = False
-        super().__init__(config, platform, block_size, eos_token_ids, group=group)
-        atexit.register(self.close)  # an LLM never closed still stops its ranks at exit
+        super().__init__(config, platform, block_size, eos_token_ids, group=group)  # a failure: make_runner's
+        # Releases the group when close() is called, when the runner is garbage-collected, or at exit
+        # (an engine never closed). It holds the group and the processes, never the runner itself.
+        self._release = weakref.finalize(self, _release_group, group, followers, previous_threads)
 
     def ranks(self) -> list[dict]:
         """Each rank's device, node and (on this node) pid, for /health."""
@@ -149,18 +155,7 @@ class TensorParallelRunner(ModelRunner):
 
     def close(self) -> None:
         """Stop the other ranks (a STOP message, then a kill after a grace) and leave the group."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.close)
-        try:
-            if all(proc.poll() is None for proc in self.followers.values()):
-                self.group.broadcast_message(encode_command(STOP))
-        except GroupFailure:
-            logger.warning("a rank was already gone when the group stopped")
-        _stop(self.followers, STOP_WAIT_S)
-        self.group.close()
-        torch.set_num_threads(self._previous_threads)
+        self._release()
 
 
 def prompt_logit_rows(scheduled: list[ScheduledSeq], num_tokens: int) -> list[tuple[int, int]]:
@@ -174,6 +169,19 @@ def prompt_logit_rows(scheduled: list[ScheduledSeq], num_tokens: int) -> list[tu
             if targets > 0:
                 rows.append((first_row, targets))
     return rows
+
+
+def _release_group(group: ParallelGroup, followers: dict[int, subprocess.Popen], previous_threads: int) -> None:
+    """Stop the other ranks, destroy the process group and free the rendezvous port, so that a new
+    tensor-parallel engine can start in this process."""
+    try:
+        if all(proc.poll() is None for proc in followers.values()):
+            group.broadcast_message(encode_command(STOP))
+    except GroupFailure:
+        logger.warning("a rank was already gone when the group stopped")
+    _stop(followers, STOP_WAIT_S)
+    group.close()
+    torch.set_num_threads(previous_threads)
 
 
 def _stop(followers: dict[int, subprocess.Popen], wait_s: float) -> None:

@@ -24,6 +24,14 @@ def fused_moe(
 ) -> torch.Tensor:
     """hidden: [T, Hd]; w13: [E, 2I, Hd]; w2: [E, Hd, I]; topk_weights: [T, K] float32; topk_ids:
     [T, K]. Returns [T, Hd]."""
+    if torch.compiler.is_compiling():  # traced (engines/graphs.py): the opaque op below
+        return _grouped_fused_moe_op(hidden, w13, w2, topk_weights, topk_ids)
+    return _grouped_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def _grouped_fused_moe(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)  # [T * K]: sorted row -> its (token, k) slot
@@ -37,6 +45,19 @@ def fused_moe(
     weighted = down.float() * topk_weights.reshape(-1).index_select(0, order)[:, None]
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
+
+
+# torch.compile cannot trace bincount (its output's length depends on the ids): it would break the
+# compiled decode's graph in every MoE layer. As an opaque op the graph calls it whole.
+@torch.library.custom_op("xinserve::fused_moe_grouped_mm", mutates_args=())
+def _grouped_fused_moe_op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor) -> torch.Tensor:
+    return _grouped_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+@_grouped_fused_moe_op.register_fake
+def _(hidden, w13, w2, topk_weights, topk_ids):
+    return torch.empty_like(hidden)
 
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:

@@ -102,6 +102,14 @@ def indexer_topk(
     index_cache: [N, BS, Di] (holding the new tokens' keys). Scores are float32: for token t and a
     cached position p at or before t's, ``sum_h weights[t, h] * relu(scale * query[t, h] . key[p])``;
     the K = ``topk`` best are kept (all of them when the context is shorter). Returns [T, K] int64.
+
+    Equal scores are common (a position scores exactly 0 when every head's relu is 0, often with few
+    heads), and which of them torch.topk keeps depends on the length of the row it ranks. So each row
+    is ranked as transformers' ``generate`` ranks it: a decode token over exactly its context; a
+    prompt token over the whole prompt, the positions after it at -inf (transformers' prefill is one
+    [prompt, prompt] causal block, whatever chunks the prompt is computed in here); a generated token
+    recomputed after preemption over exactly its context (it was a decode there). A traced decode
+    (engines/graphs.py) ranks its padded rows at once instead, which can break such ties differently.
     """
     num_decode = metadata.num_decode_seqs
     out = torch.full((query.shape[0], topk), -1, dtype=torch.int64, device=query.device)
@@ -111,34 +119,55 @@ def indexer_topk(
         gathered_len = gather.block_ids.shape[0] // num_decode * block_size
         keys = index_cache.index_select(0, gather.block_ids).view(num_decode, gathered_len, width)
         keys = keys[:, : gather.context_len]  # [S, Lc, Di]
-        visible = None if gather.mask is None else gather.mask.view(num_decode, 1, -1)  # [S, 1, Lc]
-        out[:num_decode] = _top_positions(query[:num_decode, None], weights[:num_decode, None], keys, visible,
-                                          topk, scale).squeeze(1)
+        # scores: [S, Lc], -inf past each context
+        scores = _index_scores(query[:num_decode, None], weights[:num_decode, None], keys, scale).squeeze(1)
+        if gather.mask is None or torch.compiler.is_compiling():
+            if gather.mask is not None:
+                scores = scores.masked_fill(~gather.mask.view(num_decode, -1), float("-inf"))
+            out[:num_decode] = _top_positions(scores, topk)
+        else:
+            out[:num_decode] = _rank_rows(scores, gather.host_seq_lens, topk)
     offset = num_decode  # prefill tokens follow the decode tokens
-    for start, end, keys in latent_context(index_cache, metadata.block_tables[num_decode:],
-                                           metadata.prefill_query_start_loc, metadata.prefill_seq_lens):
+    prompt_lens = metadata.prefill_prompt_lens or metadata.prefill_seq_lens
+    for i, (start, end, keys) in enumerate(latent_context(index_cache, metadata.block_tables[num_decode:],
+                                                         metadata.prefill_query_start_loc,
+                                                         metadata.prefill_seq_lens)):
         seq_len = keys.shape[0]
-        q_pos = torch.arange(seq_len - (end - start), seq_len, device=keys.device)[:, None]
-        causal = torch.arange(seq_len, device=keys.device)[None, :] <= q_pos  # [q_len, L]
+        positions = torch.arange(seq_len - (end - start), seq_len)  # [q_len] on the host
         rows = slice(offset + start, offset + end)
-        out[rows] = _top_positions(query[rows][None], weights[rows][None], keys[None], causal[None], topk, scale)[0]
+        scores = _index_scores(query[rows][None], weights[rows][None], keys[None], scale)[0]  # [q_len, L]
+        causal = torch.arange(seq_len, device=keys.device)[None, :] <= positions.to(keys.device)[:, None]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out[rows] = _rank_rows(scores, (positions + 1).clamp(min=prompt_lens[i]), topk)
     return out
 
 
-def _top_positions(
-    query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor | None, topk: int,
-    scale: float,
-) -> torch.Tensor:
-    """query [B, Q, Hi, Di], weights [B, Q, Hi], keys [B, L, Di], visible [B, Q | 1, L] bool or None
-    -> [B, Q, K] the best visible positions, -1 past the visible count. transformers' order of
-    operations: per-head float32 scores, relu, then the weighted sum over heads as one matmul."""
+def _index_scores(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [B, Q, Hi, Di], weights [B, Q, Hi], keys [B, L, Di] -> [B, Q, L] float32, in transformers'
+    order of operations: per-head float32 scores, relu, then the weighted sum over heads as one matmul."""
     # scores: [B, Q, Hi, L]
     scores = F.relu(torch.matmul(query.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * scale)
-    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, Q, L]
-    if visible is not None:
-        index_scores = index_scores.masked_fill(~visible, float("-inf"))
-    k = min(topk, index_scores.shape[-1])
-    values, positions = index_scores.topk(k, dim=-1)
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
+def _rank_rows(scores: torch.Tensor, widths: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores [R, L] (-inf where a row may not look), widths [R] host int -> [R, K]: row r ranked as a
+    row of widths[r] positions (cut short, or padded with -inf), rows of one width in one topk."""
+    length = scores.shape[1]
+    out = torch.full((scores.shape[0], topk), -1, dtype=torch.int64, device=scores.device)
+    for width in widths.unique().tolist():
+        rows = (widths == width).nonzero().squeeze(1).to(scores.device)
+        block = scores.index_select(0, rows)
+        block = block[:, :width] if width <= length else F.pad(block, (0, width - length), value=float("-inf"))
+        out[rows] = _top_positions(block, topk)
+    return out
+
+
+def _top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores [..., L] (-inf where not visible) -> [..., K] the best visible positions, -1 past the
+    visible count."""
+    k = min(topk, scores.shape[-1])
+    values, positions = scores.topk(k, dim=-1)
     positions = positions.masked_fill(values == float("-inf"), -1)
     if k < topk:
         positions = F.pad(positions, (0, topk - k), value=-1)

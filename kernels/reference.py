@@ -286,6 +286,14 @@ def fused_moe(
     as one matmul pair; the weighted results are added back to their tokens (in float32). The
     per-expert row counts are read on the host once (to slice, and to skip experts without a row).
     """
+    if torch.compiler.is_compiling():  # traced (engines/graphs.py): the opaque op below
+        return _fused_moe_op(hidden, w13, w2, topk_weights, topk_ids)
+    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def _fused_moe(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)  # [T * K]: sorted row -> its (token, k) slot
@@ -301,6 +309,20 @@ def fused_moe(
     weighted = torch.cat(outputs).float() * topk_weights.reshape(-1).index_select(0, order)[:, None]
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
+
+
+# torch.compile cannot trace the per-expert loop: reading the counts on the host breaks the graph, and
+# dynamo guards on every expert's count, so each new routing recompiled until the recompile limit left
+# the decode eager. As an opaque op the compiled decode calls it as it is; the fake says the shape.
+@torch.library.custom_op("xinserve::fused_moe", mutates_args=())
+def _fused_moe_op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_moe_op.register_fake
+def _(hidden, w13, w2, topk_weights, topk_ids):
+    return torch.empty_like(hidden)
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

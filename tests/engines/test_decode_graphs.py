@@ -204,3 +204,25 @@ def test_the_inductor_cache_lives_in_the_xinserve_cache_dir(compiled, monkeypatc
     assert engines.graphs.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # a user's own choice is kept
     assert engines.graphs.use_inductor_cache() == "/elsewhere"
+
+
+def test_compiled_moe_decode_equals_eager_without_recompiling(tiny_models, monkeypatch):
+    """A mixture-of-experts model's decode compiles into one graph (fused_moe is an opaque op) that
+    serves every step: no graph break, no recompile as the routing changes, and greedy tokens equal
+    eager's. Before: each new routing recompiled fused_moe until dynamo's recompile limit."""
+    path = tiny_models("mixtral", num_layers=1, max_position_embeddings=64)
+    options = {**OPTIONS, "max_num_seqs": 2}
+    counters = torch._dynamo.utils.counters
+    graphs_before, breaks_before = counters["stats"]["unique_graphs"], counters["graph_break"].total()
+    monkeypatch.setattr(engines.graphs, "bucket_sizes", lambda max_num_seqs: [2])  # one bucket: compiles cost
+    llm = LLM(path, compile="on", **options)
+    assert sorted(llm.engine.runner.decode_graphs.steps) == [2]
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1
+    eager = LLM(path, compile="off", **options)
+    for seed, count in enumerate((1, 2, 2)):
+        batch = prompts(llm.engine.vocab_size, count, seed)
+        want = [r.token_ids for r in eager.generate(batch, GREEDY)]
+        assert [r.token_ids for r in llm.generate(batch, GREEDY)] == want, f"batch of {count}"
+    assert llm.engine.runner.decode_graphs.steps_run >= 3 * (GREEDY.max_tokens - 1)
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1  # no step recompiled
+    assert counters["graph_break"].total() == breaks_before

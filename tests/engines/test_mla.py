@@ -65,6 +65,40 @@ def test_greedy_equals_transformers_batched_prefix_cached_preempted_chunked(tiny
     assert all(len(reference.generate(p)) == MAX_TOKENS for p in prompts)
 
 
+def mixed_prompts(vocab_size: int) -> list[list[int]]:
+    """12 prompts of 3-40 tokens, then 4 that share a 12-token prefix (3 blocks of 4): a prefix token
+    sees at most index_topk positions, so it selects all of them, ties or not, and its cached latent
+    equals what transformers computes inside each prompt."""
+    rng = random.Random(11)
+    mixed = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(3, 40))] for _ in range(12)]
+    prefix = [rng.randrange(3, vocab_size) for _ in range(INDEX_TOPK)]
+    return mixed + [prefix + [rng.randrange(3, vocab_size) for _ in range(rng.randint(5, 25))] for _ in range(4)]
+
+
+@pytest.mark.parametrize("heads", [2, 4])
+def test_few_indexer_heads_break_score_ties_as_transformers_does(tiny_models, heads):
+    """With 2 or 4 indexer heads many positions score exactly 0 (every head's relu is 0), and which tied
+    positions torch.topk keeps depends on the length of the row it ranks. transformers' generate (our
+    reference, with its cache) ranks a prompt token over the whole prompt and a generated token over
+    exactly its context; its uncached forward ranks every token over the whole sequence and so can
+    disagree with its own cached path. Batched (decode rows of different lengths), chunked prefill,
+    prefix-cached and preempted (recomputed) schedules all rank as the cached path does. Before: 3 of
+    12 mixed prompts matched batched or chunked with 2 heads."""
+    path = tiny_models("glm_moe_dsa", index_n_heads=heads)
+    reference = Reference(path)
+    prompts = mixed_prompts(reference.vocab_size)
+    check_against_reference(LLM(path, num_kv_blocks=256, block_size=4), reference, prompts[:12])
+    chunked = LLM(path, num_kv_blocks=256, block_size=4, max_num_batched_tokens=16)
+    check_against_reference(chunked, reference, prompts[:12])
+    cached = LLM(path, num_kv_blocks=256, block_size=4, enable_prefix_caching=True)
+    check_against_reference(cached, reference, prompts[12:13])
+    check_against_reference(cached, reference, prompts[13:])
+    assert cached.engine.stats().prefix_cache_hits_total >= 3 * INDEX_TOPK
+    tight = LLM(path, num_kv_blocks=24, block_size=4, enable_prefix_caching=False)
+    check_against_reference(tight, reference, prompts[12:])
+    assert tight.engine.stats().num_preemptions_total > 0
+
+
 @pytest.mark.parametrize(("name", "indexer_layers"), [("deepseek_v3", 0), ("glm_moe_dsa", 3),
                                                     ("glm_moe_dsa_shared", 2)])
 def test_pool_bytes_per_block_are_the_latent_plus_the_indexer_keys(tiny_models, name, indexer_layers):

@@ -234,3 +234,20 @@ def test_greedy_generation_of_moe_models_on_npu_equals_cpu(npu_platform, tiny_mo
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert [r.token_ids for r in on_npu.generate(prompts, params)] == [
         r.token_ids for r in on_cpu.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("impl", [reference.fused_moe, grouped_mm.fused_moe], ids=["reference", "grouped_mm"])
+def test_fused_moe_traces_as_one_graph_that_no_routing_recompiles(impl):
+    """Under torch.compile (the compiled decode, engines/graphs.py) fused_moe is one opaque op: no graph
+    break (fullgraph), and a new routing reuses the compiled graph. Before: the reference's host read
+    of the per-expert counts broke the graph and its per-expert guards recompiled for every routing
+    until dynamo's recompile limit; grouped_mm's bincount broke the graph."""
+    w13, w2 = experts(8, 32, 16, seed=0)
+    hidden = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *args: impl(*args) * 2, backend="eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(4):
+            _, _, weights, ids = routed(4, 8, SOFTMAX, seed=seed)
+            got = compiled(hidden, w13, w2, weights, ids)
+            torch.testing.assert_close(got, reference.fused_moe(hidden, w13, w2, weights, ids) * 2)
