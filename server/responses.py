@@ -8,6 +8,7 @@ than null (``usage`` of a non-streamed response is always an object).
 from typing import Any
 
 from engines.outputs import TokenLogprob
+from engines.token_bytes import TokenBytes
 
 
 class TokenTexts:
@@ -17,11 +18,14 @@ class TokenTexts:
     SentencePiece tokenizers drop a token's leading space when it is decoded on its own ("▁there"
     decodes to "there"), so each token is decoded after an anchor token and the anchor's own text is
     cut off: " there", as in the generated text, and the completions ``text_offset`` add up.
+    ``raw(token_id)`` is the token's own bytes: a byte-fallback ``<0xF0>`` decodes to U+FFFD but is
+    byte 0xF0.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes = TokenBytes(tokenizer)
         anchor = tokenizer.encode("a", add_special_tokens=False)
         self._anchor = anchor[-1:] if anchor else []
         self._anchor_text = self._decode(self._anchor)
@@ -39,6 +43,10 @@ class TokenTexts:
             self._cache[token_id] = text
         return text
 
+    def raw(self, token_id: int) -> list[int]:
+        raw = self._bytes(token_id)
+        return list(self(token_id).encode("utf-8") if raw is None else raw)
+
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
@@ -48,8 +56,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _token_entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def _token_entry(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": texts(token_id), "logprob": logprob, "bytes": texts.raw(token_id)}
 
 
 def chat_logprobs(
@@ -59,8 +67,8 @@ def chat_logprobs(
         return None
     content = []
     for token_id, lp in zip(token_ids, entries, strict=False):
-        entry = _token_entry(texts(token_id), lp.logprob)
-        entry["top_logprobs"] = [_token_entry(texts(t), v) for t, v in zip(lp.top_token_ids[:top], lp.top_logprobs[:top])]
+        entry = _token_entry(texts, token_id, lp.logprob)
+        entry["top_logprobs"] = [_token_entry(texts, t, v) for t, v in zip(lp.top_token_ids[:top], lp.top_logprobs[:top])]
         content.append(entry)
     return {"content": content, "refusal": None}
 
