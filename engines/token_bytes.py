@@ -10,6 +10,7 @@ answer None and the token's decoded text is its bytes.
 
 import json
 import re
+import weakref
 from typing import Any
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -46,6 +47,7 @@ class TokenBytes:
     """``token_bytes(token_id)``: the token's raw bytes, or None where its decoded text is them.
 
     Cached per id: log-probs and the detokenizer ask for the same ids again and again.
+    ``special_ids``: the tokens ``decode(..., skip_special_tokens=True)`` leaves out.
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -53,6 +55,8 @@ class TokenBytes:
         self.kind = _decoder_kind(tokenizer)
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self._added = {token_id: str(token) for token_id, token in added.items()}
+        self.special_ids = {token_id for token_id, token in added.items() if getattr(token, "special", False)}
+        self.special_ids.update(getattr(tokenizer, "all_special_ids", []))
         self._cache: dict[int, bytes | None] = {}
 
     def __call__(self, token_id: int) -> bytes | None:
@@ -80,3 +84,14 @@ class TokenBytes:
                 return bytes([int(match.group(1), 16)])
             return piece.replace("▁", " ").encode("utf-8")
         return None
+
+
+_SHARED: "weakref.WeakKeyDictionary[Any, TokenBytes]" = weakref.WeakKeyDictionary()
+
+
+def token_bytes_of(tokenizer: Any) -> TokenBytes:
+    """The one ``TokenBytes`` of ``tokenizer``, so its cache outlives a request."""
+    found = _SHARED.get(tokenizer)
+    if found is None:
+        found = _SHARED[tokenizer] = TokenBytes(tokenizer)
+    return found

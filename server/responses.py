@@ -8,7 +8,7 @@ than null (``usage`` of a non-streamed response is always an object).
 from typing import Any
 
 from engines.outputs import TokenLogprob
-from engines.token_bytes import TokenBytes
+from engines.token_bytes import token_bytes_of
 
 
 class TokenTexts:
@@ -25,7 +25,7 @@ class TokenTexts:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
-        self._bytes = TokenBytes(tokenizer)
+        self._bytes = token_bytes_of(tokenizer)
         anchor = tokenizer.encode("a", add_special_tokens=False)
         self._anchor = anchor[-1:] if anchor else []
         self._anchor_text = self._decode(self._anchor)

@@ -55,6 +55,16 @@ def test_seeded_choices_do_not_repeat_a_neighbouring_seed(llm, assert_idle):
     assert_idle(llm)
 
 
+def test_output_of_partial_characters_keeps_its_text(llm, assert_idle):
+    """A byte-level token holding only a character's first byte, forced: its text was held back forever."""
+    first_byte = llm.tokenizer.convert_tokens_to_ids("ð")  # byte 0xF0 in GPT-2's byte alphabet
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={first_byte: 100})
+    out = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    assert out.token_ids == [first_byte] * 12
+    assert out.text == llm.tokenizer.decode(out.token_ids) == "\ufffd" * 12
+    assert_idle(llm)
+
+
 def test_stop_token_ids_and_max_tokens(llm, assert_idle):
     free_run = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
     stop_id = free_run.token_ids[4]
