@@ -153,3 +153,14 @@ class IncrementalDetokenizer:
                     best = k
                     break
         return best
+
+
+def text_offsets(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool = True) -> list[int]:
+    """Where each token's text starts in ``decode(token_ids)``: ``len(decode(token_ids[:i]))``, in one
+    linear pass. A token inside a character split over tokens gets that character's start."""
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip_special_tokens)
+    offsets = []
+    for token_id in token_ids:
+        offsets.append(len(detok.text))
+        detok.add([token_id])
+    return offsets

@@ -92,23 +92,19 @@ def completion_logprobs(
 
 
 def prompt_logprobs(
-    token_ids: list[int], entries: list[TokenLogprob | None], texts: TokenTexts, echo: str
+    token_ids: list[int], entries: list[TokenLogprob | None], texts: TokenTexts, offsets: list[int], echo: str
 ) -> dict[str, Any]:
     """The echoed prompt's tokens in the legacy completions format; the first has no log-prob.
 
-    ``text_offset`` indexes the echoed text: a token whose text is not there (a BOS the tokenizer
-    added) sits at the current offset without moving it.
+    ``offsets``: where each token's text starts in the decoded prompt (``text_offsets``); they index
+    the echoed text, so they stop at its end, where the completion's own offsets begin.
     """
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    offset = 0
-    for token_id, lp in zip(token_ids, entries, strict=False):
-        text = texts(token_id)
-        tokens.append(text)
+    for token_id, lp, offset in zip(token_ids, entries, offsets, strict=False):
+        tokens.append(texts(token_id))
         token_logprobs.append(None if lp is None else lp.logprob)
         top_logprobs.append(None if lp is None else {texts(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
-        text_offset.append(offset)
-        if echo.startswith(text, offset):
-            offset += len(text)
+        text_offset.append(min(offset, len(echo)))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
 

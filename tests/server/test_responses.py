@@ -3,6 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
+from engines.detokenizer import text_offsets
 from engines.outputs import TokenLogprob
 from engines.tiny_model import make_tokenizer
 from server import responses
@@ -49,3 +50,32 @@ def test_chat_logprob_bytes_of_byte_level_bpe_tokens_are_the_bytes(byte_level_to
     assert any(e["token"] == "\ufffd" for e in content)  # some tokens hold part of a character
     assert bytes(b for e in content for b in e["bytes"]) == text.encode()
     assert [e["bytes"] for e in content[0]["top_logprobs"]] == [e["bytes"] for e in content[:3]]
+
+
+def _prompt_block(tok, ids: list[int], echo: str, skip_special: bool) -> dict:
+    entries = [None] + [TokenLogprob(-1.0, [], []) for _ in ids[1:]]
+    offsets = text_offsets(tok, ids, skip_special)
+    return responses.prompt_logprobs(ids, entries, TokenTexts(tok), offsets, echo)
+
+
+def test_echoed_sentencepiece_prompt_offsets_follow_its_text(stories_tok):
+    prompt = "Once upon a time"
+    ids = stories_tok.encode(prompt)  # <s> ▁Once ▁upon ▁a ▁time
+    block = _prompt_block(stories_tok, ids, prompt, skip_special=True)
+    assert block["text_offset"] == [0, 0, 4, 9, 11]  # was all 0: " Once" is not where "Once" starts
+    as_ids = stories_tok.decode(ids)  # token-id prompts echo their decoded ids, "<s>" included
+    assert _prompt_block(stories_tok, ids, as_ids, skip_special=False)["text_offset"] == [0, 3, 8, 13, 15]
+
+
+def test_text_offsets_are_cumulative_decodes(stories_tok, byte_level_tok):
+    for tok in (stories_tok, byte_level_tok):
+        ids = tok.encode("Once upon a time, 北京 🦊 ran.")
+        text = tok.decode(ids, skip_special_tokens=True)
+        got = text_offsets(tok, ids)
+        for i, offset in enumerate(got):
+            before = tok.decode(ids[:i], skip_special_tokens=True)
+            if before.endswith("\ufffd"):  # inside a character split over tokens: its start
+                assert text[offset] in "北京🦊"
+            else:
+                assert offset == len(before)
+        assert got == sorted(got)
