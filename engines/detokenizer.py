@@ -28,9 +28,10 @@ class IncrementalDetokenizer:
     Characters split over tokens (byte-fallback ``<0xE4>``, byte-level BPE pieces): the tokens' own
     bytes (``TokenBytes``) tell where a character ends, so only the tokens of the last, incomplete
     character are held back (at most 3 bytes); invalid bytes are U+FFFD at once, and an incomplete
-    character still pending at the end is decoded by ``flush`` as the tokenizer decodes it. Each call
-    decodes a few tokens at most (the newly complete ones plus the previous ones as context), so a
-    long output costs time linear in its length.
+    character still pending at the end is decoded by ``flush`` as the tokenizer decodes it. Where the
+    tokenizer's text is just its tokens' bytes as UTF-8 (a plain byte-level decoder), the bytes are
+    decoded here directly. Otherwise each call decodes a few tokens at most (the newly complete ones,
+    after the previous ones as context); either way a long output costs time linear in its length.
     """
 
     def __init__(
@@ -72,6 +73,9 @@ class IncrementalDetokenizer:
         self.num_tokens += len(new_token_ids)
         if ends_with_stop_token and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
+        if self._bytes.bytes_are_text:
+            self._extend("".join(self._utf8.decode(self._token_bytes(t)) for t in new_token_ids))
+            return self._release()
         for token_id in new_token_ids:
             self._append(token_id)
         end = self._complete
@@ -85,11 +89,19 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Once generation has ended: everything held back, an incomplete character's bytes included
         (as the tokenizer decodes them: U+FFFD)."""
-        if not self.stopped:
+        if not self.stopped and self._bytes.bytes_are_text:
+            self._extend(self._utf8.decode(b"", final=True))
+        elif not self.stopped:
             self._take(len(self._ids))
             self._utf8.reset()
         delta, self._emitted = self._text[self._emitted :], len(self._text)
         return delta
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        if self.skip_special_tokens and token_id in self._bytes.special_ids:
+            return b""
+        raw = self._bytes(token_id)
+        return self._decode([token_id]).encode("utf-8") if raw is None else raw  # None: not in the vocabulary
 
     def _append(self, token_id: int) -> None:
         if self.skip_special_tokens and token_id in self._bytes.special_ids:
@@ -121,9 +133,12 @@ class IncrementalDetokenizer:
             full = prefix + self._decode(self._ids[self._read_offset : end])
         if len(full) <= len(prefix):
             return  # nothing yet (e.g. a lone space the tokenizer strips): wait for more
-        searched_from = max(0, len(self._text) - self._longest_stop() + 1)
-        self._text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, end
+        self._extend(full[len(prefix) :])
+
+    def _extend(self, text: str) -> None:
+        searched_from = max(0, len(self._text) - self._longest_stop() + 1)
+        self._text += text
         if self.num_tokens >= self.min_tokens:
             self._truncate_at_stop(searched_from)
 

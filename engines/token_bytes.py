@@ -26,19 +26,23 @@ def _byte_level_alphabet() -> dict[str, int]:
     return alphabet
 
 
-_BYTE_LEVEL = _byte_level_alphabet()
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 
 
-def _decoder_kind(tokenizer: Any) -> str:
+def _decoder_spec(tokenizer: Any) -> dict | None:
+    """The fast tokenizer's decoder as its JSON description (None: no fast decoder)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return None if decoder is None else json.loads(decoder.__getstate__())
+
+
+def _decoder_kind(tokenizer: Any, spec: dict | None) -> str:
     """"byte_level", "sentencepiece" or "other", from the fast tokenizer's decoder (or a slow one's model)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = getattr(backend, "decoder", None)
-    if decoder is None:
+    if spec is None:
         return "sentencepiece" if getattr(tokenizer, "sp_model", None) is not None else "other"
-    spec = json.dumps(json.loads(decoder.__getstate__()), ensure_ascii=False)
-    if '"ByteLevel"' in spec:
+    text = json.dumps(spec, ensure_ascii=False)
+    if '"ByteLevel"' in text:
         return "byte_level"
-    if '"ByteFallback"' in spec or '"Metaspace"' in spec or "▁" in spec:
+    if '"ByteFallback"' in text or '"Metaspace"' in text or "▁" in text:
         return "sentencepiece"
     return "other"
 
@@ -48,11 +52,19 @@ class TokenBytes:
 
     Cached per id: log-probs and the detokenizer ask for the same ids again and again.
     ``special_ids``: the tokens ``decode(..., skip_special_tokens=True)`` leaves out.
+    ``bytes_are_text``: ``decode(ids)`` is exactly the UTF-8 decoding (U+FFFD for bad bytes) of the
+    ids' bytes joined: a plain byte-level decoder, every token (added ones too) through its alphabet,
+    and no clean-up of spaces afterwards.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.kind = _decoder_kind(tokenizer)
+        spec = _decoder_spec(tokenizer)
+        self.kind = _decoder_kind(tokenizer, spec)
+        self.bytes_are_text = (
+            spec is not None and spec.get("type") == "ByteLevel"
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        )
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self._added = {token_id: str(token) for token_id, token in added.items()}
         self.special_ids = {token_id for token_id, token in added.items() if getattr(token, "special", False)}
@@ -67,16 +79,16 @@ class TokenBytes:
         return raw
 
     def _bytes(self, token_id: int) -> bytes | None:
-        if token_id in self._added:
+        if token_id in self._added and self.kind != "byte_level":  # a byte-level decoder maps them too
             return self._added[token_id].encode("utf-8")
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        piece = self._added.get(token_id) or self.tokenizer.convert_ids_to_tokens(token_id)
         if isinstance(piece, bytes):
             return piece
         if not isinstance(piece, str):
             return None
         if self.kind == "byte_level":
-            if all(c in _BYTE_LEVEL for c in piece):
-                return bytes(_BYTE_LEVEL[c] for c in piece)
+            if all(c in BYTE_LEVEL_ALPHABET for c in piece):
+                return bytes(BYTE_LEVEL_ALPHABET[c] for c in piece)
             return piece.encode("utf-8")
         if self.kind == "sentencepiece":
             match = _BYTE_PIECE.fullmatch(piece)

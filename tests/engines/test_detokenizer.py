@@ -1,8 +1,10 @@
 import pytest
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engines.detokenizer import IncrementalDetokenizer
 from engines.tiny_model import make_tokenizer
+from engines.token_bytes import BYTE_LEVEL_ALPHABET
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +160,18 @@ def test_long_byte_runs_cost_linear_work(stories_tok):
     out, _ = stream(detok, ids)
     assert counting.decoded_ids < 10 * len(ids)
     assert out + detok.flush() == "\ufffd" * len(ids)
+
+
+def test_byte_level_pieces_that_split_characters_hold_back_only_the_unfinished_one():
+    """Pieces like b"\\xb8\\xad\\xe4" end every token inside a character; only its bytes may wait."""
+    char_of = {b: c for c, b in BYTE_LEVEL_ALPHABET.items()}
+    pieces = [bytes([b]) for b in range(256)] + [b"a\xe4", b"\xb8\xad\xe4"]
+    vocab = {"".join(char_of[b] for b in p): i for i, p in enumerate(pieces)}
+    backend = Tokenizer(models.BPE(vocab, []))
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    ids = [256] + [257] * 50  # "a" + "中" * 50, then a first byte
+    detok = IncrementalDetokenizer(tok, [])
+    assert [detok.add([t])[0] for t in ids] == ["a"] + ["中"] * 50
+    assert detok.flush() == "\ufffd"
+    assert detok.text == tok.decode(ids)
