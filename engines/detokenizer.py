@@ -9,8 +9,9 @@ from engines.token_bytes import token_bytes_of
 # Prompt tokens decoded with the output so the first output token gets its leading space right
 # (SentencePiece-style tokenizers drop it when a token is decoded on its own).
 CONTEXT_TOKENS = 5
-# Tokens held back waiting for the end of a character: a character has at most 4 bytes, and only
-# byte-level pieces that each split one (never byte-fallback's one byte per token) reach this.
+# Tokens held back waiting for the end of a character (decoded with the tokenizer): a character
+# has at most 4 bytes, so only pieces that each split one reach this (byte-level pieces behind a
+# decoder that is more than plain byte-level; never byte-fallback's one byte per token).
 MAX_HELD_TOKENS = 4
 
 

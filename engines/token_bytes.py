@@ -4,8 +4,9 @@ Decoding one token that holds part of a multi-byte character gives U+FFFD, which
 the bytes. The token's own piece does: a SentencePiece byte-fallback piece ``<0xF0>`` is byte 0xF0
 (and ``▁`` in other pieces is a space); a byte-level BPE piece (GPT-2 style) spells its bytes with
 one printable stand-in character each; a tiktoken-style slow tokenizer hands out the bytes directly.
-Added tokens (specials included) are their text. Other tokenizers never split a character, so they
-answer None and the token's decoded text is its bytes.
+Added tokens (specials included) are their text, which a byte-level decoder maps through its
+alphabet like any piece. Other tokenizers never split a character, so they answer None and the
+token's decoded text is its bytes.
 """
 
 import json
