@@ -1,10 +1,18 @@
 """Incremental detokenization with stop strings, for streaming and offline generation alike."""
 
+import codecs
+
 from transformers import PreTrainedTokenizerBase
+
+from engines.token_bytes import token_bytes_of
 
 # Prompt tokens decoded with the output so the first output token gets its leading space right
 # (SentencePiece-style tokenizers drop it when a token is decoded on its own).
 CONTEXT_TOKENS = 5
+# Tokens held back waiting for the end of a character (decoded with the tokenizer): a character
+# has at most 4 bytes, so only pieces that each split one reach this (byte-level pieces behind a
+# decoder that is more than plain byte-level; never byte-fallback's one byte per token).
+MAX_HELD_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -12,11 +20,19 @@ class IncrementalDetokenizer:
 
     ``add`` returns ``(new_text, stopped)``. The text never contains a stop string or anything
     after it (with ``include_stop_str_in_output``, it ends with the stop string); while the end of
-    the text could be the start of a stop string, that part is held back (``flush`` returns it once
-    generation ends for another reason). As in vLLM, stop strings only count once ``min_tokens``
-    tokens are generated, and the text of a stop token (EOS or a ``stop_token_ids`` hit, passed
-    with ``ends_with_stop_token``) is left out unless ``include_stop_str_in_output``. Each call
-    decodes only a few tokens: the ones since the last complete character plus a little context.
+    the text could be the start of a stop string, that part is held back. As in vLLM, stop strings
+    only count once ``min_tokens`` tokens are generated, and the text of a stop token (EOS or a
+    ``stop_token_ids`` hit, passed with ``ends_with_stop_token``) is left out unless
+    ``include_stop_str_in_output``. ``flush`` (once generation ends for another reason) returns all
+    that was held back.
+
+    Characters split over tokens (byte-fallback ``<0xE4>``, byte-level BPE pieces): the tokens' own
+    bytes (``TokenBytes``) tell where a character ends, so only the tokens of the last, incomplete
+    character are held back (at most 3 bytes); invalid bytes are U+FFFD at once, and an incomplete
+    character still pending at the end is decoded by ``flush`` as the tokenizer decodes it. Where the
+    tokenizer's text is just its tokens' bytes as UTF-8 (a plain byte-level decoder), the bytes are
+    decoded here directly. Otherwise each call decodes a few tokens at most (the newly complete ones,
+    after the previous ones as context); either way a long output costs time linear in its length.
     """
 
     def __init__(
@@ -34,9 +50,12 @@ class IncrementalDetokenizer:
         self.min_tokens = min_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
         self.num_tokens = 0  # output tokens seen, the stop token included
+        self._bytes = token_bytes_of(tokenizer)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # tracks where characters end
         self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0  # decoding starts here
         self._read_offset = len(self._ids)  # text of ids before this has been taken
+        self._complete = len(self._ids)  # ids before this end on a character boundary
         self._text = ""
         self._emitted = 0  # characters of _text already returned
         self.stopped = False
@@ -56,26 +75,81 @@ class IncrementalDetokenizer:
         self.num_tokens += len(new_token_ids)
         if ends_with_stop_token and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
-        self._ids.extend(new_token_ids)
+        if self._bytes.bytes_are_text:
+            self._extend("".join(self._utf8.decode(self._token_bytes(t)) for t in new_token_ids))
+            return self._release()
+        for token_id in new_token_ids:
+            self._append(token_id)
+        end = self._complete
+        if len(self._ids) - end > MAX_HELD_TOKENS:
+            # Every token here splits a character (byte-level pieces can): give up on joining them.
+            end = self._complete = len(self._ids)
+            self._utf8.reset()
+        self._take(end)
+        return self._release()
+
+    def flush(self) -> str:
+        """Once generation has ended: everything held back, an incomplete character's bytes included
+        (as the tokenizer decodes them: U+FFFD)."""
+        if not self.stopped and self._bytes.bytes_are_text:
+            self._extend(self._utf8.decode(b"", final=True))
+        elif not self.stopped:
+            self._take(len(self._ids))
+            self._utf8.reset()
+        delta, self._emitted = self._text[self._emitted :], len(self._text)
+        return delta
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        if self.skip_special_tokens and token_id in self._bytes.special_ids:
+            return b""
+        raw = self._bytes(token_id)
+        return self._decode([token_id]).encode("utf-8") if raw is None else raw  # None: not in the vocabulary
+
+    def _append(self, token_id: int) -> None:
+        if self.skip_special_tokens and token_id in self._bytes.special_ids:
+            return  # decoded to nothing: kept out of every window
+        self._ids.append(token_id)
+        raw = self._bytes(token_id)
+        if not raw:  # a tokenizer whose tokens never split a character
+            self._utf8.reset()
+            self._complete = len(self._ids)
+            return
+        # Only the decoder's state matters: the bytes of the character not finished yet.
+        unfinished = self._utf8.getstate()[0]
+        continued = bool(unfinished) and not self._utf8.decode(raw[:1]).startswith("\ufffd")
+        self._utf8.decode(raw[1:] if unfinished else raw)
+        if not self._utf8.getstate()[0]:
+            self._complete = len(self._ids)
+        elif not continued:  # no character spans the start of this token
+            self._complete = len(self._ids) - 1
+
+    def _take(self, end: int) -> None:
+        """Append the text of ``_ids[_read_offset:end]`` to ``_text``, decoded after the tokens before it."""
+        if end <= self._read_offset:
+            return
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        # A trailing U+FFFD means a multi-byte character is still incomplete: wait for more tokens.
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            searched_from = max(0, len(self._text) - self._longest_stop() + 1)
-            self._text += full[len(prefix) :]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            if self.num_tokens >= self.min_tokens:
-                self._truncate_at_stop(searched_from)
+        full = self._decode(self._ids[self._prefix_offset : end])
+        if not full.startswith(prefix):
+            # The context reads differently next to the new tokens (byte-fallback decodes a run of
+            # bytes with an invalid one as all U+FFFD): take the new tokens' own text.
+            full = prefix + self._decode(self._ids[self._read_offset : end])
+        if len(full) <= len(prefix):
+            return  # nothing yet (e.g. a lone space the tokenizer strips): wait for more
+        self._prefix_offset, self._read_offset = self._read_offset, end
+        self._extend(full[len(prefix) :])
+
+    def _extend(self, text: str) -> None:
+        searched_from = max(0, len(self._text) - self._longest_stop() + 1)
+        self._text += text
+        if self.num_tokens >= self.min_tokens:
+            self._truncate_at_stop(searched_from)
+
+    def _release(self) -> tuple[str, bool]:
         end = len(self._text) if self.stopped else len(self._text) - self._partial_stop_len()
         if end <= self._emitted:
             return "", self.stopped
         delta, self._emitted = self._text[self._emitted : end], end
         return delta, self.stopped
-
-    def flush(self) -> str:
-        """Return whatever was held back as a possible stop-string start."""
-        delta, self._emitted = self._text[self._emitted :], len(self._text)
-        return delta
 
     def _longest_stop(self) -> int:
         return max((len(s) for s in self.stop), default=0)
@@ -96,3 +170,14 @@ class IncrementalDetokenizer:
                     best = k
                     break
         return best
+
+
+def text_offsets(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool = True) -> list[int]:
+    """Where each token's text starts in ``decode(token_ids)``: ``len(decode(token_ids[:i]))``, in one
+    linear pass. A token inside a character split over tokens gets that character's start."""
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip_special_tokens)
+    offsets = []
+    for token_id in token_ids:
+        offsets.append(len(detok.text))
+        detok.add([token_id])
+    return offsets

@@ -79,5 +79,6 @@ class LLM:
                     self.engine.abort_request(out.request_id, out.index)
                 if stopped or out.finished:
                     choice.finish_reason = "stop" if stopped else out.finish_reason
+                    detok.flush()  # e.g. the bytes of a character the output ended in the middle of
                     choice.text = detok.text
         return list(results.values())

@@ -15,7 +15,7 @@ from engines.models.loader import load_model
 from engines.models.tensor_parallel import Collectives
 from engines.outputs import TokenLogprob
 from engines.platforms import Platform
-from engines.sampler import Sampler, SamplingRow
+from engines.sampler import Sampler, SamplingRow, choice_seed
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledSeq
 from engines.sequence import Sequence, needs_prompt_logits
@@ -348,7 +348,7 @@ class ModelRunner:
             generator = self.generators.get(seq.seq_id)
             if generator is None:
                 # Each choice of an n > 1 request gets its own stream; choice 0 matches n = 1.
-                generator = torch.Generator(self.device).manual_seed((params.seed + seq.index) % 2**64)
+                generator = torch.Generator(self.device).manual_seed(choice_seed(params.seed, seq.index))
                 self.generators[seq.seq_id] = generator
         needs_history = params.has_penalties
         suppress: list[int] = []

@@ -7,6 +7,7 @@ settings go host -> device as small tensors, and the runner makes the step's one
 an all-greedy batch costs one argmax.
 """
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
@@ -37,6 +38,18 @@ class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64, on the logits' device
     logprobs: torch.Tensor | None  # [N, 1 + K] float32: chosen token, then the top K of the raw logits
     logprob_token_ids: torch.Tensor | None  # [N, 1 + K] int64
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The generator seed of choice ``index`` of a request seeded with ``seed`` (a 64-bit value).
+
+    Choice 0 uses the seed itself, so it matches the same request with n = 1. Other choices hash
+    (seed, index): ``seed + index`` would make seed 0's choice 1 equal seed 1's choice 0.
+    """
+    if index == 0:
+        return seed % 2**64
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 class Sampler:

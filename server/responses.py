@@ -8,6 +8,7 @@ than null (``usage`` of a non-streamed response is always an object).
 from typing import Any
 
 from engines.outputs import TokenLogprob
+from engines.token_bytes import token_bytes_of
 
 
 class TokenTexts:
@@ -17,11 +18,14 @@ class TokenTexts:
     SentencePiece tokenizers drop a token's leading space when it is decoded on its own ("▁there"
     decodes to "there"), so each token is decoded after an anchor token and the anchor's own text is
     cut off: " there", as in the generated text, and the completions ``text_offset`` add up.
+    ``raw(token_id)`` is the token's own bytes: a byte-fallback ``<0xF0>`` decodes to U+FFFD but is
+    byte 0xF0.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes = token_bytes_of(tokenizer)
         anchor = tokenizer.encode("a", add_special_tokens=False)
         self._anchor = anchor[-1:] if anchor else []
         self._anchor_text = self._decode(self._anchor)
@@ -39,6 +43,10 @@ class TokenTexts:
             self._cache[token_id] = text
         return text
 
+    def raw(self, token_id: int) -> list[int]:
+        raw = self._bytes(token_id)
+        return list(self(token_id).encode("utf-8") if raw is None else raw)
+
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
@@ -48,8 +56,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _token_entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def _token_entry(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": texts(token_id), "logprob": logprob, "bytes": texts.raw(token_id)}
 
 
 def chat_logprobs(
@@ -59,8 +67,8 @@ def chat_logprobs(
         return None
     content = []
     for token_id, lp in zip(token_ids, entries, strict=False):
-        entry = _token_entry(texts(token_id), lp.logprob)
-        entry["top_logprobs"] = [_token_entry(texts(t), v) for t, v in zip(lp.top_token_ids[:top], lp.top_logprobs[:top])]
+        entry = _token_entry(texts, token_id, lp.logprob)
+        entry["top_logprobs"] = [_token_entry(texts, t, v) for t, v in zip(lp.top_token_ids[:top], lp.top_logprobs[:top])]
         content.append(entry)
     return {"content": content, "refusal": None}
 
@@ -84,23 +92,19 @@ def completion_logprobs(
 
 
 def prompt_logprobs(
-    token_ids: list[int], entries: list[TokenLogprob | None], texts: TokenTexts, echo: str
+    token_ids: list[int], entries: list[TokenLogprob | None], texts: TokenTexts, offsets: list[int], echo: str
 ) -> dict[str, Any]:
     """The echoed prompt's tokens in the legacy completions format; the first has no log-prob.
 
-    ``text_offset`` indexes the echoed text: a token whose text is not there (a BOS the tokenizer
-    added) sits at the current offset without moving it.
+    ``offsets``: where each token's text starts in the decoded prompt (``text_offsets``); they index
+    the echoed text, so they stop at its end, where the completion's own offsets begin.
     """
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    offset = 0
-    for token_id, lp in zip(token_ids, entries, strict=False):
-        text = texts(token_id)
-        tokens.append(text)
+    for token_id, lp, offset in zip(token_ids, entries, offsets, strict=False):
+        tokens.append(texts(token_id))
         token_logprobs.append(None if lp is None else lp.logprob)
         top_logprobs.append(None if lp is None else {texts(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
-        text_offset.append(offset)
-        if echo.startswith(text, offset):
-            offset += len(text)
+        text_offset.append(min(offset, len(echo)))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
 

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engines.detokenizer import text_offsets
 from server import responses
 from server.auth import check_model_access, may_use
 from server.errors import APIError
@@ -63,7 +64,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             retry=partial(state.router.replacement, pool),
         ))
         echoes.append((prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if body.echo else "")
-    view = _CompletionView(body, pool.name, request_id, echoes, texts)
+    # A text prompt is echoed as sent (no BOS), token ids as decoded with their special tokens.
+    view = _CompletionView(body, pool.name, request_id, echoes, texts, [isinstance(p, str) for p in prompts])
     return await respond(request, GenerationGroup(request_id, gens), bool(body.stream), view.frames, view.body)
 
 
@@ -71,9 +73,11 @@ class _CompletionView:
     """How a completions answer looks: choice index = prompt_index * n + i; echo; legacy log-probs."""
 
     def __init__(self, body: CompletionRequest, model: str, request_id: str, echoes: list[str],
-                 texts: TokenTexts) -> None:
+                 texts: TokenTexts, echoes_skip_special: list[bool]) -> None:
         self.n, self.model, self.request_id = body.n, model, request_id
         self.echoes, self.texts = echoes, texts
+        self.echoes_skip_special = echoes_skip_special
+        self._prompt_offsets: dict[int, list[int]] = {}  # prompt index -> text_offset of its tokens
         self.with_usage = body.include_usage
         self.created = int(time.time())
 
@@ -82,7 +86,7 @@ class _CompletionView:
         for k, g in enumerate(group.gens):
             echo = self.echoes[k]
             for i, c in enumerate(g.choices):
-                logprobs = self._with_prompt(g, echo, responses.completion_logprobs(
+                logprobs = self._with_prompt(k, g, echo, responses.completion_logprobs(
                     c.token_ids, c.logprobs, self.texts, len(echo)))
                 choices.append(responses.completion_choice(k * self.n + i, echo + c.text, c.finish_reason, logprobs))
         usage = responses.usage(group.prompt_tokens, group.completion_tokens)
@@ -94,7 +98,7 @@ class _CompletionView:
 
         def frame(k: int, d: Delta, prefix: str) -> dict[str, Any]:
             logprobs = responses.completion_logprobs(d.token_ids, d.logprobs, self.texts, offsets[k][d.index])
-            logprobs = self._with_prompt(group.gens[k], prefix, logprobs)
+            logprobs = self._with_prompt(k, group.gens[k], prefix, logprobs)
             offsets[k][d.index] += len(d.text)
             choice = responses.completion_choice(k * n + d.index, prefix + d.text, d.finish_reason, logprobs)
             return responses.completion(self.request_id, self.created, self.model, [choice], None)
@@ -106,7 +110,7 @@ class _CompletionView:
                 echoed.add(d.index)
             for i in range(n):  # a choice with no first delta yet still echoes first
                 if echoes[k] and i not in echoed:
-                    logprobs = self._with_prompt(group.gens[k], echoes[k], None)
+                    logprobs = self._with_prompt(k, group.gens[k], echoes[k], None)
                     choice = responses.completion_choice(k * n + i, echoes[k], None, logprobs)
                     yield responses.completion(self.request_id, self.created, self.model, [choice], None)
         async for k, deltas in group.merged():
@@ -116,9 +120,15 @@ class _CompletionView:
             usage = responses.usage(group.prompt_tokens, group.completion_tokens)
             yield responses.completion(self.request_id, self.created, self.model, [], usage)
 
-    def _with_prompt(self, gen: Generation, echo: str, logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _with_prompt(
+        self, k: int, gen: Generation, echo: str, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
         """``logprobs`` after the echoed prompt's own, when ``echo`` is sent here and they were asked for."""
         if not echo or gen.prompt_logprobs is None:
             return logprobs
-        prompt = responses.prompt_logprobs(gen.prompt_token_ids, gen.prompt_logprobs, self.texts, echo)
+        offsets = self._prompt_offsets.get(k)
+        if offsets is None:
+            offsets = self._prompt_offsets[k] = text_offsets(
+                self.texts.tokenizer, gen.prompt_token_ids, self.echoes_skip_special[k])
+        prompt = responses.prompt_logprobs(gen.prompt_token_ids, gen.prompt_logprobs, self.texts, offsets, echo)
         return responses.join_logprobs(prompt, logprobs)

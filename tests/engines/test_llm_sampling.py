@@ -43,6 +43,28 @@ def test_n_choices_share_the_prompt_and_differ(llm, assert_idle):
     assert_idle(llm)
 
 
+def test_seeded_choices_do_not_repeat_a_neighbouring_seed(llm, assert_idle):
+    def choices(seed: int) -> list[list[int]]:
+        params = SamplingParams(n=3, temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        return [c.token_ids for c in llm.generate([PROMPTS[0]], params)[0].outputs]
+
+    zero, one = choices(0), choices(1)
+    assert zero[1:] != one[:2]  # with seed + index, seed 0's choices 1-2 were seed 1's choices 0-1
+    assert all(z != o for z in zero[1:] for o in one[:2])
+    assert choices(0) == zero  # still deterministic
+    assert_idle(llm)
+
+
+def test_output_of_partial_characters_keeps_its_text(llm, assert_idle):
+    """A byte-level token holding only a character's first byte, forced: its text was held back forever."""
+    first_byte = llm.tokenizer.convert_tokens_to_ids("ð")  # byte 0xF0 in GPT-2's byte alphabet
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={first_byte: 100})
+    out = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    assert out.token_ids == [first_byte] * 12
+    assert out.text == llm.tokenizer.decode(out.token_ids) == "\ufffd" * 12
+    assert_idle(llm)
+
+
 def test_stop_token_ids_and_max_tokens(llm, assert_idle):
     free_run = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
     stop_id = free_run.token_ids[4]

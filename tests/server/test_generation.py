@@ -7,6 +7,7 @@ tokenizer are the real ones.
 import asyncio
 
 import pytest
+from transformers import AutoTokenizer
 
 from engines.outputs import StepOutput
 from engines.sampling_params import SamplingParams
@@ -98,6 +99,23 @@ def test_held_back_text_is_flushed_at_the_end(tiny_tokenizer):
     first, rest, gen = asyncio.run(go())
     assert "".join(d.text for d in first) + "".join(rest) == "The river runs to the sea"
     assert gen.choices[0].finish_reason == "length"
+
+
+def test_byte_fallback_output_keeps_its_text(stories_dir):
+    """300 byte tokens that never make a character: the answer's text was ""."""
+    tok = AutoTokenizer.from_pretrained(stories_dir)
+    ids = tok.convert_tokens_to_ids([f"<0x{0x80 + i % 64:02X}>" for i in range(299)] + ["<0xF0>"])
+
+    async def go():
+        gen, worker = make(tok)
+        for i, t in enumerate(ids):
+            worker.feed(0, [t], finished=i == len(ids) - 1, reason="length" if i == len(ids) - 1 else None)
+            if i % 50 == 0:
+                await gen.next_deltas()
+        return gen, await drain(gen)
+
+    gen, _ = asyncio.run(go())
+    assert gen.choices[0].text == tok.decode(ids) == "\ufffd" * 300
 
 
 @pytest.mark.parametrize("include", [False, True])

@@ -109,6 +109,18 @@ def test_logprob_tokens_keep_their_leading_space(http):
     assert any(t.startswith(" ") for t in tokens)
 
 
+def test_echoed_prompt_offsets_index_the_echo(http):
+    out = complete(http, max_tokens=3, logprobs=1, echo=True)["choices"][0]
+    lp = out["logprobs"]
+    assert out["text"].startswith(PROMPT) and lp["tokens"][:5] == ["<s>", " Once", " upon", " a", " time"]
+    assert lp["text_offset"] == [0, 0, 4, 9, 11, 16, 17, 23]  # the prompt's were all 0
+    body = {"model": "stories", "prompt": PROMPT, "temperature": 0, "max_tokens": 3, "logprobs": 1,
+            "echo": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+    assert first["choices"][0]["logprobs"]["text_offset"][:5] == [0, 0, 4, 9, 11]
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_token_text_is_left_out_unless_asked(http, include):
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "fixtures" / "stories260K")
