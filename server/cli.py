@@ -30,6 +30,7 @@ ENGINE_FLAGS = {
     "seed": "seed",
     "tensor_parallel_size": "tensor_parallel_size",
     "enforce_eager": "enforce_eager",
+    "reasoning_parser": "reasoning_parser",
 }
 # Flag -> distributed config key (tensor-parallel groups over several machines)
 DISTRIBUTED_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port")
@@ -66,6 +67,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, help="first rendezvous port on node 0 (one per group from it)")
     p.add_argument("--enforce-eager", action="store_const", const=True, default=None,
                    help="never compile or graph-capture decode steps (the model's compile: off)")
+    p.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3", "glm45"],
+                   help="split <think> reasoning from the answer as reasoning_content (README: Reasoning)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

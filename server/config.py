@@ -142,6 +142,9 @@ class ModelSettings(_Section):
     # How tool calls are read from this model's output with tool_choice auto: hermes (also Qwen2.5
     # and Qwen3), llama3_json, glm45 or deepseek_v3. None: detected from the chat template.
     tool_call_parser: Literal["hermes", "llama3_json", "glm45", "deepseek_v3"] | None = None
+    # How reasoning (<think>...</think>) is told from the answer (server/reasoning/): deepseek_r1, qwen3
+    # or glm45. None: the output is all content.
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "glm45"] | None = None
 
     @field_validator("dtype")
     @classmethod
