@@ -88,4 +88,5 @@ def thinking_server(start_server, tmp_path_factory):
     path.write_text(yaml.safe_dump(config))
     server = start_server(["--config", str(path)])
     server.wait_ready()
+    server.model_dir = model
     return server
