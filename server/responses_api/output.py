@@ -92,7 +92,7 @@ class OutputItems:
             return
         item["status"] = status
         if item["type"] == "function_call":
-            self._event("response.function_call_arguments.done", item, arguments=item["arguments"])
+            self._event("response.function_call_arguments.done", item, name=item["name"], arguments=item["arguments"])
         else:
             part = dict(item["content"][0])
             kind = "output_text" if item["type"] == "message" else "reasoning_text"

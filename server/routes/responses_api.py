@@ -152,7 +152,7 @@ def _response_object(body: ResponsesRequest, response_id: str, model: str) -> di
     fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else None
     tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
               "strict": t.strict} for t in body.tools or []]
-    return {
+    response = {
         "id": response_id, "object": "response", "created_at": int(time.time()), "model": model,
         "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
         "instructions": body.instructions, "metadata": body.metadata or {}, "temperature": body.temperature,
@@ -160,5 +160,7 @@ def _response_object(body: ResponsesRequest, response_id: str, model: str) -> di
         "tool_choice": body.tool_choice or "auto", "tools": tools, "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": body.reasoning.effort, "summary": body.reasoning.summary} if body.reasoning else None,
         "store": body.store, "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled",
-        "usage": None, "user": body.user,
     }
+    if body.user is not None:  # optional and not nullable in the schema, as ``usage`` until the end
+        response["user"] = body.user
+    return response

@@ -31,15 +31,38 @@ def http(thinking_server):  # noqa: F811
         yield c
 
 
-def raw(http, **body) -> dict:
+def raw(http, schemas, **body) -> dict:
     r = http.post("/v1/responses", json={"model": MODEL, "input": QUESTION, "temperature": 0, **body})
     assert r.status_code == 200, r.text
-    Response.model_validate(r.json())  # the published shape, strictly
+    Response.model_validate(r.json())  # the SDK's typed model, strictly
+    schemas.validate("Response", r.json())  # OpenAI's published schema
     return r.json()
 
 
-def test_create_returns_reasoning_and_message_items(client, http):
-    body = raw(http, max_output_tokens=6)
+def raw_events(http, schemas, **body) -> list[dict]:
+    body = {"model": MODEL, "input": QUESTION, "temperature": 0, "stream": True, **body}
+    with http.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200, r.read()
+        data = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    assert data[-1] == "[DONE]"
+    events = [json.loads(d) for d in data[:-1]]
+    for event in events:
+        schemas.validate("ResponseStreamEvent", event)
+        EVENTS.validate_python(event)
+    return events
+
+
+def test_bodies_and_events_match_the_published_schemas(http, schemas):
+    raw(http, schemas, max_output_tokens=6)
+    raw(http, schemas, tools=TOOLS)
+    events = raw_events(http, schemas, tools=TOOLS)
+    assert events[-1]["type"] == "response.completed"
+    schemas.validate("Response", events[-1]["response"])
+    assert raw_events(http, schemas, max_output_tokens=3)[-1]["type"] == "response.incomplete"
+
+
+def test_create_returns_reasoning_and_message_items(client, http, schemas):
+    body = raw(http, schemas, max_output_tokens=6)
     assert [item["type"] for item in body["output"]] == ["reasoning", "message"]
     assert body["output"][0]["content"][0]["text"] == REASONING
     response = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=6)
