@@ -15,7 +15,8 @@ from tests.server.thinking_model import ANSWER, KEYS, REASONING, thinking_server
 MODEL = "thinker"
 QUESTION = "What is the weather in Paris?"
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city", "strict": False,
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                         "required": ["city"]}}]
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
@@ -170,3 +171,13 @@ def test_hostile_input_gets_the_error_envelope(http, body, status, param):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_forced_tool_choice(client, tool_choice):
+    """A forced call is a grammar: it starts after the reasoning, and its arguments match the schema."""
+    response = client.responses.create(model=MODEL, input=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+                                       temperature=0, max_output_tokens=80)
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    call = response.output[1]
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
