@@ -23,6 +23,8 @@ def reasoning_for(
     if name is None or thinking_disabled(name, chat_template_kwargs):
         return None
     tail = tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    if tail.rstrip().endswith(END):
+        return None  # the template closed the block itself (thinking switched off): no reasoning
     inside = starts_in_reasoning(name, tail)
     return lambda: ThinkSplitter(inside)
 

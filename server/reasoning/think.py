@@ -61,6 +61,14 @@ class ThinkSplitter:
             break
         return out
 
+    def take(self, text: str, last: bool) -> Split:
+        """``feed``, and ``finish`` too when ``text`` is the output's last piece."""
+        out = self.feed(text)
+        if last:
+            rest = self.finish()
+            out.reasoning, out.content = out.reasoning + rest.reasoning, out.content + rest.content
+        return out
+
     def finish(self) -> Split:
         """What was held back, in the channel it was read in: the output ended mid-tag."""
         out = Split("", "")

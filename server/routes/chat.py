@@ -124,10 +124,7 @@ class _ChatView:
         reader, splitter = self.readers[d.index], self.splitters[d.index]
         reasoning, text = "", d.text
         if splitter is not None:
-            split = splitter.feed(d.text)
-            if d.finish_reason is not None:
-                last = splitter.finish()
-                split.reasoning, split.content = split.reasoning + last.reasoning, split.content + last.content
+            split = splitter.take(d.text, last=d.finish_reason is not None)
             reasoning, text = split.reasoning, split.content
         content, tool_calls = reader.feed(text)
         if d.finish_reason is not None:

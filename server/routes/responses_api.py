@@ -98,10 +98,7 @@ class _ResponseView:
     def _feed(self, text: str, last: bool) -> None:
         content = text
         if self.splitter is not None:
-            split = self.splitter.feed(text)
-            if last:
-                rest = self.splitter.finish()
-                split.reasoning, split.content = split.reasoning + rest.reasoning, split.content + rest.content
+            split = self.splitter.take(text, last)
             self.out.reasoning(split.reasoning)
             content = split.content
         piece, calls = self.reader.feed(content)

@@ -69,5 +69,9 @@ def test_reasoning_for_reads_the_prompt(tiny_tokenizer):
     assert reasoning_for(None, tiny_tokenizer, open_ids, None) is None
     assert reasoning_for("qwen3", tiny_tokenizer, open_ids, {"enable_thinking": False}) is None
     assert reasoning_for("qwen3", tiny_tokenizer, open_ids, None)().split("a</think>b") == ("a", "b")
-    assert reasoning_for("qwen3", tiny_tokenizer, closed_ids, None)().split("a</think>b") == (None, "a</think>b")
-    assert reasoning_for("deepseek_r1", tiny_tokenizer, closed_ids, None)().split("a</think>b") == ("a", "b")
+    assert reasoning_for("deepseek_r1", tiny_tokenizer, open_ids, None)().split("a</think>b") == ("a", "b")
+    # A prompt that ends by closing the block (a template's "thinking off"): no reasoning, no waiting grammar.
+    assert reasoning_for("qwen3", tiny_tokenizer, closed_ids, None) is None
+    assert reasoning_for("deepseek_r1", tiny_tokenizer, closed_ids, None) is None
+    plain_ids = tiny_tokenizer.encode("<|assistant|>\n", add_special_tokens=False)
+    assert reasoning_for("qwen3", tiny_tokenizer, plain_ids, None)().split("a</think>b") == (None, "a</think>b")
