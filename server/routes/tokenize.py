@@ -10,19 +10,23 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.auth import may_use
 from server.chat_template import chat_prompt_ids
 from server.errors import APIError
 from server.limits import check_chat
 from server.pool import ModelPool
-from server.protocol import ChatCompletionRequest, ChatMessage, Tool, _Strict
+from server.protocol import ChatCompletionRequest, ChatMessage, Tool
 
 router = APIRouter()
 
 
-class TokenizeRequest(_Strict):
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")  # as the generation endpoints' bodies
+
+
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     add_special_tokens: bool = True  # for ``prompt``; a chat template writes its own
@@ -33,7 +37,7 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 
