@@ -51,6 +51,7 @@ class ResponsesRequest(_Lenient):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
+    background: bool = False  # not served: a 400
     metadata: dict[str, str] | None = None
     user: str | None = None
     # vLLM's extensions, as on chat completions

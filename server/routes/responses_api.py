@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
+from server.errors import APIError
 from server.generation import Delta
 from server.reasoning import end_token_id
 from server.responses_api.convert import answer_message, chat_request, check_input, input_messages
@@ -38,6 +39,8 @@ def _owner(request: Request) -> str:
 
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    if body.background:
+        raise APIError(400, "background responses are not supported by this server", param="background")
     store, owner = _store(request.app), _owner(request)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:

@@ -165,6 +165,7 @@ def test_a_response_belongs_to_its_key(client, thinking_server):  # noqa: F811
     ({"input": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"input": "hi", "model": "nope"}, 404, "model"),
     ({"input": 5}, 400, "input"),
+    ({"input": "hi", "background": True}, 400, "background"),
 ])
 def test_hostile_input_gets_the_error_envelope(http, body, status, param):
     r = http.post("/v1/responses", json={"model": MODEL, **body})
