@@ -117,6 +117,9 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if params.json_schema is not None:
             check_json_schema(params.json_schema)
+        after = params.json_schema_after_token
+        if after is not None and not 0 <= after < self.vocab_size:
+            raise ValueError(f"json_schema_after_token must be in [0, {self.vocab_size})")
         now = time.monotonic()
         first = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, now)
         seqs = [first] + [
@@ -174,7 +177,11 @@ class LLMEngine:
                     failed.append(StepOutput(request_id, seq.index, [], True, "error", error=error))
                 continue
             for seq in seqs:
-                seq.grammar = self.grammars.new_grammar(future.result())
+                grammar = self.grammars.new_grammar(future.result())
+                if seq.params.json_schema_after_token is None:
+                    seq.grammar = grammar
+                else:  # unconstrained until the token that starts the answer
+                    seq.waiting_grammar = grammar
                 self.scheduler.add(seq)
         return failed
 
@@ -215,6 +222,8 @@ class LLMEngine:
             # The mask allows only tokens the grammar accepts: this is a bug, not a bad request.
             error = f"token {token} is outside the output's grammar"
             logger.error("request %s: %s", seq.request_id, error)
+        if seq.waiting_grammar is not None and token == seq.params.json_schema_after_token:
+            seq.grammar, seq.waiting_grammar = seq.waiting_grammar, None
         reason = "error" if error else self._stop_reason(seq, token)
         if reason is not None:
             self._finish(seq, reason)

@@ -17,7 +17,9 @@ class SamplingParams:
 
     ``json_schema``: the output must be JSON matching this JSON Schema (its JSON text; a dict is
     serialised here, key order kept), enforced token by token; the grammar decides where the output
-    ends (``min_tokens`` does not hold it open). ``logit_bias``: token id -> value added to its logit
+    ends (``min_tokens`` does not hold it open). ``json_schema_after_token``: the grammar applies only
+    after this token has been generated (a reasoning model's ``</think>``: it reasons freely, then
+    answers in the schema), as vLLM applies it after the reasoning ends. ``logit_bias``: token id -> value added to its logit
     before sampling (-100 and 100 in effect forbid and force a token).
     """
 
@@ -39,6 +41,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string / stop token's text
     skip_special_tokens: bool = True  # in the detokenized text
     json_schema: str | None = None
+    json_schema_after_token: int | None = None
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
 

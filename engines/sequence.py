@@ -19,7 +19,8 @@ class Sequence:
     with ``num_tokens`` (there is no separate prefill phase). ``parent`` is set on the extra choices
     of an ``n > 1`` request: they wait for the parent's prompt and share its full prompt blocks.
     ``grammar`` is the matcher of a constrained output, advanced by each accepted token; it stays with
-    the sequence through preemption (recomputing the KV accepts no token again).
+    the sequence through preemption (recomputing the KV accepts no token again). ``waiting_grammar``
+    holds it while the output has not yet reached ``params.json_schema_after_token``.
     """
 
     __slots__ = (
@@ -36,6 +37,7 @@ class Sequence:
         "seq_id",
         "status",
         "token_ids",
+        "waiting_grammar",
     )
 
     def __init__(
@@ -61,6 +63,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.parent = parent
         self.grammar: Any = None
+        self.waiting_grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

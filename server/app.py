@@ -32,7 +32,7 @@ from server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, Req
 from server.pool import ModelPool, default_cpu_threads, local_cpu_ranks
 from server.request_log import RequestLogMiddleware
 from server.router import Router
-from server.routes import chat, completions, health, models
+from server.routes import chat, completions, health, models, responses_api, tokenize
 from server.startup import stop_if_nothing_loads
 
 logger = logging.getLogger("xinserve.server")
@@ -85,6 +85,8 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.include_router(completions.router, dependencies=guarded)
     app.include_router(models.router, dependencies=guarded)
     app.include_router(anthropic.router, dependencies=guarded)
+    app.include_router(tokenize.router, dependencies=guarded)
+    app.include_router(responses_api.router, dependencies=guarded)
     app.include_router(health.router, dependencies=[] if "/health" in exempt else guarded)
     add_docs(app, lambda path: [] if path in exempt else guarded)
     if config.monitoring.metrics:

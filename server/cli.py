@@ -32,6 +32,7 @@ ENGINE_FLAGS = {
     "tensor_parallel_size": "tensor_parallel_size",
     "enforce_eager": "enforce_eager",
     "tool_call_parser": "tool_call_parser",
+    "reasoning_parser": "reasoning_parser",
 }
 # Flag -> distributed config key (tensor-parallel groups over several machines)
 DISTRIBUTED_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port")
@@ -72,6 +73,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="never compile or graph-capture decode steps (the model's compile: off)")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
                    help="how tool calls are read with tool_choice auto (default: detected from the chat template)")
+    p.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3", "glm45"],
+                   help="split <think> reasoning from the answer as reasoning_content (README: Reasoning)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

@@ -149,6 +149,9 @@ class ModelSettings(_Section):
     # and Qwen3), llama3_json, glm45, glm47 (GLM-4.7, GLM-5) or deepseek_v3. None: detected from the
     # chat template.
     tool_call_parser: Literal["hermes", "llama3_json", "glm45", "glm47", "deepseek_v3"] | None = None
+    # How reasoning (<think>...</think>) is told from the answer (server/reasoning/): deepseek_r1, qwen3
+    # or glm45. None: the output is all content.
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "glm45"] | None = None
 
     @field_validator("dtype")
     @classmethod

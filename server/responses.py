@@ -123,9 +123,11 @@ def chat_completion(
 
 def chat_choice(
     index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
-    tool_calls: list[dict[str, Any]] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None,
 ) -> dict[str, Any]:
     message = {"role": "assistant", "content": text, "refusal": None}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning  # vLLM's extension field
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

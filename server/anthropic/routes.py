@@ -13,8 +13,8 @@ from server.anthropic.view import MessageView
 from server.auth import check_model_access, may_use
 from server.chat_template import chat_prompt_ids, check_template_kwargs
 from server.limits import check_chat
-from server.routes.chat import prepare_chat
-from server.routes.generate import GenerationGroup, respond
+from server.routes.chat import start_chat
+from server.routes.generate import respond
 from server.routes.prompt import route_encoded
 
 router = APIRouter()
@@ -24,10 +24,10 @@ router = APIRouter()
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     # Anthropic's ids read msg_<random>; unique, so also the engine's request id.
     message_id = f"msg_{uuid.uuid4().hex}"
-    pool, gen, plan = await prepare_chat(chat_request(body), request, message_id)
+    chat = await start_chat(request, chat_request(body), message_id)
     single_call = body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use
-    view = MessageView(message_id, pool.name, plan, single_call)
-    return await respond(request, GenerationGroup(message_id, [gen]), body.stream, view.frames, view.body,
+    view = MessageView(message_id, chat.model, chat.plan, single_call)
+    return await respond(request, chat.group, body.stream, view.frames, view.body,
                          stream_response=event_stream_response)
 
 

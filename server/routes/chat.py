@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: the messages through the chat template, then the shared handler."""
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -13,8 +14,8 @@ from server.auth import check_model_access, may_use
 from server.chat_template import chat_prompt_ids, check_template_kwargs
 from server.generation import Delta, Generation
 from server.limits import cap_max_tokens, check_chat
-from server.pool import ModelPool
 from server.protocol import ChatCompletionRequest
+from server.reasoning import ThinkSplitter, end_token_id, reasoning_for
 from server.responses import TokenTexts
 from server.routes.common import max_tokens_for, new_request_id
 from server.routes.generate import GenerationGroup, respond
@@ -26,17 +27,26 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    request_id = new_request_id("chatcmpl")
-    pool, gen, plan = await prepare_chat(body, request, request_id)
-    view = _ChatView(body, pool.name, pool.token_texts, plan)
-    return await respond(request, GenerationGroup(request_id, [gen]), bool(body.stream), view.frames, view.body)
+    chat = await start_chat(request, body, new_request_id("chatcmpl"))
+    view = _ChatView(body, chat)
+    return await respond(request, chat.group, bool(body.stream), view.frames, view.body)
 
 
-async def prepare_chat(
-    body: ChatCompletionRequest, request: Request, request_id: str
-) -> tuple[ModelPool, Generation, OutputPlan]:
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request checked, tokenised and routed, its generation built (not yet started)."""
+
+    model: str
+    group: GenerationGroup
+    plan: OutputPlan
+    reasoning: Callable[[], ThinkSplitter] | None  # one splitter per choice; None: no reasoning
+    texts: TokenTexts
+
+
+async def start_chat(request: Request, body: ChatCompletionRequest, request_id: str) -> ChatRun:
     """The one chat path: checks, routing, the chat template, the output plan and the (unstarted)
-    generation. Other chat-shaped APIs (``server/anthropic``) convert their request and come here."""
+    generation. Other chat-shaped APIs (the Responses API, ``server/anthropic``) convert their request
+    and come here."""
     body.check()
     state = request.app.state
     check_chat(body, state.config.limits)
@@ -56,32 +66,42 @@ async def prepare_chat(
         len(prompt_ids), body.requested_max_tokens, int(worker.info["max_model_len"]), prompt_param="messages",
         param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
     ), state.config.limits)
+    reasoning = reasoning_for(pool.settings.reasoning_parser, pool.tokenizer, prompt_ids, body.chat_template_kwargs)
+    # The grammar applies to the answer, after the reasoning, as vLLM applies it.
+    after = end_token_id(pool.tokenizer) if reasoning is not None and plan.json_schema is not None else None
     params = body.sampling_params(max_tokens, body.num_logprobs, json_schema=plan.json_schema)
+    params.json_schema_after_token = after
     gen = Generation(
         worker, request_id, prompt_ids, params, pool.tokenizer,
         timeout_s=state.config.server.request_timeout_s, retry=partial(state.router.replacement, pool),
     )
-    return pool, gen, plan
+    return ChatRun(pool.name, GenerationGroup(request_id, [gen]), plan, reasoning, pool.token_texts)
 
 
 class _ChatView:
     """How a chat answer looks: a message per choice, or chunks with deltas."""
 
-    def __init__(self, body: ChatCompletionRequest, model: str, texts: TokenTexts, plan: OutputPlan) -> None:
-        self.model, self.texts = model, texts
+    def __init__(self, body: ChatCompletionRequest, chat: ChatRun) -> None:
+        self.model, self.texts = chat.model, chat.texts
         self.top = body.top_logprobs or 0
         self.with_usage = body.include_usage
         self.created = int(time.time())
-        self.readers = [plan.new_reader() for _ in range(body.n)]  # content and tool calls per choice
+        self.readers = [chat.plan.new_reader() for _ in range(body.n)]  # content and tool calls per choice
+        # reasoning first, per choice: the readers see only the content after it
+        self.splitters = [chat.reasoning() if chat.reasoning else None for _ in range(body.n)]
 
     def body(self, group: GenerationGroup) -> dict[str, Any]:
         (gen,) = group.gens
         choices = []
         for i, c in enumerate(gen.choices):
-            content, tool_calls = self.readers[i].message(c.text)
+            splitter = self.splitters[i]
+            reasoning, text = splitter.split(c.text) if splitter else (None, c.text)
+            content, tool_calls = self.readers[i].message(text)
+            if reasoning is not None and not content:
+                content = None  # all reasoning: no answer yet (cut by max_tokens)
             logprobs = responses.chat_logprobs(c.token_ids, c.logprobs, self.texts, self.top)
             choices.append(responses.chat_choice(
-                i, content, _finish_reason(c.finish_reason, bool(tool_calls)), logprobs, tool_calls))
+                i, content, _finish_reason(c.finish_reason, bool(tool_calls)), logprobs, tool_calls, reasoning))
         usage = responses.usage(group.prompt_tokens, group.completion_tokens)
         return responses.chat_completion(group.request_id, self.created, self.model, choices, usage)
 
@@ -106,14 +126,22 @@ class _ChatView:
 
     def _delta_chunk(self, group: GenerationGroup, d: Delta) -> dict[str, Any] | None:
         logprobs = responses.chat_logprobs(d.token_ids, d.logprobs, self.texts, self.top)
-        reader = self.readers[d.index]
-        content, tool_calls = reader.feed(d.text)
+        reader, splitter = self.readers[d.index], self.splitters[d.index]
+        reasoning, text = "", d.text
+        if splitter is not None:
+            split = splitter.take(d.text, last=d.finish_reason is not None)
+            reasoning, text = split.reasoning, split.content
+        content, tool_calls = reader.feed(text)
         if d.finish_reason is not None:
             rest, more_calls = reader.finish()
             content, tool_calls = content + rest, tool_calls + more_calls
-        if not content and not tool_calls and d.finish_reason is None and logprobs is None:
+        if not content and not reasoning and not tool_calls and d.finish_reason is None and logprobs is None:
             return None
-        delta: dict[str, Any] = {"content": content} if content or (d.finish_reason is None and not tool_calls) else {}
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content or (d.finish_reason is None and not tool_calls and not reasoning):
+            delta["content"] = content
         if tool_calls:
             delta["tool_calls"] = tool_calls
         finish_reason = _finish_reason(d.finish_reason, reader.has_calls)

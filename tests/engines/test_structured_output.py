@@ -127,3 +127,16 @@ def test_only_plain_greedy_rows_take_the_fast_path():
     constrained = Sequence(2, "r", [1, 2], SamplingParams(temperature=0))
     constrained.grammar = object()
     assert _plain_greedy(plain) and _plain_greedy(constrained) and not _plain_greedy(biased)
+
+
+def test_grammar_starts_after_its_token(llm):
+    """``json_schema_after_token`` (a reasoning model's ``</think>``): free text up to and including the
+    token, exactly as without a grammar, then JSON in the schema."""
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    after = free[3]
+    cut = free.index(after) + 1  # its first appearance ends the free part
+    params = SamplingParams(temperature=0, max_tokens=150, json_schema=SCHEMA, json_schema_after_token=after)
+    out = llm.generate(PROMPTS[0], params)[0]
+    assert out.token_ids[:cut] == free[:cut]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(llm.tokenizer.decode(out.token_ids[cut:], skip_special_tokens=True)), SCHEMA)

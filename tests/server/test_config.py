@@ -110,3 +110,11 @@ def test_conflicting_flags():
         build_config(args("--config", "x.yaml", "--model", "/m"), env={})
     with pytest.raises(ConfigError, match="need --model"):
         build_config(args("--device", "npu:0"), env={})
+
+
+def test_reasoning_parser_flag_and_setting():
+    config = build_config(args("--model", "/data/qwen3", "--reasoning-parser", "qwen3"), env={})
+    assert config.models[0].reasoning_parser == "qwen3"
+    assert build_config(args("--model", "/data/qwen3"), env={}).models[0].reasoning_parser is None
+    with pytest.raises(ConfigError, match="reasoning_parser"):
+        parse_config({"models": [{"name": "m", "path": "/m", "reasoning_parser": "o1"}]})
