@@ -171,13 +171,13 @@ class LLMEngine:
                 pending = self.grammars.expire(pending, f"the JSON schema took more than {timeout_s:g}s to compile")
             elif not pending.future.done():
                 continue
-            del self._compiling[request_id]
             if pending.future.exception() is not None:
                 error = f"the JSON schema could not be compiled: {pending.future.exception()}"
-                for seq in seqs:
+                for seq in list(seqs):  # the last one's _finish drops the request from _compiling
                     self._finish(seq, "error")
                     failed.append(StepOutput(request_id, seq.index, [], True, "error", error=error, bad_request=True))
                 continue
+            del self._compiling[request_id]
             self.grammars.account(pending)
             for seq in seqs:
                 seq.grammar = self.grammars.new_grammar(pending.future.result())
