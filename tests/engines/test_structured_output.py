@@ -173,6 +173,14 @@ def test_a_costly_compile_neither_holds_up_a_cheap_one_nor_outlives_its_deadline
     ids = engine.tokenizer.encode(PROMPTS[0])
     slow = json.dumps({"type": "string", "description": "slow", "maxLength": 5})
     engine.add_request("slow", ids, SamplingParams(temperature=0, max_tokens=20, json_schema=slow))
+    try:
+        _cheap_runs_then_slow_fails(engine, grammars, blocking, ids, slow, monkeypatch)
+    finally:
+        blocking.release.set()  # the compile thread must not outlive the test blocked
+    assert_idle(llm)
+
+
+def _cheap_runs_then_slow_fails(engine, grammars, blocking, ids, slow, monkeypatch) -> None:
     assert blocking.started.wait(60)
     cheap = SamplingParams(temperature=0, max_tokens=20, json_schema={"enum": ["red", "green"], "description": "cheap"})
     engine.add_request("cheap", ids, cheap)
@@ -189,8 +197,6 @@ def test_a_costly_compile_neither_holds_up_a_cheap_one_nor_outlives_its_deadline
     engine.add_request("again", ids, SamplingParams(temperature=0, max_tokens=20, json_schema=slow))
     (again,) = [o for o in engine.step() if o.request_id == "again"]
     assert again.bad_request and "took more than" in again.error
-    blocking.release.set()
-    assert_idle(llm)
 
 
 def test_compiled_grammars_are_cached_by_digest_within_a_byte_budget(llm):
