@@ -3,7 +3,7 @@
 import itertools
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -15,7 +15,7 @@ from engines.runner import SampledToken
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledSeq, Scheduler
 from engines.sequence import Sequence, SequenceStatus
-from engines.structured.compiler import GrammarCompiler
+from engines.structured.compiler import GrammarCompiler, PendingGrammar
 from engines.structured.schema import check_json_schema
 from engines.tp_runner import make_runner
 
@@ -41,7 +41,7 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         # request_id -> (its grammar being compiled, its sequences): held back from the scheduler
-        self._compiling: dict[str, tuple[Future, list[Sequence]]] = {}
+        self._compiling: dict[str, tuple[PendingGrammar, list[Sequence]]] = {}
         self._seq_ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -164,20 +164,26 @@ class LLMEngine:
         Returns an error output per sequence whose grammar failed to compile."""
         if not self.scheduler.has_unfinished():
             # Nothing else to run: wait a little for a compile instead of spinning the worker loop.
-            wait([future for future, _ in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+            wait([p.future for p, _ in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
         failed: list[StepOutput] = []
-        for request_id, (future, seqs) in list(self._compiling.items()):
-            if not future.done():
+        now = time.monotonic()
+        timeout_s = self.grammars.limits.compile_timeout_s
+        for request_id, (pending, seqs) in list(self._compiling.items()):
+            if pending.overdue(now, timeout_s):
+                # Fail the request now; its thread finishes on its own and nothing waits for it.
+                pending = self.grammars.expire(pending, f"the JSON schema took more than {timeout_s:g}s to compile")
+            elif not pending.future.done():
+                continue
+            if pending.future.exception() is not None:
+                error = f"the JSON schema could not be compiled: {pending.future.exception()}"
+                for seq in list(seqs):  # the last one's _finish drops the request from _compiling
+                    self._finish(seq, "error")
+                    failed.append(StepOutput(request_id, seq.index, [], True, "error", error=error, bad_request=True))
                 continue
             del self._compiling[request_id]
-            if future.exception() is not None:
-                error = f"the JSON schema could not be compiled: {future.exception()}"
-                for seq in seqs:
-                    self._finish(seq, "error")
-                    failed.append(StepOutput(request_id, seq.index, [], True, "error", error=error))
-                continue
+            self.grammars.account(pending)
             for seq in seqs:
-                grammar = self.grammars.new_grammar(future.result())
+                grammar = self.grammars.new_grammar(pending.future.result())
                 if seq.params.json_schema_after_token is None:
                     seq.grammar = grammar
                 else:  # unconstrained until the token that starts the answer

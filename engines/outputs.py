@@ -26,6 +26,7 @@ class StepOutput:
     error: str | None = None  # why the request failed (finish reason "error")
     # With the first token of a request that asked for them: one entry per prompt token, None first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    bad_request: bool = False  # the request's own fault (a schema that failed to compile): a 400, not a 500
 
 
 @dataclass(slots=True)

@@ -146,7 +146,10 @@ class WorkerLoop:
             # The engine traced a failed step to this request and ended it alone.
             if self.active.pop(out.request_id, None) is not None:
                 changed = True
-                self._emit([ipc.ERROR, out.request_id, 500, f"the engine failed on this request ({out.error})"])
+                if out.bad_request:
+                    self._emit([ipc.ERROR, out.request_id, 400, out.error])
+                else:
+                    self._emit([ipc.ERROR, out.request_id, 500, f"the engine failed on this request ({out.error})"])
         if failed:
             outputs = [out for out in outputs if out.finish_reason != "error"]
         for out in outputs:

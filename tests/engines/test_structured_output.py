@@ -1,6 +1,8 @@
 """Grammar-constrained output, logit bias and prompt log-probs in the offline engine."""
 
 import json
+import threading
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -10,6 +12,9 @@ from transformers import AutoModelForCausalLM
 from engines import LLM, SamplingParams
 from engines.runner import _plain_greedy
 from engines.sequence import Sequence
+from engines.structured.compiler import GrammarCompiler
+from engines.structured.digest_cache import schema_digest
+from engines.structured.limits import SchemaLimits
 
 SCHEMA = {
     "type": "object",
@@ -140,3 +145,86 @@ def test_grammar_starts_after_its_token(llm):
     assert out.token_ids[:cut] == free[:cut]
     assert out.finish_reason == "stop"
     jsonschema.validate(json.loads(llm.tokenizer.decode(out.token_ids[cut:], skip_special_tokens=True)), SCHEMA)
+
+
+def test_a_costly_pattern_is_refused_before_any_compile(llm, assert_idle):
+    # c{8000} once cost 9 s in the check and held the worker's compile thread.
+    with pytest.raises(ValueError, match="patterns repeat to 8000 atoms"):
+        llm.generate(PROMPTS[0], SamplingParams(json_schema={"type": "string", "pattern": "c{8000}"}))
+    assert_idle(llm)
+
+
+class _BlockingCompiles:
+    """xgrammar's compiler, but a schema that mentions "slow" blocks until released."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def compile_json_schema(self, schema: str, **options):
+        if "slow" in schema:
+            self.started.set()
+            self.release.wait()
+        return self.real.compile_json_schema(schema, **options)
+
+
+def _step_until(engine, request_id: str, limit: int = 3000) -> list:
+    outs = []
+    for _ in range(limit):
+        outs += [o for o in engine.step() if o.request_id == request_id]
+        if outs and outs[-1].finished:
+            return outs
+    raise AssertionError(f"{request_id} did not finish in {limit} steps")
+
+
+def test_a_costly_compile_neither_holds_up_a_cheap_one_nor_outlives_its_deadline(llm, monkeypatch, assert_idle):
+    engine, grammars = llm.engine, llm.engine.grammars
+    blocking = _BlockingCompiles(grammars._xgrammar_compiler())
+    monkeypatch.setattr(grammars, "_xgrammar_compiler", lambda: blocking)
+    monkeypatch.setattr(grammars, "limits", replace(grammars.limits, compile_timeout_s=3600.0))
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    slow = json.dumps({"type": "string", "description": "slow", "maxLength": 5})
+    engine.add_request("slow", ids, SamplingParams(temperature=0, max_tokens=20, json_schema=slow))
+    try:
+        _cheap_runs_then_slow_fails(engine, grammars, blocking, ids, slow, monkeypatch)
+    finally:
+        blocking.release.set()  # the compile thread must not outlive the test blocked
+    assert_idle(llm)
+
+
+def _cheap_runs_then_slow_fails(engine, grammars, blocking, ids, slow, monkeypatch) -> None:
+    assert blocking.started.wait(60)
+    cheap = SamplingParams(temperature=0, max_tokens=20, json_schema={"enum": ["red", "green"], "description": "cheap"})
+    engine.add_request("cheap", ids, cheap)
+    outs = _step_until(engine, "cheap")  # while the slow compile still holds its thread
+    assert outs[-1].finish_reason == "stop" and not blocking.release.is_set()
+    assert "slow" in engine.requests
+
+    # Past its deadline (0 s: it started already) the slow request fails alone, as the client's fault.
+    monkeypatch.setattr(grammars, "limits", replace(grammars.limits, compile_timeout_s=0.0))
+    (failed,) = [o for o in engine.step() if o.request_id == "slow"]
+    assert failed.finish_reason == "error" and failed.bad_request
+    assert "took more than 0s to compile" in failed.error
+    # The same schema now fails at once, without another compile.
+    engine.add_request("again", ids, SamplingParams(temperature=0, max_tokens=20, json_schema=slow))
+    (again,) = [o for o in engine.step() if o.request_id == "again"]
+    assert again.bad_request and "took more than" in again.error
+
+
+def test_compiled_grammars_are_cached_by_digest_within_a_byte_budget(llm):
+    engine = llm.engine
+    schemas = [json.dumps({"enum": [f"value {i}"]}) for i in range(6)]
+    probe = GrammarCompiler(engine.tokenizer, engine.vocab_size, sorted(engine.eos_token_ids))
+    size = probe.compile(schemas[0]).future.result(60).memory_size_bytes
+    budget = 3 * size + 1000  # room for about three of them
+    grammars = GrammarCompiler(
+        engine.tokenizer, engine.vocab_size, sorted(engine.eos_token_ids), SchemaLimits(compiled_cache_bytes=budget)
+    )
+    for schema in schemas:
+        pending = grammars.compile(schema)
+        pending.future.result(60)
+        grammars.account(pending)
+        assert grammars.cache.size_bytes <= budget
+    assert 1 < len(grammars.cache) < len(schemas)
+    assert schema_digest(schemas[-1]) in grammars.cache and schema_digest(schemas[0]) not in grammars.cache

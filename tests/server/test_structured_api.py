@@ -240,3 +240,20 @@ def test_invalid_structured_requests_are_400(http, schemas, override, param):
     assert r.status_code == 400, r.text
     schemas.validate("ErrorResponse", r.json())
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("override", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"code": {"type": "string", "pattern": "c{8000}"}}}}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "(c{100}){80}"}}}}}],
+      "tool_choice": "required"}, "tools.function.parameters"),
+], ids=["response_format", "tools"])
+def test_costly_schema_is_400_naming_the_bound(http, schemas, override, param):
+    # Refused by the static bound before any compile (c{8000} once took 9 s in this check).
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, **override})
+    assert r.status_code == 400, r.text
+    schemas.validate("ErrorResponse", r.json())
+    error = r.json()["error"]
+    assert error["param"] == param and "patterns repeat to 8000 atoms" in error["message"]

@@ -172,3 +172,23 @@ def test_shutdown_ends_the_loop(loop_io):
     post(ipc.SHUTDOWN)
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_a_schema_that_failed_to_compile_is_a_400_not_a_500(loop_io):
+    engine, post, until, thread = loop_io
+    scripted = engine.step
+
+    def step_once_failing_the_schema() -> list[StepOutput]:
+        engine.step = scripted
+        for key in [k for k in engine.seqs if k[0] == "s"]:
+            del engine.seqs[key]
+        return [StepOutput("s", 0, [], True, "error", error="the JSON schema took more than 10s to compile",
+                           bad_request=True)]
+
+    engine.step = step_once_failing_the_schema
+    post(ipc.ADD, "s", [1], params(max_tokens=50))
+    err = until(lambda m: m[0] == ipc.ERROR)[-1]
+    assert err[1:] == ["s", 400, "the JSON schema took more than 10s to compile"]
+    post(ipc.ADD, "next", [1], params(max_tokens=1))
+    until(finished("next"))
+    assert thread.is_alive()
