@@ -1,48 +1,78 @@
-"""Engine options (the keyword arguments of ``LLM`` and the per-model YAML settings)."""
+"""Engine options: the keyword arguments of ``LLM``, and the one definition of every engine setting.
 
-from dataclasses import dataclass
+Each field's metadata (``setting``) holds its help text and its bounds or choices. The server's
+per-model YAML keys (``server/engine_settings.py``), the ``serve`` flags (``server/cli.py``) and the
+checks below are all derived from these fields, so they cannot drift apart.
+"""
+
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from engines.parallel_config import ParallelConfig
 
 COMPILE_MODES = ("auto", "off", "on")
 COMPILE_ENV_VAR = "XINSERVE_COMPILE"  # the mode when a config leaves ``compile`` unset
+DTYPES = ("auto", "float32", "float16", "bfloat16")  # "auto" (or None): the checkpoint's dtype
+
+
+def setting(help: str, *, ge: int | None = None, gt: float | None = None, le: float | None = None,
+            choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """A field's metadata: its help text, and the bounds or choices a value other than None must meet
+    (``gt`` and ``le`` together: a half-open range)."""
+    if (gt is None) != (le is None):
+        raise TypeError("gt and le go together")
+    checks = {"ge": ge, "gt": gt, "le": le, "choices": choices}
+    return {"help": help, **{k: v for k, v in checks.items() if v is not None}}
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str
-    device: str = "cpu"
-    tokenizer: str | None = None  # a separate tokenizer directory; None = the model's
-    dtype: str | None = None  # "float32" | "float16" | "bfloat16"; None = the checkpoint's dtype
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
-    block_size: int | None = None  # None = the platform default (128 on Ascend, 16 elsewhere)
-    num_kv_blocks: int | None = None  # explicit pool size; else sized from free memory
-    kv_cache_memory_fraction: float | None = None  # None = the platform default
-    enable_prefix_caching: bool = True
-    kernels: dict[str, str] | None = None  # op -> implementation, forced (kernels/registry.py)
-    seed: int = 0  # seeds the shared generator used by unseeded sampled requests
-    # Ranks of one replica (engines/tp_runner.py); ``parallel`` places them (None: all on ``device``)
-    tensor_parallel_size: int = 1
-    parallel: ParallelConfig | None = None
-    # Pure-decode steps in padded buckets, compiled (CPU: torch.compile) or graph-captured (CUDA,
-    # Ascend, MUSA) per bucket: "auto" keeps a CPU bucket compiled only where it measures faster,
-    # "on" keeps every bucket that compiles, "off" runs eagerly (engines/graphs.py). None: the
-    # XINSERVE_COMPILE environment variable, else "auto".
-    compile: str | None = None
-    enforce_eager: bool = False  # vLLM's name for compile "off"; wins over ``compile``
+    model: str = field(metadata=setting("Hugging Face model directory"))
+    device: str = field(default="cpu", metadata=setting("cpu, cuda:N, npu:N or musa:N"))
+    tokenizer: str | None = field(default=None, metadata=setting("tokenizer directory if not the model's"))
+    dtype: str | None = field(default=None, metadata=setting(
+        "weights and activations; auto: the checkpoint's dtype", choices=DTYPES))
+    max_model_len: int | None = field(default=None, metadata=setting(
+        "longest prompt + output in tokens (default: the model's max_position_embeddings)", ge=1))
+    max_num_seqs: int = field(default=64, metadata=setting("requests one step runs at most", ge=1))
+    max_num_batched_tokens: int = field(default=2048, metadata=setting(
+        "token budget of one step (prefill chunks + decodes)", ge=1))
+    block_size: int | None = field(default=None, metadata=setting(
+        "tokens per KV block (default: the platform's, 128 on Ascend, 64 on MUSA, 16 elsewhere)", ge=1))
+    num_kv_blocks: int | None = field(default=None, metadata=setting(
+        "KV blocks in the pool (default: sized from free memory after a warm-up)", ge=1))
+    kv_cache_memory_fraction: float | None = field(default=None, metadata=setting(
+        "share of free device memory given to KV blocks (default: the platform's)", gt=0, le=1))
+    enable_prefix_caching: bool = field(default=True, metadata=setting(
+        "reuse the KV blocks of a prompt prefix seen before"))
+    kernels: dict[str, str] | None = field(default=None, metadata=setting(
+        "force kernel implementations, op=impl (kernels/registry.py; wins over XINSERVE_KERNELS)"))
+    seed: int = field(default=0, metadata=setting("seeds the generator of unseeded sampled requests"))
+    tensor_parallel_size: int = field(default=1, metadata=setting(
+        "ranks per replica (engines/tp_runner.py); the server groups consecutive worker devices by it "
+        "(--device cpu: N CPU ranks)", ge=1))
+    # Where the ranks run and meet (None: all on ``device``); the server derives it from a worker group.
+    parallel: ParallelConfig | None = field(default=None, metadata=setting("the ranks' devices and rendezvous"))
+    compile: str | None = field(default=None, metadata=setting(
+        "pure-decode steps compiled (CPU: torch.compile) or graph-captured (CUDA, Ascend, MUSA) per padded "
+        "bucket: auto keeps a CPU bucket compiled only where it measures faster, on keeps every bucket that "
+        "compiles, off runs eagerly (engines/graphs.py); default: $XINSERVE_COMPILE, else auto",
+        choices=COMPILE_MODES))
+    enforce_eager: bool = field(default=False, metadata=setting(
+        "never compile or graph-capture decode steps (vLLM's name for compile off; wins over it)"))
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.compile is not None and self.compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        for f in fields(self):
+            check_setting(f.name, getattr(self, f.name), f.metadata)
+
+
+def check_setting(name: str, value: Any, meta: dict[str, Any]) -> None:
+    """Raise ValueError naming ``name`` when ``value`` misses the bounds or choices of ``meta``."""
+    if value is None:
+        return
+    if "choices" in meta and value not in meta["choices"]:
+        raise ValueError(f"{name} must be one of {', '.join(meta['choices'])}, got {value!r}")
+    if "gt" in meta and not meta["gt"] < value <= meta["le"]:
+        raise ValueError(f"{name} must be in ({meta['gt']}, {meta['le']}], got {value}")
+    if "ge" in meta and value < meta["ge"]:
+        raise ValueError(f"{name} must be at least {meta['ge']}, got {value}")

@@ -30,6 +30,7 @@ from engines.attention_metadata import AttentionMetadata
 from engines.config import COMPILE_ENV_VAR, COMPILE_MODES
 from engines.decode_buckets import DecodeBuffers, bucket_for, bucket_sizes
 from engines.platforms import Platform
+from kernels.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,7 @@ def effective_mode(compile_mode: str | None, enforce_eager: bool) -> str:
 
 
 def inductor_cache_dir() -> Path:
-    root = os.environ.get("XINSERVE_CACHE_DIR") or Path.home() / ".cache" / "xinserve"
-    return Path(root) / "inductor"
+    return cache_dir() / "inductor"
 
 
 def decode_forward(model: torch.nn.Module, kv_cache: torch.Tensor) -> Callable[..., torch.Tensor]:

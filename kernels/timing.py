@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engines.attention_metadata import build_decode_gather
+from kernels.cache_dir import cache_dir
 from kernels.probes import ModelShapes
 
 ITERATIONS = 5
@@ -29,8 +30,7 @@ PREFILL_TOKENS = 256  # a prompt chunk after an as long cached prefix
 
 
 def cache_path() -> Path:
-    root = os.environ.get("XINSERVE_CACHE_DIR") or Path.home() / ".cache" / "xinserve"
-    return Path(root) / "kernel_timings.json"
+    return cache_dir() / "kernel_timings.json"
 
 
 def _synchronize(device: torch.device) -> None:

@@ -10,30 +10,15 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 from engines.config import COMPILE_ENV_VAR, COMPILE_MODES
 from server.config import AppConfig, ConfigError, default_config_path, load_config, parse_config
-from server.tool_calls import PARSERS
+from server.model_settings import ModelSettings
 
-# Flag -> per-model config key; None (not given) leaves the config's value alone.
-ENGINE_FLAGS = {
-    "dtype": "dtype",
-    "max_model_len": "max_model_len",
-    "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "block_size": "block_size",
-    "num_kv_blocks": "num_kv_blocks",
-    "kv_cache_memory_fraction": "kv_cache_memory_fraction",
-    "enable_prefix_caching": "enable_prefix_caching",
-    "max_waiting_requests": "max_waiting_requests",
-    "cpu_threads": "cpu_threads",
-    "seed": "seed",
-    "tensor_parallel_size": "tensor_parallel_size",
-    "enforce_eager": "enforce_eager",
-    "tool_call_parser": "tool_call_parser",
-    "reasoning_parser": "reasoning_parser",
-}
+# Model settings that are also flags (those with help text): given next to a config, each applies to
+# every model in it.
+MODEL_FLAGS = tuple(name for name, info in ModelSettings.model_fields.items() if info.description)
 # Flag -> distributed config key (tensor-parallel groups over several machines)
 DISTRIBUTED_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port")
 EMBEDDED_DEFAULT = {"models": [{"name": "xinserve-tiny", "path": "embedded:xinserve-tiny", "workers": ["cpu"]}]}
@@ -45,37 +30,43 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", action="append",
                    help="worker device: cpu, cuda:N, npu:N, musa:N; repeat or comma-separate for several")
     p.add_argument("--served-model-name", help="the name clients send as 'model' (default: directory name)")
-    p.add_argument("--tokenizer", help="tokenizer directory if not the model's")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", action="append", help="accepted API key (repeatable; also XINSERVE_API_KEY)")
     p.add_argument("--request-timeout", type=float, help="seconds before a request is aborted")
     p.add_argument("--trust-request-chat-template", action="store_const", const=True, default=None,
                    help="let requests replace the chat template (chat_template_kwargs.chat_template)")
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--kv-cache-memory-fraction", type=float)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--max-waiting-requests", type=int, help="queued requests per worker before 429")
-    p.add_argument("--cpu-threads", type=int, help="torch threads per CPU worker (default: cores - 1)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--tensor-parallel-size", type=int,
-                   help="ranks per replica; groups consecutive --device entries (--device cpu: N CPU ranks)")
+    _add_model_flags(p)
     p.add_argument("--nnodes", type=int, help="machines the tensor-parallel groups span (README: multi-node)")
     p.add_argument("--node-rank", type=int, help="this machine's index; 0 serves HTTP, the others only run ranks")
     p.add_argument("--master-addr", help="node 0's address, reachable from every node")
     p.add_argument("--master-port", type=int, help="first rendezvous port on node 0 (one per group from it)")
-    p.add_argument("--enforce-eager", action="store_const", const=True, default=None,
-                   help="never compile or graph-capture decode steps (the model's compile: off)")
-    p.add_argument("--tool-call-parser", choices=sorted(PARSERS),
-                   help="how tool calls are read with tool_choice auto (default: detected from the chat template)")
-    p.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3", "glm45"],
-                   help="split <think> reasoning from the answer as reasoning_content (README: Reasoning)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """A flag per model setting in MODEL_FLAGS, typed and explained by its field: every engine setting
+    (``engines.EngineConfig``) and the server's per-model ones. Not given, it is None."""
+    for name in MODEL_FLAGS:
+        info = ModelSettings.model_fields[name]
+        kind = next((a for a in get_args(info.annotation) if a is not type(None)), info.annotation)
+        flag, options = "--" + name.replace("_", "-"), {"help": info.description}
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, **options)
+        elif get_origin(kind) is Literal:
+            p.add_argument(flag, choices=get_args(kind), **options)
+        elif get_origin(kind) is dict:
+            p.add_argument(flag, type=_op_impl_pairs, metavar="OP=IMPL,...", **options)
+        else:
+            p.add_argument(flag, type=kind, **options)
+
+
+def _op_impl_pairs(text: str) -> dict[str, str]:
+    """``"op=impl,op=impl"`` -> {op: impl}; the names are checked by each worker's kernel registry."""
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    if not pairs or any(not sep or not op.strip() or not impl.strip() for op, sep, impl in pairs):
+        raise argparse.ArgumentTypeError(f"expected op=impl[,op=impl...], got {text!r}")
+    return {op.strip(): impl.strip() for op, _, impl in pairs}
 
 
 def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) -> AppConfig:
@@ -87,8 +78,6 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         devices = [d for spec in (args.device or ["cpu"]) for d in spec.split(",") if d]
         name = args.served_model_name or Path(args.model.removeprefix("embedded:")).name or args.model
         data: dict[str, Any] = {"models": [{"name": name, "path": args.model, "workers": devices}]}
-        if args.tokenizer:
-            data["models"][0]["tokenizer"] = args.tokenizer
     else:
         if args.device or args.served_model_name or args.tokenizer:
             raise ConfigError("--device, --served-model-name and --tokenizer need --model")
@@ -99,10 +88,10 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
             data = load_config(path).model_dump() if path.is_file() else EMBEDDED_DEFAULT
     data.setdefault("server", {})
     for model in data["models"]:
-        for flag, key in ENGINE_FLAGS.items():
-            value = getattr(args, flag, None)
+        for name in MODEL_FLAGS:
+            value = getattr(args, name)
             if value is not None:
-                model[key] = value
+                model[name] = value
     distributed = data.setdefault("distributed", {}) or {}
     data["distributed"] = distributed
     for flag in DISTRIBUTED_FLAGS:

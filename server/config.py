@@ -5,28 +5,14 @@ Every section forbids unknown keys, so a typo fails at start-up with the key's d
 """
 
 import os
-import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    PrivateAttr,
-    SecretStr,
-    Tag,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, SecretStr, Tag, model_validator
+from pydantic_core import ValidationError
 
-from engines.config import COMPILE_MODES
-
-EMBEDDED_PREFIX = "embedded:"
-_DEVICE = re.compile(r"^(cpu|(cuda|npu|musa)(:\d+)?)$")
+from server.model_settings import ModelSettings
 
 
 class ConfigError(ValueError):
@@ -110,123 +96,6 @@ class ServerSettings(_Section):
         """Every key as an ApiKey; plain strings named "key-<position>" (1-based)."""
         return [k if isinstance(k, ApiKey) else ApiKey(name=f"key-{i}", key=k)
                 for i, k in enumerate(self.api_keys, start=1)]
-
-
-class ModelSettings(_Section):
-    name: str = Field(min_length=1)
-    # A Hugging Face directory, or "embedded:<name>" for the built-in tiny model.
-    path: str
-    tokenizer: str | None = None  # a separate tokenizer directory; default: ``path``
-    dtype: str | None = None
-    # Each entry is one replica: a device, or a list of devices for a tensor-parallel group
-    # ([npu:0, npu:1] is one replica over two cards); see ``groups``.
-    workers: list[str | list[str]] = Field(default_factory=lambda: ["cpu"], min_length=1)
-    # With plain-device workers: consecutive devices form groups of this size ("cpu" alone: that many
-    # CPU ranks sharing the cores).
-    tensor_parallel_size: int = Field(1, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    block_size: int | None = Field(None, ge=1)
-    num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1)
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    fallback: list[str] = Field(default_factory=list)
-    # Requests a worker holds beyond max_num_seqs before new ones get a 429.
-    max_waiting_requests: int = Field(256, ge=0)
-    # Torch threads of each CPU worker; None = the cores left after the HTTP process, shared
-    # between the CPU workers (so on 2 cores the engine gets one and the HTTP loop the other).
-    cpu_threads: int | None = Field(None, ge=1)
-    # Force kernel implementations, op -> impl (e.g. {decode_attention: reference}); checked by each
-    # worker's kernel registry at start-up, over XINSERVE_KERNELS.
-    kernels: dict[str, str] = Field(default_factory=dict)
-    # Decode steps compiled (CPU) or graph-captured (accelerators) per padded batch bucket: auto keeps a
-    # CPU bucket compiled only where it measures faster; off (or enforce_eager, --enforce-eager) never.
-    compile: Literal[COMPILE_MODES] | None = None  # None: $XINSERVE_COMPILE, else auto
-    enforce_eager: bool = False
-    # How tool calls are read from this model's output with tool_choice auto: hermes (also Qwen2.5
-    # and Qwen3), llama3_json, glm45, glm47 (GLM-4.7, GLM-5) or deepseek_v3. None: detected from the
-    # chat template.
-    tool_call_parser: Literal["hermes", "llama3_json", "glm45", "glm47", "deepseek_v3"] | None = None
-    # How reasoning (<think>...</think>) is told from the answer (server/reasoning/): deepseek_r1, qwen3
-    # or glm45. None: the output is all content.
-    reasoning_parser: Literal["deepseek_r1", "qwen3", "glm45"] | None = None
-
-    @field_validator("dtype")
-    @classmethod
-    def _check_dtype(cls, value: str | None) -> str | None:
-        if value not in (None, "auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {value!r}")
-        return None if value == "auto" else value
-
-    @field_validator("workers")
-    @classmethod
-    def _check_workers(cls, value: list[str | list[str]]) -> list[str | list[str]]:
-        out: list[str | list[str]] = []
-        for entry in value:
-            if isinstance(entry, list):
-                if not entry:
-                    raise ValueError("a tensor-parallel group of workers lists no device")
-                out.append([_normal_device(spec) for spec in entry])
-            else:
-                out.append(_normal_device(entry))
-        return out
-
-    @model_validator(mode="after")
-    def _check_groups(self) -> "ModelSettings":
-        tp = self.tensor_parallel_size
-        listed = [w for w in self.workers if isinstance(w, list)]
-        if listed and tp > 1 and any(len(g) != tp for g in listed):
-            raise ValueError(f"model {self.name}: tensor_parallel_size {tp} but a group of workers lists "
-                             f"a different number of devices")
-        plain = [w for w in self.workers if isinstance(w, str)]
-        if tp > 1 and plain and plain != ["cpu"] and len(plain) % tp:
-            raise ValueError(f"model {self.name}: {len(plain)} worker devices do not form groups of "
-                             f"tensor_parallel_size {tp}")
-        return self
-
-    @property
-    def groups(self) -> list[list[str]]:
-        """One device list per replica, in rank order: the listed groups, then the plain devices in
-        groups of ``tensor_parallel_size``."""
-        tp = self.tensor_parallel_size
-        plain = [w for w in self.workers if isinstance(w, str)]
-        if tp > 1 and plain == ["cpu"]:
-            plain = ["cpu"] * tp
-        return [list(w) for w in self.workers if isinstance(w, list)] + [
-            plain[i : i + tp] for i in range(0, len(plain), tp)
-        ]
-
-    @property
-    def is_embedded(self) -> bool:
-        return self.path.startswith(EMBEDDED_PREFIX)
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``engines.EngineConfig`` except ``model``, ``device`` and ``tokenizer``
-        (paths resolved when the model starts)."""
-        return {
-            "dtype": self.dtype,
-            "max_model_len": self.max_model_len,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "block_size": self.block_size,
-            "num_kv_blocks": self.num_kv_blocks,
-            "kv_cache_memory_fraction": self.kv_cache_memory_fraction,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "seed": self.seed,
-            "kernels": dict(self.kernels) or None,
-            "compile": self.compile,
-            "enforce_eager": self.enforce_eager,
-        }
-
-
-def _normal_device(spec: str) -> str:
-    spec = spec.strip().lower()
-    if not _DEVICE.match(spec):
-        raise ValueError(f"worker device must be cpu, cuda:N, npu:N or musa:N, got {spec!r}")
-    # "npu" means the first card, as torch's own device strings do.
-    return spec if spec == "cpu" or ":" in spec else f"{spec}:0"
 
 
 class DistributedSettings(_Section):

@@ -7,19 +7,14 @@ child so torch and the model classes never load into the HTTP process.
 
 import logging
 import multiprocessing as mp
-import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
-from server.config import EMBEDDED_PREFIX, ModelSettings
+from kernels.cache_dir import cache_dir
 from server.hub import local_path
+from server.model_settings import EMBEDDED_PREFIX, ModelSettings
 
 logger = logging.getLogger("xinserve.server")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XINSERVE_CACHE_DIR") or Path.home() / ".cache" / "xinserve")
 
 
 def _build(cache: str, name: str) -> str:

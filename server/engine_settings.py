@@ -1,0 +1,46 @@
+"""The engine settings of a served model, as YAML keys: generated from ``engines.EngineConfig``'s fields.
+
+Each field keeps the dataclass's type and default, its help text (the pydantic description, which
+is also the ``serve`` flag's help) and its bounds or choices as pydantic constraints, so a bad value
+fails at start-up with the key's dotted path (``models.0.max_num_seqs: Input should be greater than
+or equal to 1``). ``server.config.ModelSettings`` adds the server's own keys on top.
+"""
+
+from dataclasses import Field as DataclassField
+from dataclasses import fields
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from engines.config import EngineConfig
+
+# EngineConfig fields that are no model setting: ``path`` stands for the model, ``workers`` for the
+# device, and each tensor-parallel group of workers for the ranks' placement.
+PLACED = ("model", "device", "parallel")
+# Settings each worker receives resolved rather than as written: the tokenizer's local path, and its
+# group's size (server/pool.py).
+PER_WORKER = ("tokenizer", "tensor_parallel_size")
+
+
+class _EngineKeys(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``engines.EngineConfig`` but those placed or resolved per worker."""
+        return {name: getattr(self, name) for name in ENGINE_KEYS if name not in PER_WORKER}
+
+
+def _pydantic_field(field: DataclassField) -> tuple[Any, Any]:
+    meta = field.metadata
+    annotation = field.type
+    if "choices" in meta:
+        annotation = Literal[meta["choices"]] | None if field.default is None else Literal[meta["choices"]]
+    bounds = {key: meta[key] for key in ("ge", "gt", "le") if key in meta}
+    return annotation, Field(field.default, description=meta["help"], **bounds)
+
+
+ENGINE_KEYS = tuple(f.name for f in fields(EngineConfig) if f.name not in PLACED)
+EngineSettings = create_model(
+    "EngineSettings", __base__=_EngineKeys,
+    **{f.name: _pydantic_field(f) for f in fields(EngineConfig) if f.name in ENGINE_KEYS},
+)

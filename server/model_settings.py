@@ -1,0 +1,85 @@
+"""A served model's settings: the engine's (generated from ``EngineConfig``) and the server's own."""
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from server.engine_settings import EngineSettings
+
+EMBEDDED_PREFIX = "embedded:"
+_DEVICE = re.compile(r"^(cpu|(cuda|npu|musa)(:\d+)?)$")
+
+
+class ModelSettings(EngineSettings):
+    """One served model: every engine setting (``server/engine_settings.py``, from ``EngineConfig``) and
+    the server's own keys. A field with a description is also a ``serve`` flag (server/cli.py)."""
+
+    name: str = Field(min_length=1)
+    # A Hugging Face directory, or "embedded:<name>" for the built-in tiny model.
+    path: str
+    # Each entry is one replica: a device, or a list of devices for a tensor-parallel group
+    # ([npu:0, npu:1] is one replica over two cards); see ``groups``. With plain-device workers,
+    # consecutive devices form groups of ``tensor_parallel_size``.
+    workers: list[str | list[str]] = Field(default_factory=lambda: ["cpu"], min_length=1)
+    fallback: list[str] = Field(default_factory=list)
+    max_waiting_requests: int = Field(256, ge=0, description="queued requests per worker before 429")
+    # None = the cores left after the HTTP process, shared between the CPU workers (so on 2 cores the
+    # engine gets one and the HTTP loop the other).
+    cpu_threads: int | None = Field(None, ge=1, description="torch threads per CPU worker (default: cores - 1)")
+    # hermes also reads Qwen2.5 and Qwen3; glm47 also GLM-5.
+    tool_call_parser: Literal["hermes", "llama3_json", "glm45", "glm47", "deepseek_v3"] | None = Field(
+        None, description="how tool calls are read with tool_choice auto (default: detected from the chat template)")
+    # server/reasoning/; None: the output is all content.
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "glm45"] | None = Field(
+        None, description="split <think> reasoning from the answer as reasoning_content (README: Reasoning)")
+
+    @field_validator("workers")
+    @classmethod
+    def _check_workers(cls, value: list[str | list[str]]) -> list[str | list[str]]:
+        out: list[str | list[str]] = []
+        for entry in value:
+            if isinstance(entry, list):
+                if not entry:
+                    raise ValueError("a tensor-parallel group of workers lists no device")
+                out.append([_normal_device(spec) for spec in entry])
+            else:
+                out.append(_normal_device(entry))
+        return out
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> "ModelSettings":
+        tp = self.tensor_parallel_size
+        listed = [w for w in self.workers if isinstance(w, list)]
+        if listed and tp > 1 and any(len(g) != tp for g in listed):
+            raise ValueError(f"model {self.name}: tensor_parallel_size {tp} but a group of workers lists "
+                             f"a different number of devices")
+        plain = [w for w in self.workers if isinstance(w, str)]
+        if tp > 1 and plain and plain != ["cpu"] and len(plain) % tp:
+            raise ValueError(f"model {self.name}: {len(plain)} worker devices do not form groups of "
+                             f"tensor_parallel_size {tp}")
+        return self
+
+    @property
+    def groups(self) -> list[list[str]]:
+        """One device list per replica, in rank order: the listed groups, then the plain devices in
+        groups of ``tensor_parallel_size``."""
+        tp = self.tensor_parallel_size
+        plain = [w for w in self.workers if isinstance(w, str)]
+        if tp > 1 and plain == ["cpu"]:
+            plain = ["cpu"] * tp
+        return [list(w) for w in self.workers if isinstance(w, list)] + [
+            plain[i : i + tp] for i in range(0, len(plain), tp)
+        ]
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.path.startswith(EMBEDDED_PREFIX)
+
+
+def _normal_device(spec: str) -> str:
+    spec = spec.strip().lower()
+    if not _DEVICE.match(spec):
+        raise ValueError(f"worker device must be cpu, cuda:N, npu:N or musa:N, got {spec!r}")
+    # "npu" means the first card, as torch's own device strings do.
+    return spec if spec == "cpu" or ":" in spec else f"{spec}:0"
