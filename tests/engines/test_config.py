@@ -1,0 +1,34 @@
+"""EngineConfig: every field is explained, and a bad value is a ValueError naming the field."""
+
+from dataclasses import fields
+
+import pytest
+
+from engines import EngineConfig
+
+
+def test_every_field_has_help_text():
+    assert all(f.metadata.get("help") for f in fields(EngineConfig))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"max_num_seqs": 0}, "max_num_seqs must be at least 1, got 0"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be at least 1, got 0"),
+    ({"kv_cache_memory_fraction": 0}, r"kv_cache_memory_fraction must be in \(0, 1\], got 0"),
+    ({"kv_cache_memory_fraction": 1.5}, r"kv_cache_memory_fraction must be in \(0, 1\], got 1.5"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be at least 1, got 0"),
+    ({"num_kv_blocks": 0}, "num_kv_blocks must be at least 1, got 0"),
+    ({"compile": "fast"}, "compile must be one of auto, off, on, got 'fast'"),
+    # Checked by the YAML config only, before the bounds moved onto the fields.
+    ({"dtype": "fp8"}, "dtype must be one of auto, float32, float16, bfloat16, got 'fp8'"),
+    ({"max_model_len": 0}, "max_model_len must be at least 1, got 0"),
+    ({"block_size": 0}, "block_size must be at least 1, got 0"),
+])
+def test_bad_values_name_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", **options)
+
+
+def test_bounds_are_inclusive_where_they_say_so():
+    config = EngineConfig(model="m", kv_cache_memory_fraction=1, max_num_seqs=1, dtype="auto", block_size=1)
+    assert (config.kv_cache_memory_fraction, config.max_num_seqs, config.dtype) == (1, 1, "auto")
