@@ -1,0 +1,24 @@
+"""``$XINSERVE_CACHE_DIR`` is resolved in one place, and every cache of xinserve lives under it."""
+
+from pathlib import Path
+
+import engines.graphs
+import kernels.timing
+import server.embedded
+from kernels.cache_dir import cache_dir
+
+
+def test_the_cache_dir_is_the_variable_else_the_home_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("XINSERVE_CACHE_DIR", raising=False)
+    assert cache_dir() == Path.home() / ".cache" / "xinserve"
+    monkeypatch.setenv("XINSERVE_CACHE_DIR", "")  # empty counts as unset
+    assert cache_dir() == Path.home() / ".cache" / "xinserve"
+    monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == tmp_path
+
+
+def test_the_embedded_model_kernel_timings_and_inductor_share_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
+    assert server.embedded.cache_dir is cache_dir
+    assert kernels.timing.cache_path() == tmp_path / "kernel_timings.json"
+    assert engines.graphs.inductor_cache_dir() == tmp_path / "inductor"
