@@ -45,6 +45,9 @@ class ModelShapes:
     # absorbed width are kv_lora_rank + qk_rope_head_dim
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    # MLA's per-head up-projected widths: the no-rope key (dn) and the value (dv)
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     # the DSA indexer (0: none)
     index_topk: int = 0
     index_n_heads: int = 0
@@ -58,7 +61,7 @@ def applies(op: str, shapes: ModelShapes) -> bool:
         return shapes.kv_lora_rank == 0
     if op == "fused_moe":
         return shapes.num_experts > 0
-    if op in ("write_latent", "mla_decode_attention"):
+    if op in ("write_latent", "mla_decode_attention", "mla_prefill_attention"):
         return shapes.kv_lora_rank > 0
     if op == "indexer_topk":
         return shapes.index_topk > 0

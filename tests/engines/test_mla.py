@@ -182,7 +182,8 @@ def test_absorbed_decode_equals_up_projected_attention(sparse):
         rows = [torch.randperm(n, generator=gen)[:6] for n in lens]
         selected = torch.stack([torch.cat((r, torch.full((6 - len(r),), -1))) for r in rows])
     absorbed = attention.absorbed_decode(q_nope, q_rope, latent_cache, _metadata(lens, tables, True), selected)
-    naive = attention.up_projected_prefill(q_nope, q_rope, latent_cache, _metadata(lens, tables, False), selected)
+    naive = attention.up_projected_prefill(torch.cat((q_nope, q_rope), dim=-1), latent_cache,
+                                           _metadata(lens, tables, False), selected)
     assert absorbed.shape == naive.shape == (len(lens), 4, 16)
     torch.testing.assert_close(absorbed, naive, rtol=1e-4, atol=1e-4)
     if sparse:  # the selection matters: attending everywhere gives another answer
