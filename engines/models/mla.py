@@ -14,6 +14,7 @@ With a DSA indexer (``engines/models/dsa_indexer.py``) both forms see only the p
 Parameter names are the Hugging Face checkpoints'.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +37,18 @@ def mla_softmax_scale(config: Any) -> float:
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
         scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
     return scale
+
+
+@dataclass
+class MLAStep:
+    """What every MLA layer of one step shares: the metadata, the attention's and the indexer's
+    rotations, and the DSA selection of the last layer with an indexer (None before it, and in a
+    model without DSA), which a layer without its own indexer attends over."""
+
+    metadata: AttentionMetadata
+    cos_sin: torch.Tensor
+    index_cos_sin: torch.Tensor
+    selected: torch.Tensor | None = None
 
 
 class MLAAttention(nn.Module):
@@ -63,19 +76,12 @@ class MLAAttention(nn.Module):
         self.scale = mla_softmax_scale(config)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        latent_cache: torch.Tensor,
-        index_cache: torch.Tensor | None,
-        metadata: AttentionMetadata,
-        cos_sin: torch.Tensor,
-        index_cos_sin: torch.Tensor,
-        selected: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, hidden: torch.Tensor, latent_cache: torch.Tensor, index_cache: torch.Tensor | None, step: MLAStep
+    ) -> torch.Tensor:
         """hidden: [T, hidden]; latent_cache: [N, BS, R + dr]; index_cache: [N, BS, Di] on a layer
-        with its own indexer. ``selected``: the previous layer's DSA selection, reused by a layer
-        without an indexer in a DSA model (None in a dense-attention model). Returns the output
-        [T, hidden] and this layer's selection (None without DSA)."""
+        with its own indexer, which then sets ``step.selected`` for itself and the layers after it.
+        Returns [T, hidden]."""
+        metadata, cos_sin = step.metadata, step.cos_sin
         num_tokens = hidden.shape[0]
         q_resid = None
         if self.q_lora_rank is None:
@@ -91,7 +97,8 @@ class MLAAttention(nn.Module):
                                                    self.rope_is_neox)
         self.ops.write_latent(torch.cat((kv_c, k_rope.squeeze(1)), dim=-1), latent_cache, metadata.slot_mapping)
         if self.indexer is not None:
-            selected = self.indexer(hidden, q_resid, index_cache, metadata, index_cos_sin)  # [T, K]
+            step.selected = self.indexer(hidden, q_resid, index_cache, metadata, step.index_cos_sin)  # [T, K]
+        selected = step.selected
         q_nope = q[..., : self.nope_dim]
         num_decode = metadata.num_decode_seqs
         parts = []
@@ -106,7 +113,7 @@ class MLAAttention(nn.Module):
                 query, latent_cache, metadata, None if selected is None else selected[num_decode:],
             ))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # [T, H, dv]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim)), selected
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
     def _up_weight(self) -> torch.Tensor:
         """kv_b_proj's weight per head: [H, dn + dv, R], W_UK's rows then W_UV's."""

@@ -2,10 +2,8 @@
 probed against kernels/mla_reference.py (a wrong one is rejected with its error), and the model's
 prefill runs whatever the registry chose."""
 
-import sys
-import types
-
 import torch
+from test_registry import fake_module
 
 from engines import LLM, SamplingParams
 from kernels import mla_reference, registry
@@ -23,15 +21,6 @@ SHAPES = ModelShapes(
     index_head_dim=16,
 )
 MLA_OPS = ("write_latent", "mla_decode_attention", "mla_prefill_attention", "indexer_topk")
-
-
-def fake_module(name: str, monkeypatch, **attrs) -> None:
-    """A stand-in implementation module, importable as kernels.<name>."""
-    module = types.ModuleType(f"kernels.{name}")
-    for key, value in attrs.items():
-        setattr(module, key, value)
-    monkeypatch.setitem(sys.modules, f"kernels.{name}", module)
-    monkeypatch.setitem(registry.MODULES, name, f"kernels.{name}")
 
 
 def off_by_a_little(*args, **kwargs) -> torch.Tensor:
