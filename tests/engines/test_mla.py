@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_llm_vs_transformers import MAX_TOKENS, Reference, check_against_reference
 
-from engines import LLM
+from engines import LLM, SamplingParams
 from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from engines.models.mla import MLAAttention
 from kernels.mla_reference import indexer_topk
@@ -217,3 +217,25 @@ def test_indexer_topk_keeps_the_best_visible_positions_and_pads_short_contexts()
         expected = scores.topk(min(topk, position + 1)).values
         torch.testing.assert_close(scores[chosen].sort().values, expected.sort().values)
         assert (got[row] == -1).sum() == max(0, topk - position - 1)
+
+
+def test_compiled_dsa_decode_carries_the_selection_without_graph_breaks(tiny_models, monkeypatch):
+    """GLM-5 with a layer that reuses the previous layer's DSA selection: the decode compiles into one
+    graph (the per-step MLAStep that carries the selection from layer to layer traces) and its greedy
+    tokens equal eager's."""
+    import engines.graphs
+
+    path = tiny_models("glm_moe_dsa", indexer_types=["full", "shared", "full"], max_position_embeddings=64)
+    options = {"block_size": 4, "num_kv_blocks": 40, "max_num_seqs": 2, "max_model_len": 64}
+    counters = torch._dynamo.utils.counters
+    graphs_before, breaks_before = counters["stats"]["unique_graphs"], counters["graph_break"].total()
+    monkeypatch.setattr(engines.graphs, "bucket_sizes", lambda max_num_seqs: [2])  # one bucket: compiles cost
+    compiled = LLM(path, compile="on", **options)
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1
+    eager = LLM(path, compile="off", **options)
+    batch = prompts_for(compiled.engine.vocab_size)[:2]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert [r.token_ids for r in compiled.generate(batch, greedy)] == [r.token_ids for r in eager.generate(batch,
+                                                                                                           greedy)]
+    assert compiled.engine.runner.decode_graphs.steps_run >= greedy.max_tokens - 1
+    assert counters["graph_break"].total() == breaks_before
