@@ -70,7 +70,7 @@ def probe_mla_prefill_attention(fn: dict[str, Callable], shapes: "ModelShapes", 
     """A whole 7-token prompt, then a 5-token chunk after a cached prefix that ends mid-block; for a
     DSA model also over a selection."""
     bs, rank, heads = shapes.block_size, shapes.kv_lora_rank, shapes.num_heads
-    nope, rope, value = shapes.qk_nope_head_dim, shapes.qk_rope_head_dim, shapes.v_head_dim
+    (nope, value), rope = shapes.mla_up_head_dims, shapes.qk_rope_head_dim
     q_lens, lens = [7, 5], [7, bs + 8]
     num_blocks = max(8, sum(-(-n // bs) for n in lens))
     cache = x.randn(num_blocks, bs, rank + rope)

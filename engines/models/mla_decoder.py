@@ -125,7 +125,7 @@ class MLACausalLM(CausalLM):
             # of each head and of the one shared key
             rope_is_neox=cls.rope_is_neox(config), head_dim=rope, rotary_dim=rope, num_kv_heads=1,
             kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
-            qk_nope_head_dim=config.qk_nope_head_dim, v_head_dim=config.v_head_dim,
+            mla_up_head_dims=(config.qk_nope_head_dim, config.v_head_dim),
             index_topk=config.index_topk if indexed else 0, index_n_heads=config.index_n_heads if indexed else 0,
             index_head_dim=config.index_head_dim if indexed else 0,
         )

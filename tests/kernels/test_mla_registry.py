@@ -17,7 +17,7 @@ SHAPES = ModelShapes(
     intermediate_size=64, vocab_size=300, block_size=4, num_experts=8, moe_intermediate_size=16,
     moe_routing=MoeRouting(top_k=2, scoring="sigmoid", renormalize=True, num_groups=2, topk_groups=1,
                            correction_bias=True),
-    kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=12, index_n_heads=2,
+    kv_lora_rank=32, qk_rope_head_dim=8, mla_up_head_dims=(16, 16), index_topk=12, index_n_heads=2,
     index_head_dim=16,
 )
 MLA_OPS = ("write_latent", "mla_decode_attention", "mla_prefill_attention", "indexer_topk")
