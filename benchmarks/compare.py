@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.tiny_model import ensure_tiny_model
 from server.bench import launch, report
 from server.bench.cli import machine
 from server.bench.plot import plot
+from server.embedded_model.factory import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # The shape of the 5M-parameter Llama the peers' figures in PEERS.md were measured on.

@@ -74,7 +74,7 @@ def main() -> None:
     import torch
 
     from engines import LLM
-    from engines.tiny_model import ensure_tiny_model
+    from server.embedded_model.factory import ensure_tiny_model
 
     torch.set_num_threads(1)
     contexts, batches = ((128, 512), (1, 8)) if args.quick else ((128, 512, 1536), (1, 8, 32))

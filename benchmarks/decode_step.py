@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from engines.tiny_model import ensure_tiny_model
+    from server.embedded_model.factory import ensure_tiny_model
 
     trees = {"this": ROOT} | ({"compare": args.compare.resolve()} if args.compare else {})
     rows = []

@@ -207,7 +207,7 @@ def round_trip_pipe(rounds: int) -> float:
 def http_side_costs(tokens: int) -> dict[str, float]:
     """Seconds per token for detokenising one token and building + serialising one SSE chunk."""
     from engines.detokenizer import IncrementalDetokenizer
-    from engines.tiny_model import build_tokenizer
+    from server.embedded_model.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     text = "The morning fog rolled slowly over the harbour, and the fishing boats waited. " * 40

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     else:
-        from engines.tiny_model import build_tokenizer
+        from server.embedded_model.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer()
     data = rows(tokenizer, args.per_category, args.long_tokens, args.seed)

@@ -98,7 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
-    from engines.tiny_model import ensure_tiny_model
+    from server.embedded_model.factory import ensure_tiny_model
 
     path = str(ensure_tiny_model(args.model_dir, name="qwen3-moe-48m", **MODEL))
     ours = {impl: engine_steps(path, args.windows, impl) for impl in ("reference", "grouped_mm")}

@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from engines import LLM, SamplingParams
-from engines.tiny_model import ensure_tiny_model
+from server.embedded_model.factory import ensure_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "offline_throughput.json"
 FIRST_ID = 7  # past the tiny tokenizer's special tokens

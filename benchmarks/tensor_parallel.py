@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from engines.tiny_model import ensure_tiny_model
+    from server.embedded_model.factory import ensure_tiny_model
 
     path = str(ensure_tiny_model(args.model_dir, name="llama-30m", **SHAPE))
     rows = measure(path, 1, args.threads, args.windows) + measure(path, 2, args.threads, args.windows)

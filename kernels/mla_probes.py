@@ -66,6 +66,35 @@ def probe_mla_decode_attention(fn: dict[str, Callable], shapes: "ModelShapes", x
     return max(errors)
 
 
+def probe_mla_prefill_attention(fn: dict[str, Callable], shapes: "ModelShapes", x: "_Inputs") -> float:
+    """A whole 7-token prompt, then a 5-token chunk after a cached prefix that ends mid-block; for a
+    DSA model also over a selection."""
+    bs, rank, heads = shapes.block_size, shapes.kv_lora_rank, shapes.num_heads
+    (nope, value), rope = shapes.mla_up_head_dims, shapes.qk_rope_head_dim
+    q_lens, lens = [7, 5], [7, bs + 8]
+    num_blocks = max(8, sum(-(-n // bs) for n in lens))
+    cache = x.randn(num_blocks, bs, rank + rope)
+    tables = torch.from_numpy(_tables(lens, bs, num_blocks, seed=6)).to(x.device)
+    query = x.randn(sum(q_lens), heads, nope + rope)
+    weight = x.randn(heads, nope + value, rank) * rank**-0.5  # keys and values of order one
+    query_start_loc, scale = [0, q_lens[0], sum(q_lens)], (nope + rope) ** -0.5
+    selections = [None]
+    if shapes.index_topk:
+        gen = torch.Generator().manual_seed(7)
+        rows = [torch.randperm(n - q + j + 1, generator=gen)[: shapes.index_topk]
+                for n, q in zip(lens, q_lens) for j in range(q)]
+        selections.append(torch.stack([torch.cat((r, torch.full((shapes.index_topk - len(r),), -1)))
+                                       for r in rows]).to(x.device))
+    host = [t.cpu().float() for t in (query, cache, weight)]
+    errors = []
+    for selected in selections:
+        got = fn["mla_prefill_attention"](query, cache, weight, tables, query_start_loc, lens, scale, selected)
+        want = mla_reference.mla_prefill_attention(*host, tables.cpu(), query_start_loc, lens, scale,
+                                                   None if selected is None else selected.cpu())
+        errors.append(_error(got, want))
+    return max(errors)
+
+
 def probe_indexer_topk(fn: dict[str, Callable], shapes: "ModelShapes", x: "_Inputs") -> float:
     """A decode and a 3-token chunk after a cached prefix. Positions are compared by score (two
     positions with equal scores are interchangeable): the error is the largest difference between the
@@ -107,5 +136,6 @@ def probe_indexer_topk(fn: dict[str, Callable], shapes: "ModelShapes", x: "_Inpu
 PROBES = {
     "write_latent": probe_write_latent,
     "mla_decode_attention": probe_mla_decode_attention,
+    "mla_prefill_attention": probe_mla_prefill_attention,
     "indexer_topk": probe_indexer_topk,
 }

@@ -75,6 +75,47 @@ def mla_decode_attention(
     return out.squeeze(1)  # [S, H, R]
 
 
+def mla_prefill_attention(
+    query: torch.Tensor,
+    latent_cache: torch.Tensor,
+    kv_up_weight: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+    selected: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Up-projected MLA prefill (and chunked prefill): each sequence's cached latents up-projected to
+    per-head keys and values, then causal attention, as ``kernels.reference.paged_prefill_attention``.
+
+    query: [T, H, dn + dr], the new tokens of P sequences back to back, each head's no-rope query
+    then its rotated one; latent_cache: [N, BS, R + dr] (holding the new tokens); kv_up_weight:
+    [H, dn + dv, R], ``kv_b_proj``'s weight per head (W_UK rows, then W_UV rows); block_tables:
+    [P, B] int32; query_start_loc: P + 1 host offsets into query; seq_lens: P host context lengths
+    including the new tokens; selected: [T, K] DSA selection or None (every position). Returns
+    [T, H, dv].
+    """
+    num_heads, _, rank = kv_up_weight.shape
+    nope_dim = query.shape[-1] - (latent_cache.shape[-1] - rank)
+    up = kv_up_weight.reshape(-1, rank)  # [H * (dn + dv), R], kv_b_proj's own layout
+    queries = query.transpose(0, 1)  # [H, T, dn + dr]
+    out = query.new_empty(query.shape[0], num_heads, kv_up_weight.shape[1] - nope_dim)
+    for start, end, context in latent_context(latent_cache, block_tables, query_start_loc, seq_lens):
+        seq_len = context.shape[0]
+        kv = F.linear(context[:, :rank], up).view(seq_len, num_heads, -1)
+        k_nope, v = kv.split([nope_dim, kv.shape[-1] - nope_dim], dim=-1)  # [L, H, dn], [L, H, dv]
+        k_rope = context[:, None, rank:].expand(-1, num_heads, -1)
+        k = torch.cat((k_nope, k_rope), dim=-1).transpose(0, 1)  # [H, L, dn + dr]
+        # query j sits at position seq_len - q_len + j and sees positions up to its own
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=context.device)[:, None]
+        mask = torch.arange(seq_len, device=context.device)[None, :] <= q_pos  # [q_len, L]
+        if selected is not None:
+            mask &= selection_mask(selected[start:end], seq_len)
+        o = F.scaled_dot_product_attention(queries[:, start:end], k, v.transpose(0, 1), attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
 def latent_context(
     cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int]
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -175,4 +216,4 @@ def _top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 # function name -> function, merged into ``kernels.reference.OPS``
-OPS = {fn.__name__: fn for fn in (write_latent, mla_decode_attention, indexer_topk)}
+OPS = {fn.__name__: fn for fn in (write_latent, mla_decode_attention, mla_prefill_attention, indexer_topk)}

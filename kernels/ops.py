@@ -27,6 +27,7 @@ OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     # multi-head latent attention and DSA (kernels/mla_reference.py); only MLA models call them
     "write_latent": ("write_latent",),
     "mla_decode_attention": ("mla_decode_attention",),
+    "mla_prefill_attention": ("mla_prefill_attention",),
     "indexer_topk": ("indexer_topk",),
 }
 OPS = tuple(OP_FUNCTIONS)
@@ -49,6 +50,7 @@ class KernelOps:
     top_k_top_p: Callable
     write_latent: Callable
     mla_decode_attention: Callable
+    mla_prefill_attention: Callable
     indexer_topk: Callable
 
     @classmethod

@@ -45,6 +45,8 @@ class ModelShapes:
     # absorbed width are kv_lora_rank + qk_rope_head_dim
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    # MLA's per-head up-projected widths: (qk_nope_head_dim, v_head_dim), the no-rope key's and the value's
+    mla_up_head_dims: tuple[int, int] = (0, 0)
     # the DSA indexer (0: none)
     index_topk: int = 0
     index_n_heads: int = 0
@@ -58,7 +60,7 @@ def applies(op: str, shapes: ModelShapes) -> bool:
         return shapes.kv_lora_rank == 0
     if op == "fused_moe":
         return shapes.num_experts > 0
-    if op in ("write_latent", "mla_decode_attention"):
+    if op in ("write_latent", "mla_decode_attention", "mla_prefill_attention"):
         return shapes.kv_lora_rank > 0
     if op == "indexer_topk":
         return shapes.index_topk > 0

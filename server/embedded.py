@@ -1,7 +1,7 @@
 """The embedded default model: ``path: embedded:<name>`` in a config means a tiny Llama built locally.
 
 It is created on first use in ``$XINSERVE_CACHE_DIR`` (default ``~/.cache/xinserve``) by
-``engines.tiny_model.ensure_tiny_model``; nothing is downloaded. The build runs in a spawned
+``server.embedded_model.factory.ensure_tiny_model``; nothing is downloaded. The build runs in a spawned
 child so torch and the model classes never load into the HTTP process.
 """
 
@@ -18,7 +18,7 @@ logger = logging.getLogger("xinserve.server")
 
 
 def _build(cache: str, name: str) -> str:
-    from engines.tiny_model import ensure_tiny_model
+    from server.embedded_model.factory import ensure_tiny_model
 
     return str(ensure_tiny_model(cache, name))
 

@@ -27,7 +27,7 @@ STORIES_DIR = REPO_ROOT / "tests" / "fixtures" / "stories260K"
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``get(arch="llama", **kwargs) -> Path``: ``make_tiny_model`` memoised per (arch, kwargs)."""
-    from engines.tiny_model import make_tiny_model
+    from server.embedded_model.factory import make_tiny_model
 
     built: dict[str, Path] = {}
 

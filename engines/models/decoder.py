@@ -64,15 +64,14 @@ def layer_type_windows(config: Any) -> tuple[int | None, ...]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, spec: DecoderSpec, head_dim: int, ops: KernelOps, layer_idx: int) -> None:
+    """Pre-norm attention then MLP (dense, or mixture-of-experts on ``spec.moe_layers``), with GLM-4's
+    sandwich norms when the spec asks. ``self_attn`` is the architecture's attention (``Attention``, or
+    MLA), called as ``self_attn(hidden, *layer_caches, *step_inputs)``."""
+
+    def __init__(self, config: Any, spec: DecoderSpec, ops: KernelOps, layer_idx: int, self_attn: nn.Module) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Attention(
-            hidden, config.num_attention_heads, config.num_key_value_heads, head_dim,
-            qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, qk_norm_eps=eps if spec.qk_norm else None,
-            rope_is_neox=spec.rope_is_neox, ops=ops,
-            sliding_window=spec.sliding_windows[layer_idx] if spec.sliding_windows else None,
-        )
+        self.self_attn = self_attn
         if layer_idx in spec.moe_layers:
             self.mlp = SparseMoeBlock(hidden, spec.moe, ops)
         else:
@@ -83,20 +82,14 @@ class DecoderLayer(nn.Module):
         self.post_mlp_layernorm = RMSNorm(hidden, eps, ops) if spec.sandwich_norm else None
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        cos_sin: torch.Tensor,
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, caches: tuple, step_inputs: tuple
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately and added inside the next norm (fused add).
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, key_cache, value_cache, metadata, cos_sin)
+        hidden = self.self_attn(hidden, *caches, *step_inputs)
         if self.post_self_attn_layernorm is not None:
             hidden = self.post_self_attn_layernorm(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -107,13 +100,18 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, spec: DecoderSpec, head_dim: int, ops: KernelOps) -> None:
+    """Embedding, the layers, the final norm. What an attention takes besides the hidden states is
+    this class's to say: ``layer_caches`` (each layer's views of the step's KV tensor) and
+    ``step_inputs`` (what every layer shares, built once per step); MLA overrides both."""
+
+    def __init__(self, config: Any, spec: DecoderSpec, ops: KernelOps,
+                 attention: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.rope_is_neox = spec.rope_is_neox
         self.rotary_cos_sin = ops.rotary_cos_sin
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, head_dim, ops, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, spec, ops, i, attention(i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -126,13 +124,31 @@ class DecoderModel(nn.Module):
         cos_sin_cache: torch.Tensor,
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # hidden: [T, hidden]
-        # Everything that depends only on the step is built here once, not in every layer: the
-        # rotation of each position and the per-layer cache views (kv_cache[0][i]: [N, BS, KVH, D]).
-        cos_sin = self.rotary_cos_sin(positions, cos_sin_cache, self.rope_is_neox, hidden.dtype)
-        for layer, key_cache, value_cache in zip(self.layers, kv_cache[0].unbind(0), kv_cache[1].unbind(0)):
-            hidden, residual = layer(hidden, residual, key_cache, value_cache, metadata, cos_sin)
+        # Everything that depends only on the step is built here once, not in every layer.
+        step_inputs = self.step_inputs(positions, metadata, cos_sin_cache, hidden.dtype)
+        for layer, caches in zip(self.layers, self.layer_caches(kv_cache)):
+            hidden, residual = layer(hidden, residual, caches, step_inputs)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def step_inputs(self, positions: torch.Tensor, metadata: AttentionMetadata, cos_sin_cache: torch.Tensor,
+                    dtype: torch.dtype) -> tuple:
+        """(metadata, the rotation of each position)."""
+        return metadata, self.rotary_cos_sin(positions, cos_sin_cache, self.rope_is_neox, dtype)
+
+    def layer_caches(self, kv_cache: torch.Tensor) -> Iterable[tuple[torch.Tensor, ...]]:
+        """Per layer (key_cache, value_cache): kv_cache[0][i], kv_cache[1][i], each [N, BS, KVH, D]."""
+        return zip(kv_cache[0].unbind(0), kv_cache[1].unbind(0))
+
+
+def dense_attention(config: Any, spec: DecoderSpec, head_dim: int, ops: KernelOps) -> Callable[[int], nn.Module]:
+    """Layer index -> that layer's ``Attention`` (its sliding window, if any, from the spec)."""
+    return lambda i: Attention(
+        config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
+        qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, qk_norm_eps=config.rms_norm_eps if spec.qk_norm else None,
+        rope_is_neox=spec.rope_is_neox, ops=ops,
+        sliding_window=spec.sliding_windows[i] if spec.sliding_windows else None,
+    )
 
 
 class CausalLM(nn.Module):
@@ -157,7 +173,8 @@ class CausalLM(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = self.config_head_dim(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = DecoderModel(config, self.spec(config), self.head_dim, ops)
+        spec = self.spec(config)
+        self.model = DecoderModel(config, spec, ops, dense_attention(config, spec, self.head_dim, ops))
         # Tied: the logits reuse the embedding matrix, there is no separate lm_head.
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False

@@ -12,8 +12,7 @@ used for speculative decoding; they are not part of the model's forward and are 
 from typing import Any
 
 from engines.models.decoder import CausalLM, DecoderSpec
-from engines.models.moe import MoeSpec
-from kernels.routing import MoeRouting
+from engines.models.moe import grouped_moe
 
 
 class Glm4MoeForCausalLM(CausalLM):
@@ -21,16 +20,9 @@ class Glm4MoeForCausalLM(CausalLM):
 
     @staticmethod
     def spec(config: Any) -> DecoderSpec:
-        routing = MoeRouting(
-            top_k=config.num_experts_per_tok, scoring="sigmoid", renormalize=bool(config.norm_topk_prob),
-            num_groups=config.n_group, topk_groups=config.topk_group, correction_bias=True,
-            scaling_factor=float(config.routed_scaling_factor),
-        )
-        moe = MoeSpec(config.n_routed_experts, config.moe_intermediate_size, routing,
-                      shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
+        moe, moe_layers = grouped_moe(config)
         return DecoderSpec(
-            qkv_bias=bool(config.attention_bias), qk_norm=bool(config.use_qk_norm), moe=moe,
-            moe_layers=frozenset(range(config.first_k_dense_replace, config.num_hidden_layers)),
+            qkv_bias=bool(config.attention_bias), qk_norm=bool(config.use_qk_norm), moe=moe, moe_layers=moe_layers,
         )
 
     def _skipped(self, name: str) -> bool:

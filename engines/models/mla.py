@@ -14,17 +14,16 @@ With a DSA indexer (``engines/models/dsa_indexer.py``) both forms see only the p
 Parameter names are the Hugging Face checkpoints'.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engines.attention_metadata import AttentionMetadata
 from engines.models.dsa_indexer import Indexer
 from engines.models.layers import RMSNorm
 from engines.models.rope import rope_settings, yarn_mscale
-from kernels.mla_reference import latent_context, selection_mask
 from kernels.ops import KernelOps
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
@@ -38,6 +37,18 @@ def mla_softmax_scale(config: Any) -> float:
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
         scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
     return scale
+
+
+@dataclass
+class MLAStep:
+    """What every MLA layer of one step shares: the metadata, the attention's and the indexer's
+    rotations, and the DSA selection of the last layer with an indexer (None before it, and in a
+    model without DSA), which a layer without its own indexer attends over."""
+
+    metadata: AttentionMetadata
+    cos_sin: torch.Tensor
+    index_cos_sin: torch.Tensor
+    selected: torch.Tensor | None = None
 
 
 class MLAAttention(nn.Module):
@@ -65,19 +76,12 @@ class MLAAttention(nn.Module):
         self.scale = mla_softmax_scale(config)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        latent_cache: torch.Tensor,
-        index_cache: torch.Tensor | None,
-        metadata: AttentionMetadata,
-        cos_sin: torch.Tensor,
-        index_cos_sin: torch.Tensor,
-        selected: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, hidden: torch.Tensor, latent_cache: torch.Tensor, index_cache: torch.Tensor | None, step: MLAStep
+    ) -> torch.Tensor:
         """hidden: [T, hidden]; latent_cache: [N, BS, R + dr]; index_cache: [N, BS, Di] on a layer
-        with its own indexer. ``selected``: the previous layer's DSA selection, reused by a layer
-        without an indexer in a DSA model (None in a dense-attention model). Returns the output
-        [T, hidden] and this layer's selection (None without DSA)."""
+        with its own indexer, which then sets ``step.selected`` for itself and the layers after it.
+        Returns [T, hidden]."""
+        metadata, cos_sin = step.metadata, step.cos_sin
         num_tokens = hidden.shape[0]
         q_resid = None
         if self.q_lora_rank is None:
@@ -93,7 +97,8 @@ class MLAAttention(nn.Module):
                                                    self.rope_is_neox)
         self.ops.write_latent(torch.cat((kv_c, k_rope.squeeze(1)), dim=-1), latent_cache, metadata.slot_mapping)
         if self.indexer is not None:
-            selected = self.indexer(hidden, q_resid, index_cache, metadata, index_cos_sin)  # [T, K]
+            step.selected = self.indexer(hidden, q_resid, index_cache, metadata, step.index_cos_sin)  # [T, K]
+        selected = step.selected
         q_nope = q[..., : self.nope_dim]
         num_decode = metadata.num_decode_seqs
         parts = []
@@ -103,17 +108,16 @@ class MLAAttention(nn.Module):
                 None if selected is None else selected[:num_decode],
             ))
         if metadata.num_prefill_seqs:
+            query = torch.cat((q_nope[num_decode:], q_rope[num_decode:]), dim=-1)  # [Tp, H, dn + dr]
             parts.append(self.up_projected_prefill(
-                q_nope[num_decode:], q_rope[num_decode:], latent_cache, metadata,
-                None if selected is None else selected[num_decode:],
+                query, latent_cache, metadata, None if selected is None else selected[num_decode:],
             ))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # [T, H, dv]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim)), selected
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
-    def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj split per head: W_UK [H, dn, R] and W_UV [H, dv, R]."""
-        weight = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        return weight[:, : self.nope_dim], weight[:, self.nope_dim :]
+    def _up_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight per head: [H, dn + dv, R], W_UK's rows then W_UV's."""
+        return self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
 
     def absorbed_decode(
         self,
@@ -124,7 +128,8 @@ class MLAAttention(nn.Module):
         selected: torch.Tensor | None,
     ) -> torch.Tensor:
         """q_nope: [S, H, dn], q_rope: [S, H, dr] of S single-token decodes -> [S, H, dv]."""
-        w_uk, w_uv = self._up_weights()
+        weight = self._up_weight()
+        w_uk, w_uv = weight[:, : self.nope_dim], weight[:, self.nope_dim :]  # [H, dn, R], [H, dv, R]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [S, H, R]
         query = torch.cat((q_latent, q_rope), dim=-1)  # [S, H, R + dr]
         num_decode = metadata.num_decode_seqs
@@ -135,31 +140,13 @@ class MLAAttention(nn.Module):
         return torch.bmm(attended.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [S, H, dv]
 
     def up_projected_prefill(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        latent_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        self, query: torch.Tensor, latent_cache: torch.Tensor, metadata: AttentionMetadata,
         selected: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The prefill tokens (P sequences back to back, [Tp, H, dn] / [Tp, H, dr]) -> [Tp, H, dv]:
-        each sequence's cached latents up-projected to per-head keys and values, causal attention."""
+        """The prefill tokens (P sequences back to back), query [Tp, H, dn + dr] -> [Tp, H, dv]: each
+        sequence's cached latents up-projected to per-head keys and values, causal attention."""
         num_decode = metadata.num_decode_seqs
-        query = torch.cat((q_nope, q_rope), dim=-1).transpose(0, 1)  # [H, Tp, dn + dr]
-        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
-        for start, end, context in latent_context(latent_cache, metadata.block_tables[num_decode:],
-                                                  metadata.prefill_query_start_loc, metadata.prefill_seq_lens):
-            seq_len = context.shape[0]
-            kv = self.kv_b_proj(context[:, : self.kv_lora_rank]).view(seq_len, self.num_heads, -1)
-            k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [L, H, dn], [L, H, dv]
-            k_rope = context[:, None, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
-            k = torch.cat((k_nope, k_rope), dim=-1).transpose(0, 1)  # [H, L, dn + dr]
-            # query j sits at position seq_len - q_len + j and sees positions up to its own
-            q_pos = torch.arange(seq_len - (end - start), seq_len, device=context.device)[:, None]
-            mask = torch.arange(seq_len, device=context.device)[None, :] <= q_pos  # [q_len, L]
-            if selected is not None:
-                mask &= selection_mask(selected[start:end], seq_len)
-            o = F.scaled_dot_product_attention(query[:, start:end], k, v.transpose(0, 1), attn_mask=mask,
-                                               scale=self.scale)
-            out[start:end] = o.transpose(0, 1)
-        return out
+        return self.ops.mla_prefill_attention(
+            query, latent_cache, self._up_weight(), metadata.block_tables[num_decode:], metadata.prefill_query_start_loc,
+            metadata.prefill_seq_lens, self.scale, selected,
+        )

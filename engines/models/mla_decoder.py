@@ -11,6 +11,7 @@ cache a contiguous [N, BS, Di], the layouts the paged kernels want. The block ma
 caching, preemption and chunked prefill see blocks only, so they work unchanged.
 """
 
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -18,85 +19,28 @@ import torch
 from torch import nn
 
 from engines.attention_metadata import AttentionMetadata
-from engines.models.decoder import CausalLM, DecoderSpec
+from engines.models.decoder import CausalLM, DecoderModel, DecoderSpec
 from engines.models.dsa_indexer import Indexer
-from engines.models.layers import GatedMLP, RMSNorm
-from engines.models.mla import MLAAttention
-from engines.models.moe import MoeSpec, SparseMoeBlock
+from engines.models.mla import MLAAttention, MLAStep
+from engines.models.moe import grouped_moe
 from kernels.ops import REFERENCE_OPS, KernelOps
 from kernels.probes import ModelShapes
-from kernels.routing import MoeRouting
 
 
-def grouped_moe_spec(config: Any) -> DecoderSpec:
-    """DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores, experts chosen by score plus
-    ``e_score_correction_bias`` within the best ``topk_group`` of ``n_group`` groups, weighted by
-    their unbiased scores (renormalised when ``norm_topk_prob``) times ``routed_scaling_factor``,
-    plus ``n_shared_experts`` shared experts. MoE on the layers ``mlp_layer_types`` marks "sparse"
-    (DeepSeek-V3.2, GLM-5), else from ``first_k_dense_replace`` on."""
-    routing = MoeRouting(
-        top_k=config.num_experts_per_tok, scoring="sigmoid", renormalize=bool(config.norm_topk_prob),
-        num_groups=config.n_group, topk_groups=config.topk_group, correction_bias=True,
-        scaling_factor=float(config.routed_scaling_factor),
-    )
-    moe = MoeSpec(config.n_routed_experts, config.moe_intermediate_size, routing,
-                  shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
-    types = getattr(config, "mlp_layer_types", None)
-    if types:
-        sparse = frozenset(i for i, kind in enumerate(types) if kind == "sparse")
-    else:
-        sparse = frozenset(range(config.first_k_dense_replace, config.num_hidden_layers))
-    return DecoderSpec(moe=moe, moe_layers=sparse)
+class MLADecoderModel(DecoderModel):
+    """``DecoderModel`` whose layers run ``MLAAttention``: each reads its segments of the pool and one
+    ``MLAStep`` per step, which carries the DSA selection from a layer with an indexer to the layers
+    after it that reuse it."""
 
-
-class MLADecoderLayer(nn.Module):
-    def __init__(self, config: Any, spec: DecoderSpec, ops: KernelOps, layer_idx: int, rope_is_neox: bool,
-                 indexer: Indexer | None) -> None:
-        super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = MLAAttention(config, ops, rope_is_neox, indexer)
-        if layer_idx in spec.moe_layers:
-            self.mlp = SparseMoeBlock(hidden, spec.moe, ops)
-        else:
-            self.mlp = GatedMLP(hidden, config.intermediate_size, bias=False, ops=ops)
-        self.input_layernorm = RMSNorm(hidden, eps, ops)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        latent_cache: torch.Tensor,
-        index_cache: torch.Tensor | None,
-        metadata: AttentionMetadata,
-        cos_sin: torch.Tensor,
-        index_cos_sin: torch.Tensor,
-        selected: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, selected = self.self_attn(hidden, latent_cache, index_cache, metadata, cos_sin, index_cos_sin,
-                                          selected)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual, selected
-
-
-class MLADecoderModel(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, ops: KernelOps, rope_is_neox: bool,
                  indexer_rope_is_neox: bool, indexer_layers: frozenset[int]) -> None:
-        super().__init__()
-        self.rotary_cos_sin = ops.rotary_cos_sin
-        self.rope_is_neox, self.indexer_rope_is_neox = rope_is_neox, indexer_rope_is_neox
+        def attention(i: int) -> MLAAttention:
+            indexer = Indexer(config, ops, indexer_rope_is_neox) if i in indexer_layers else None
+            return MLAAttention(config, ops, rope_is_neox, indexer)
+
+        super().__init__(config, replace(spec, rope_is_neox=rope_is_neox), ops, attention)
+        self.indexer_rope_is_neox = indexer_rope_is_neox
         self.has_indexer = bool(indexer_layers)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            MLADecoderLayer(config, spec, ops, i, rope_is_neox,
-                            Indexer(config, ops, indexer_rope_is_neox) if i in indexer_layers else None)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         # each layer's (first value per token, values per token) in the pool: the latents first,
         # then the indexer keys; a segment spans first * N * BS to (first + width) * N * BS
         latent = config.kv_lora_rank + config.qk_rope_head_dim
@@ -108,20 +52,19 @@ class MLADecoderModel(nn.Module):
             start += width
         self.values_per_token = start
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """kv_cache: [N, BS, values per token], read as the per-layer segments of ``__init__``."""
-        hidden, residual, selected = self.embed_tokens(input_ids), None, None
-        cos_sin = self.rotary_cos_sin(positions, cos_sin_cache, self.rope_is_neox, hidden.dtype)
+    def step_inputs(self, positions: torch.Tensor, metadata: AttentionMetadata, cos_sin_cache: torch.Tensor,
+                    dtype: torch.dtype) -> tuple:
+        """(an ``MLAStep``,): the attention's and the indexer's rotations (one table when they rotate
+        alike) and no selection yet."""
+        cos_sin = self.rotary_cos_sin(positions, cos_sin_cache, self.rope_is_neox, dtype)
         index_cos_sin = cos_sin
         if self.has_indexer and self.indexer_rope_is_neox != self.rope_is_neox:
-            index_cos_sin = self.rotary_cos_sin(positions, cos_sin_cache, self.indexer_rope_is_neox, hidden.dtype)
+            index_cos_sin = self.rotary_cos_sin(positions, cos_sin_cache, self.indexer_rope_is_neox, dtype)
+        return (MLAStep(metadata, cos_sin, index_cos_sin),)
+
+    def layer_caches(self, kv_cache: torch.Tensor) -> Iterable[tuple[torch.Tensor, torch.Tensor | None]]:
+        """kv_cache: [N, BS, values per token]; per layer (latent cache [N, BS, R + dr], indexer cache
+        [N, BS, Di] or None), the contiguous segments of ``__init__``."""
         num_blocks, block_size = kv_cache.shape[:2]
         values = kv_cache.view(-1)
 
@@ -129,11 +72,8 @@ class MLADecoderModel(nn.Module):
             per_value = num_blocks * block_size
             return values[first * per_value : (first + width) * per_value].view(num_blocks, block_size, width)
 
-        for layer, latent, index in zip(self.layers, self.latent_segments, self.index_segments):
-            hidden, residual, selected = layer(hidden, residual, segment(*latent), index and segment(*index),
-                                               metadata, cos_sin, index_cos_sin, selected)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return [(segment(*latent), index and segment(*index))
+                for latent, index in zip(self.latent_segments, self.index_segments)]
 
 
 class MLACausalLM(CausalLM):
@@ -162,7 +102,9 @@ class MLACausalLM(CausalLM):
 
     @staticmethod
     def spec(config: Any) -> DecoderSpec:
-        return grouped_moe_spec(config)
+        """Grouped-routing experts (``engines.models.moe.grouped_moe``) after the dense first layers."""
+        moe, moe_layers = grouped_moe(config)
+        return DecoderSpec(moe=moe, moe_layers=moe_layers)
 
     @staticmethod
     def rope_is_neox(config: Any) -> bool:
@@ -183,6 +125,7 @@ class MLACausalLM(CausalLM):
             # of each head and of the one shared key
             rope_is_neox=cls.rope_is_neox(config), head_dim=rope, rotary_dim=rope, num_kv_heads=1,
             kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
+            mla_up_head_dims=(config.qk_nope_head_dim, config.v_head_dim),
             index_topk=config.index_topk if indexed else 0, index_n_heads=config.index_n_heads if indexed else 0,
             index_head_dim=config.index_head_dim if indexed else 0,
         )

@@ -9,6 +9,7 @@ the loader stacks from each expert's ``gate_proj`` / ``up_proj`` / ``down_proj``
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,25 @@ class MoeSpec:
     intermediate_size: int  # one routed expert's
     routing: MoeRouting
     shared_intermediate_size: int = 0  # the shared experts' together (one wide MLP); 0: none
+
+
+def grouped_moe(config: Any) -> tuple[MoeSpec, frozenset[int]]:
+    """DeepSeek-V3's routing (GLM-4.5's too) and the layers that route: sigmoid scores, experts chosen
+    by score plus ``e_score_correction_bias`` within the best ``topk_group`` of ``n_group`` groups,
+    weighted by their unbiased scores (renormalised when ``norm_topk_prob``) times
+    ``routed_scaling_factor``, plus ``n_shared_experts`` shared experts. MoE on the layers
+    ``mlp_layer_types`` marks "sparse" (DeepSeek-V3.2, GLM-5), else from ``first_k_dense_replace`` on."""
+    routing = MoeRouting(
+        top_k=config.num_experts_per_tok, scoring="sigmoid", renormalize=bool(config.norm_topk_prob),
+        num_groups=config.n_group, topk_groups=config.topk_group, correction_bias=True,
+        scaling_factor=float(config.routed_scaling_factor),
+    )
+    moe = MoeSpec(config.n_routed_experts, config.moe_intermediate_size, routing,
+                  shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
+    types = getattr(config, "mlp_layer_types", None)
+    if types:
+        return moe, frozenset(i for i, kind in enumerate(types) if kind == "sparse")
+    return moe, frozenset(range(config.first_k_dense_replace, config.num_hidden_layers))
 
 
 class Router(nn.Linear):

@@ -3,8 +3,8 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engines.detokenizer import IncrementalDetokenizer
-from engines.tiny_model import make_tokenizer
 from engines.token_bytes import BYTE_LEVEL_ALPHABET
+from server.embedded_model.tokenizer import make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from engines import LLM, SamplingParams
 
 WINDOW = 7  # not a multiple of the block size: the window's edge moves through blocks
-# name -> tiny_models arguments; the MoE shapes are engines/tiny_model.py's defaults (8 or 6 experts,
+# name -> tiny_models arguments; the MoE shapes are server/embedded_model/factory.py's defaults (8 or 6 experts,
 # top-2, a dense first layer, a shared expert, grouped routing)
 MODELS = {
     "llama": ("llama", {}),

@@ -10,14 +10,14 @@ import pytest
 import torch
 from test_llm_vs_transformers import MAX_TOKENS, Reference, check_against_reference
 
-from engines import LLM
+from engines import LLM, SamplingParams
 from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from engines.models.mla import MLAAttention
-from engines.tiny_model import make_config
 from kernels.mla_reference import indexer_topk
 from kernels.probes import scrambled_block_tables
+from server.embedded_model.factory import make_config
 
-INDEX_TOPK = 12  # engines/tiny_model.py's DSA models keep 12 positions per query
+INDEX_TOPK = 12  # server/embedded_model/factory.py's DSA models keep 12 positions per query
 # name -> tiny_models arguments (3 layers, the first dense; 8 experts top-2 in 2 groups; kv_lora_rank
 # 32, q_lora_rank 48, qk_rope_head_dim 8)
 MODELS = {
@@ -182,7 +182,8 @@ def test_absorbed_decode_equals_up_projected_attention(sparse):
         rows = [torch.randperm(n, generator=gen)[:6] for n in lens]
         selected = torch.stack([torch.cat((r, torch.full((6 - len(r),), -1))) for r in rows])
     absorbed = attention.absorbed_decode(q_nope, q_rope, latent_cache, _metadata(lens, tables, True), selected)
-    naive = attention.up_projected_prefill(q_nope, q_rope, latent_cache, _metadata(lens, tables, False), selected)
+    naive = attention.up_projected_prefill(torch.cat((q_nope, q_rope), dim=-1), latent_cache,
+                                           _metadata(lens, tables, False), selected)
     assert absorbed.shape == naive.shape == (len(lens), 4, 16)
     torch.testing.assert_close(absorbed, naive, rtol=1e-4, atol=1e-4)
     if sparse:  # the selection matters: attending everywhere gives another answer
@@ -216,3 +217,25 @@ def test_indexer_topk_keeps_the_best_visible_positions_and_pads_short_contexts()
         expected = scores.topk(min(topk, position + 1)).values
         torch.testing.assert_close(scores[chosen].sort().values, expected.sort().values)
         assert (got[row] == -1).sum() == max(0, topk - position - 1)
+
+
+def test_compiled_dsa_decode_carries_the_selection_without_graph_breaks(tiny_models, monkeypatch):
+    """GLM-5 with a layer that reuses the previous layer's DSA selection: the decode compiles into one
+    graph (the per-step MLAStep that carries the selection from layer to layer traces) and its greedy
+    tokens equal eager's."""
+    import engines.graphs
+
+    path = tiny_models("glm_moe_dsa", indexer_types=["full", "shared", "full"], max_position_embeddings=64)
+    options = {"block_size": 4, "num_kv_blocks": 40, "max_num_seqs": 2, "max_model_len": 64}
+    counters = torch._dynamo.utils.counters
+    graphs_before, breaks_before = counters["stats"]["unique_graphs"], counters["graph_break"].total()
+    monkeypatch.setattr(engines.graphs, "bucket_sizes", lambda max_num_seqs: [2])  # one bucket: compiles cost
+    compiled = LLM(path, compile="on", **options)
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1
+    eager = LLM(path, compile="off", **options)
+    batch = prompts_for(compiled.engine.vocab_size)[:2]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert [r.token_ids for r in compiled.generate(batch, greedy)] == [r.token_ids for r in eager.generate(batch,
+                                                                                                           greedy)]
+    assert compiled.engine.runner.decode_graphs.steps_run >= greedy.max_tokens - 1
+    assert counters["graph_break"].total() == breaks_before

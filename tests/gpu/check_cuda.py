@@ -183,7 +183,7 @@ def greedy_vs_transformers(device: torch.device) -> dict:
     from transformers import AutoModelForCausalLM
 
     from engines import LLM, SamplingParams
-    from engines.tiny_model import make_tiny_model
+    from server.embedded_model.factory import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_model(tmp, "llama", hidden_size=256, num_heads=8, num_kv_heads=2, num_layers=2)
@@ -210,7 +210,7 @@ def cuda_graphs(device: torch.device) -> dict:
     import time
 
     from engines import LLM, SamplingParams
-    from engines.tiny_model import make_tiny_model
+    from server.embedded_model.factory import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

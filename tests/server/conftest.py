@@ -194,6 +194,6 @@ def schemas() -> Schemas:
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> Any:
     """The embedded model's tokenizer, built in memory (byte-level BPE with a chat template)."""
-    from engines.tiny_model import build_tokenizer
+    from server.embedded_model.tokenizer import build_tokenizer
 
     return build_tokenizer()

@@ -5,8 +5,8 @@ from transformers import AutoTokenizer
 
 from engines.detokenizer import text_offsets
 from engines.outputs import TokenLogprob
-from engines.tiny_model import make_tokenizer
 from server import responses
+from server.embedded_model.tokenizer import make_tokenizer
 from server.responses import TokenTexts
 
 

@@ -18,7 +18,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engines.tiny_model import make_tiny_model
+from server.embedded_model.factory import make_tiny_model
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", CALL]

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from engines.tiny_model import ARCHS, build_tokenizer, ensure_tiny_model, make_tiny_model
+from server.embedded_model.factory import ARCHS, ensure_tiny_model, make_tiny_model
+from server.embedded_model.tokenizer import build_tokenizer
 
 TEXTS = [
     "The river meets the sea.",
