@@ -1,8 +1,8 @@
 """What the engine hands back: per-step deltas (for streaming), finished results (offline) and its
 stats. No torch here: the HTTP process receives the same records over IPC (server/messages.py).
 
-The records that cross the process boundary are msgspec structs encoded as positional arrays with
-trailing defaults left out: a decode step's output is ``[request_id, index, [token]]`` on the wire.
+The records that cross the process boundary are msgspec structs, encoded as positional arrays in
+field order (no field names on the wire).
 """
 
 from dataclasses import dataclass, field
@@ -18,7 +18,7 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
-class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+class StepOutput(msgspec.Struct, array_like=True):
     """New tokens of one sequence from one engine step. ``index`` is the choice index (n > 1)."""
 
     request_id: str

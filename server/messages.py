@@ -19,7 +19,7 @@ from engines.outputs import EngineStats, StepOutput
 from engines.sampling_params import DETOKENIZER_FIELDS, SamplingParams
 
 
-class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+class RequestError(msgspec.Struct, array_like=True, frozen=True):
     """Why a request failed: the request's own fault (a 400) or ours (a 500; a 503 when the worker
     is unavailable). ``retryable``: the worker went away without a verdict, it may run elsewhere."""
 
