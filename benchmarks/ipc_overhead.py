@@ -1,10 +1,10 @@
 """Per-token cost of getting tokens from an engine worker to the HTTP process, and of streaming them.
 
 Measures, for batches of 1, 8 and 64 requests (one token each per step, as in decode):
-  * IPC transport, ZeroMQ + msgpack (what xinserve uses) against multiprocessing.Pipe + pickle: a
-    spawned producer sends one message per step exactly as ``server/worker.py`` does; the HTTP side
-    receives, decodes and fans out to per-request asyncio queues through the real
-    ``WorkerClient._dispatch``, with one consumer task per request.
+  * IPC transport, ZeroMQ + msgpack (what xinserve uses: server/messages.py's msgspec structs)
+    against multiprocessing.Pipe + pickle: a spawned producer sends one message per step exactly as
+    ``server/worker.py`` does; the HTTP side receives, decodes and fans out to per-request asyncio
+    queues through the real ``WorkerClient._dispatch``, with one consumer task per request.
   * worker-side encode time per token, and round-trip latency of a one-token message;
   * the other per-token costs of the HTTP process: incremental detokenisation and building and
     serialising an SSE chat chunk.
@@ -30,21 +30,22 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engines.outputs import StepOutput
-from server import ipc, responses
-from server.worker_client import READY, RequestStream, WorkerClient
+from engines.outputs import EngineStats, StepOutput
+from server import messages, responses
+from server.fanout import RequestStream
+from server.messages import Outputs
+from server.worker_client import READY, WorkerClient
 
-STATS = [3, 0, 0.1, 0, 10, 5, 100, 1000]
+STATS = EngineStats(3, 0, 0.1, 0, 10, 5, 100, 1000)
 
 
 def _step_outputs(batch: int, step: int) -> list[StepOutput]:
     return [StepOutput(f"req-{i}", 0, [100 + (step + i) % 900], False, None) for i in range(batch)]
 
 
-def _message(batch: int, step: int) -> list:
+def _message(batch: int, step: int) -> Outputs:
     # As WorkerLoop._step: stats ride along now and then, queue times only on a request's first token.
-    stats = STATS if step % 10 == 0 else None
-    return [ipc.OUTPUTS, [ipc.encode_step_output(o) for o in _step_outputs(batch, step)], stats, {}]
+    return Outputs(_step_outputs(batch, step), STATS if step % 10 == 0 else None, {})
 
 
 def produce_zmq(addr: str, batch: int, steps: int) -> None:
@@ -54,8 +55,7 @@ def produce_zmq(addr: str, batch: int, steps: int) -> None:
     sock.connect(addr)
     time.sleep(0.2)  # let the connection settle before timing
     for step in range(steps):
-        sock.send(ipc.pack(_message(batch, step)))
-    sock.send(ipc.pack(["done"]))
+        sock.send(messages.encode(_message(batch, step)))
     sock.close(linger=10000)
     ctx.term()
 
@@ -64,19 +64,15 @@ def produce_pipe(conn, batch: int, steps: int) -> None:
     time.sleep(0.2)
     for step in range(steps):
         conn.send(_message(batch, step))  # pickled by the pipe
-    conn.send(["done"])
+    conn.send("done")
     conn.close()
 
 
 def _client(batch: int, steps: int) -> tuple[WorkerClient, list[RequestStream]]:
     client = WorkerClient("bench", "cpu", "cpu", max_num_seqs=batch, max_waiting_requests=0)
     client.state = READY
-    streams = []
-    for i in range(batch):
-        stream = RequestStream(f"req-{i}", 1)
-        client._streams[stream.request_id] = stream  # registered as add() would, without a socket
-        streams.append(stream)
-    return client, streams
+    # Registered as add() would, without a socket.
+    return client, [client.requests.open(f"req-{i}", 1) for i in range(batch)]
 
 
 async def _consume(stream: RequestStream, steps: int, first: list[float] | None = None) -> None:
@@ -121,7 +117,7 @@ async def receive_pipe(batch: int, steps: int) -> float:
             message = reader.recv()
             if start is None:
                 start = time.perf_counter()
-            if message[0] == "done":
+            if message == "done":
                 done = True
                 break
             client._dispatch(message)
@@ -138,10 +134,10 @@ def encode_cost(batch: int, steps: int) -> tuple[float, float]:
     outs = [_step_outputs(batch, s) for s in range(steps)]
     t0 = time.perf_counter()
     for step, o in enumerate(outs):
-        ipc.pack([ipc.OUTPUTS, [ipc.encode_step_output(x) for x in o], STATS if step % 10 == 0 else None, {}])
+        messages.encode(Outputs(o, STATS if step % 10 == 0 else None, {}))
     t1 = time.perf_counter()
     for step, o in enumerate(outs):
-        pickle.dumps([ipc.OUTPUTS, [ipc.encode_step_output(x) for x in o], STATS if step % 10 == 0 else None, {}])
+        pickle.dumps(Outputs(o, STATS if step % 10 == 0 else None, {}))
     t2 = time.perf_counter()
     tokens = batch * steps
     return (t1 - t0) / tokens, (t2 - t1) / tokens
@@ -168,12 +164,12 @@ def round_trip_zmq(tmp: str, rounds: int) -> float:
     proc = mp.get_context("spawn").Process(target=echo_zmq, args=(f"ipc://{tmp}/rt-in", f"ipc://{tmp}/rt-out",
                                                                     rounds + 20))
     proc.start()
-    frame = ipc.pack(_message(1, 1))
+    frame = messages.encode(_message(1, 1))
     samples = []
     for i in range(rounds + 20):
         t0 = time.perf_counter()
         push.send(frame)
-        ipc.unpack(pull.recv())
+        messages.decode_from_worker(pull.recv())
         if i >= 20:  # warm-up rounds excluded
             samples.append(time.perf_counter() - t0)
     proc.join()

@@ -1,11 +1,16 @@
 """What the engine hands back: per-step deltas (for streaming), finished results (offline) and its
-stats. Plain dataclasses without torch: the HTTP process receives the same records over IPC."""
+stats. No torch here: the HTTP process receives the same records over IPC (server/messages.py).
+
+The records that cross the process boundary are msgspec structs, encoded as positional arrays in
+field order (no field names on the wire).
+"""
 
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass(slots=True)
-class TokenLogprob:
+
+class TokenLogprob(msgspec.Struct, array_like=True):
     """Log-probability of one generated token and its top alternatives (raw model distribution)."""
 
     logprob: float
@@ -13,8 +18,7 @@ class TokenLogprob:
     top_logprobs: list[float]
 
 
-@dataclass(slots=True)
-class StepOutput:
+class StepOutput(msgspec.Struct, array_like=True):
     """New tokens of one sequence from one engine step. ``index`` is the choice index (n > 1)."""
 
     request_id: str
@@ -62,8 +66,7 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-@dataclass(slots=True)
-class EngineStats:
+class EngineStats(msgspec.Struct, array_like=True):
     """A worker's engine counters and gauges, sent with its outputs and read by /metrics and /health."""
 
     num_running: int

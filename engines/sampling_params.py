@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 # Temperatures this small are greedy, as in vLLM: dividing logits by 1e-40 overflows to inf and NaN.
 GREEDY_BELOW = 1e-5
+# Applied where the text is made (the HTTP process, or ``LLM``), never by the engine's step.
+DETOKENIZER_FIELDS = ("stop", "include_stop_str_in_output", "skip_special_tokens")
 
 
 @dataclass(slots=True)

@@ -20,7 +20,9 @@ from engines.detokenizer import IncrementalDetokenizer
 from engines.outputs import StepOutput, TokenLogprob
 from engines.sampling_params import SamplingParams
 from server.errors import APIError
-from server.worker_client import RequestStream, WorkerClient, WorkerError
+from server.fanout import RequestStream
+from server.messages import RequestError
+from server.worker_client import WorkerClient
 
 logger = logging.getLogger("xinserve.server")
 
@@ -151,11 +153,11 @@ class Generation:
         """Once, when the worker went away before this request produced any token."""
         error = items[0]
         return (
-            len(items) == 1 and isinstance(error, WorkerError) and error.retryable
+            len(items) == 1 and isinstance(error, RequestError) and error.retryable
             and self._retry is not None and self.completion_tokens == 0
         )
 
-    async def _start_elsewhere(self, error: WorkerError) -> None:
+    async def _start_elsewhere(self, error: RequestError) -> None:
         assert self._retry is not None and self._deadline is not None
         self._open = False
         retry, self._retry = self._retry, None
@@ -174,7 +176,7 @@ class Generation:
         if item is _TIMEOUT:
             self.abort()
             raise APIError(504, f"The request timed out after {self.timeout_s:g}s.", code="timeout")
-        if isinstance(item, WorkerError):
+        if isinstance(item, RequestError):
             self._open = False
             raise APIError(item.status, item.message)
         assert isinstance(item, StepOutput)

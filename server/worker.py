@@ -1,11 +1,13 @@
 """The engine worker: one spawned process per device, driving an ``LLMEngine`` in a step loop.
 
-Loop: drain control messages (add / abort / shutdown) -> one ``engine.step()`` -> one OUTPUTS
-message with every request's new tokens. When idle it blocks on the socket and sends a STATS
+Loop: drain control messages (add / abort / shutdown) -> one ``engine.step()`` -> one ``Outputs``
+message with every request's new tokens. When idle it blocks on the socket and sends a ``Stats``
 heartbeat every ``heartbeat_s``. Both come from the loop itself, never from a side thread: the
 server takes their absence for a stuck loop (server/heartbeat.py). A bad request (``ValueError``
-from ``add_request``) or a failing step is reported per request; the loop itself only ends on
-SHUTDOWN or when the parent process is gone.
+from ``add_request``) or a failing step is reported per request as one ``Failed`` message; the
+loop itself only ends on ``Shutdown`` or when the parent process is gone. The worker keeps no
+request state of its own beyond a request's arrival time until its first step: the engine holds
+the requests, the HTTP process their choices (server/messages.py).
 This module imports no torch at import time: the spawned child selects the device first.
 """
 
@@ -19,7 +21,9 @@ from typing import Any
 
 import zmq
 
-from server import ipc
+from engines.outputs import EngineStats, StepOutput
+from server import messages
+from server.messages import Add, Failed, Outputs, RequestError, Stats
 
 logger = logging.getLogger("xinserve.worker")
 
@@ -56,16 +60,6 @@ def _load_engine(spec: WorkerSpec) -> Any:
     return LLMEngine(EngineConfig(model=spec.model_path, device=spec.device, **spec.engine_kwargs))
 
 
-@dataclass(slots=True)
-class _Active:
-    """What the worker remembers of a request it accepted."""
-
-    n: int
-    added_at: float
-    done: set[int] = field(default_factory=set)  # choice indices finished or aborted
-    started: bool = False
-
-
 class WorkerLoop:
     """The step loop around one engine; separate from process set-up so it is testable in-process."""
 
@@ -76,51 +70,36 @@ class WorkerLoop:
         self.recv = recv
         self.send = send
         self.label = label
-        self.active: dict[str, _Active] = {}
+        self.arrived: dict[str, float] = {}  # request id -> perf_counter() at its add, until its first step
         self.running = True
         self._last_stats = 0.0
         self._parent = os.getppid()
 
-    def _emit(self, message: list[Any]) -> None:
-        self.send.send(ipc.pack(message), copy=False)
+    def _emit(self, message: messages.FromWorker) -> None:
+        self.send.send(messages.encode(message), copy=False)
 
-    def _handle(self, message: list[Any]) -> None:
-        kind = message[0]
-        if kind == ipc.ADD:
-            self._add(message[1], message[2], message[3])
-        elif kind == ipc.ABORT:
-            for request_id, index in message[1]:
-                self._abort(request_id, index)
-        elif kind == ipc.SHUTDOWN:
-            self.running = False
+    def _handle(self, message: messages.ToWorker) -> None:
+        if isinstance(message, Add):
+            self._add(message)
+        elif isinstance(message, messages.Abort):
+            for request_id, index in message.targets:
+                self.engine.abort_request(request_id, index)  # unknown or finished ids are ignored
+                if request_id not in self.engine.requests:
+                    self.arrived.pop(request_id, None)
         else:
-            logger.error("%s: unknown message kind %r ignored", self.label, kind)
+            self.running = False
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], encoded_params: list[Any]) -> None:
+    def _add(self, message: Add) -> None:
         try:
-            params = ipc.decode_params(encoded_params)
-            self.engine.add_request(request_id, prompt_token_ids, params)
+            self.engine.add_request(message.request_id, message.prompt_token_ids, messages.engine_params(message))
         except ValueError as exc:  # the engine's way of saying "this request can never run"
-            self._emit([ipc.ERROR, request_id, 400, str(exc)])
+            self._emit(Failed(message.request_id, RequestError(str(exc), client_fault=True)))
             return
         except Exception:
-            logger.exception("%s: add_request failed for %s", self.label, request_id)
-            self._emit([ipc.ERROR, request_id, 500, "the worker failed to accept the request"])
+            logger.exception("%s: add_request failed for %s", self.label, message.request_id)
+            self._emit(Failed(message.request_id, RequestError("the worker failed to accept the request")))
             return
-        self.active[request_id] = _Active(n=params.n, added_at=time.perf_counter())
-
-    def _abort(self, request_id: str, index: int | None) -> None:
-        state = self.active.get(request_id)
-        if state is None:
-            return
-        if index is None:
-            self.engine.abort_request(request_id)
-            del self.active[request_id]
-        elif index not in state.done:
-            self.engine.abort_request(request_id, index)
-            state.done.add(index)
-            if len(state.done) >= state.n:
-                del self.active[request_id]
+        self.arrived[message.request_id] = time.perf_counter()
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -128,52 +107,44 @@ class WorkerLoop:
             outputs = self.engine.step()
         except Exception:
             # The engine's state for the running requests is suspect: fail them all, keep serving.
-            logger.exception("%s: engine step failed; aborting %d request(s)", self.label, len(self.active))
-            failed = list(self.active)
-            self.active.clear()
+            failed = list(self.engine.requests)
+            logger.exception("%s: engine step failed; aborting %d request(s)", self.label, len(failed))
             for request_id in failed:
                 try:
                     self.engine.abort_request(request_id)
                 except Exception:
                     logger.exception("%s: abort of %s failed", self.label, request_id)
+                self.arrived.pop(request_id, None)
             for request_id in failed:
-                self._emit([ipc.ERROR, request_id, 500, "internal error in the engine worker"])
+                self._emit(Failed(request_id, RequestError("internal error in the engine worker")))
             return
+        outputs = self._report_failed(outputs)
         queue_times: dict[str, float] = {}
-        changed = False  # a request started or finished: the gauges moved, send them now
-        failed = [out for out in outputs if out.finish_reason == "error"]
-        for out in failed:
-            # The engine traced a failed step to this request and ended it alone.
-            if self.active.pop(out.request_id, None) is not None:
-                changed = True
-                if out.bad_request:
-                    self._emit([ipc.ERROR, out.request_id, 400, out.error])
-                else:
-                    self._emit([ipc.ERROR, out.request_id, 500, f"the engine failed on this request ({out.error})"])
-        if failed:
-            outputs = [out for out in outputs if out.finish_reason != "error"]
+        finished = False  # a request started or finished: the gauges moved, send them now
         for out in outputs:
-            state = self.active.get(out.request_id)
-            if state is None:
-                continue
-            if not state.started:
-                state.started = True
-                queue_times[out.request_id] = started - state.added_at
-            if out.finished:
-                changed = True
-                state.done.add(out.index)
-                if len(state.done) >= state.n:
-                    del self.active[out.request_id]
-        encoded = [ipc.encode_step_output(out) for out in outputs]
-        force = changed or bool(queue_times) or not self.active
-        self._emit([ipc.OUTPUTS, encoded, self._stats_if_due(force), queue_times])
+            added_at = self.arrived.pop(out.request_id, None)
+            if added_at is not None:
+                queue_times[out.request_id] = started - added_at
+            finished |= out.finished
+        force = finished or bool(queue_times) or not self.engine.has_unfinished_requests()
+        self._emit(Outputs(outputs, self._stats_if_due(force), queue_times))
 
-    def _stats_if_due(self, force: bool = False) -> list[Any] | None:
+    def _report_failed(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Send one ``Failed`` per request the engine ended with an error; the other outputs."""
+        failed = {out.request_id: out for out in outputs if out.finish_reason == "error"}
+        for request_id, out in failed.items():
+            # The engine traced a failed step to this request and ended it alone.
+            self.arrived.pop(request_id, None)
+            message = out.error if out.bad_request else f"the engine failed on this request ({out.error})"
+            self._emit(Failed(request_id, RequestError(message, client_fault=out.bad_request)))
+        return [out for out in outputs if out.request_id not in failed] if failed else outputs
+
+    def _stats_if_due(self, force: bool = False) -> EngineStats | None:
         now = time.perf_counter()
         if not force and now - self._last_stats < STATS_INTERVAL_S:
             return None
         self._last_stats = now
-        return ipc.encode_stats(self.engine.stats())
+        return self.engine.stats()
 
     def _drain(self, timeout_ms: int) -> None:
         """Handle every queued message, waiting up to ``timeout_ms`` for the first."""
@@ -185,7 +156,7 @@ class WorkerLoop:
             except zmq.Again:
                 return
             try:
-                self._handle(ipc.unpack(frame))
+                self._handle(messages.decode_to_worker(frame))
             except Exception:
                 logger.exception("%s: bad control message ignored", self.label)
 
@@ -202,7 +173,7 @@ class WorkerLoop:
                 self._step()
             else:
                 # The idle heartbeat, or fresh KV usage right after aborts freed blocks.
-                self._emit([ipc.STATS, self._stats_if_due(force=True)])
+                self._emit(Stats(self._stats_if_due(force=True)))
 
 
 def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]:
@@ -242,7 +213,7 @@ def run_worker(spec: WorkerSpec) -> None:
         engine = _load_engine(spec)
     except BaseException as exc:  # noqa: BLE001  whatever broke loading is reported, then we exit
         logger.error("loading %s on %s failed:\n%s", spec.model_name, spec.device, traceback.format_exc())
-        send.send(ipc.pack([ipc.FAILED, f"{type(exc).__name__}: {exc}"]))
+        send.send(messages.encode(messages.LoadFailed(f"{type(exc).__name__}: {exc}")))
         # Every socket must be closed, or ctx.term() blocks forever and the failed worker lingers.
         recv.close(linger=0)
         send.close()
@@ -251,9 +222,9 @@ def run_worker(spec: WorkerSpec) -> None:
     info = _engine_info(engine, spec, time.perf_counter() - start)
     logger.info("%s ready on %s in %.1fs (max_model_len=%d)", spec.model_name, spec.device,
                 info["load_seconds"], info["max_model_len"])
-    send.send(ipc.pack([ipc.READY, info]))
+    send.send(messages.encode(messages.Ready(info)))
     loop = WorkerLoop(engine, recv, send, spec.label, spec.heartbeat_s)
-    send.send(ipc.pack([ipc.STATS, ipc.encode_stats(engine.stats())]))  # /metrics has values from the start
+    send.send(messages.encode(Stats(engine.stats())))  # /metrics has values from the start
     try:
         loop.run()
     finally:

@@ -1,12 +1,11 @@
-"""The HTTP process's handle on one engine worker process.
+"""The HTTP process's handle on one engine worker process: it supervises the process.
 
-It spawns the worker, keeps its state (starting -> ready, or failed / dead / stopped), its latest
-engine stats and its load (sequences in flight), and fans the worker's per-step OUTPUTS messages
-out to one asyncio queue per request. Sending never awaits: aborts are issued from ``finally``
-blocks of cancelled tasks, where an await would be cancelled again.
+It spawns the worker, keeps its state (starting -> ready, or failed / dead / stopped) and its latest
+engine stats, and hands the worker's per-step ``Outputs`` to ``server.fanout``, which routes them to
+the requests' streams. Sending never blocks and never awaits.
 
-It also supervises the process: one that dies is started again after a backoff
-(``restart_policy``), and the requests it held fail with a retryable error, which
+A process that dies is started again after a backoff (``restart_policy``), and the requests it
+held fail with a retryable error, which
 ``Generation`` retries elsewhere if they had produced no token yet. A worker whose first load
 failed (bad path, bad config) is not restarted: it would fail the same way; one that has served
 before and then fails to load again is retried with the same backoff. A ready worker that falls
@@ -19,14 +18,15 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from engines.outputs import EngineStats
 from engines.sampling_params import SamplingParams
-from server import heartbeat, ipc
+from server import heartbeat, messages
+from server.fanout import Fanout, RequestStream
+from server.messages import RequestError, Shutdown, ToWorker
 from server.restart_policy import RestartBackoff
 from server.worker import WorkerSpec, run_worker
 
@@ -44,31 +44,6 @@ def _zmq_context() -> zmq.Context:
     if _context is None:
         _context = zmq.Context()
     return _context
-
-
-@dataclass(slots=True)
-class WorkerError:
-    """A request failed inside the worker (or the worker died under it)."""
-
-    status: int
-    message: str
-    # True when the worker went away without a verdict on the request: it may run elsewhere.
-    retryable: bool = False
-
-
-@dataclass(slots=True)
-class RequestStream:
-    """Items of one request as they arrive: ``StepOutput`` or ``WorkerError``."""
-
-    request_id: str
-    n: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    done: set[int] = field(default_factory=set)  # choice indices finished or aborted
-    queue_time: float | None = None
-
-    @property
-    def unfinished(self) -> int:
-        return self.n - len(self.done)
 
 
 class WorkerClient:
@@ -91,7 +66,6 @@ class WorkerClient:
         self.last_error: str | None = None
         self.info: dict[str, Any] = {}
         self.stats: EngineStats | None = None  # the latest the worker sent
-        self.load = 0  # sequences submitted and not finished
         self.last_message_at: float | None = None  # time.monotonic() of the worker's latest message
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._watchdog: asyncio.Task | None = None  # checks a serving worker's silence
@@ -104,7 +78,7 @@ class WorkerClient:
         self._incarnation = 0  # processes started so far; names each one's input socket
         self._supervisor: asyncio.Task | None = None  # the exit report and the restart after it
         self._refusal: str | None = None  # set when the server ends its requests: new ones fail
-        self._streams: dict[str, RequestStream] = {}
+        self.requests = Fanout(self._post)  # the requests in flight here and their streams
         self._send: zmq.Socket | None = None
         self._recv: zmq.Socket | None = None
         self._proc: mp.process.BaseProcess | None = None
@@ -112,6 +86,11 @@ class WorkerClient:
     @property
     def ready(self) -> bool:
         return self.state == READY
+
+    @property
+    def load(self) -> int:
+        """Sequences submitted and not finished."""
+        return self.requests.load
 
     def has_capacity(self, n: int) -> bool:
         return self.load + n <= self.capacity
@@ -166,50 +145,33 @@ class WorkerClient:
         asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_exit)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        if request_id in self._streams:
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight on {self.label}")
         # Encoded before anything is counted: a value the wire format cannot carry leaks no load.
-        frame = ipc.pack([ipc.ADD, request_id, prompt_token_ids, ipc.encode_params(params)])
-        stream = RequestStream(request_id, params.n)
-        self._streams[request_id] = stream
-        self.load += stream.n
+        frame = messages.encode(messages.add_request(request_id, prompt_token_ids, params))
+        stream = self.requests.open(request_id, params.n)
         if self._refusal is not None:
-            self._fail(request_id, WorkerError(503, self._refusal))
+            self.requests.fail(request_id, RequestError(self._refusal, unavailable=True))
         elif not self._post_frame(frame):
-            self._fail(request_id, WorkerError(503, f"worker {self.label} is not accepting requests",
-                                               retryable=True))
+            self.requests.fail(request_id, RequestError(f"worker {self.label} is not accepting requests",
+                                                        unavailable=True, retryable=True))
         return stream
 
     def end_requests(self, message: str) -> None:
         """Fail every request in flight with a 503 ``message`` and refuse new ones (a drain's end)."""
         self._refusal = message
-        ended = list(self._streams)
-        for request_id in ended:
-            self._fail(request_id, WorkerError(503, message))
-        if ended:
-            self._post([ipc.ABORT, [[request_id, None] for request_id in ended]])
+        self.requests.fail_all(RequestError(message, unavailable=True), abort=True)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        self.load -= stream.unfinished
-        self._post([ipc.ABORT, [[request_id, None]]])
+        self.requests.abort(request_id)
 
     def abort_choice(self, request_id: str, index: int) -> None:
         """Stop one choice of an n > 1 request (its stop string matched) and free its blocks."""
-        stream = self._streams.get(request_id)
-        if stream is None or index in stream.done:
-            return
-        stream.done.add(index)
-        self.load -= 1
-        if stream.unfinished <= 0:
-            del self._streams[request_id]
-        self._post([ipc.ABORT, [[request_id, index]]])
+        self.requests.abort_choice(request_id, index)
 
-    def _post(self, message: list[Any]) -> bool:
-        return self._post_frame(ipc.pack(message))
+    def _post(self, message: ToWorker) -> bool:
+        return self._post_frame(messages.encode(message))
 
     def _post_frame(self, frame: bytes) -> bool:
         if self._send is None or self.state != READY:
@@ -220,12 +182,6 @@ class WorkerClient:
             logger.error("worker %s/%s: send failed: %s", self.model_name, self.label, exc)
             return False
         return True
-
-    def _fail(self, request_id: str, error: WorkerError) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            self.load -= stream.unfinished
-            stream.queue.put_nowait(error)
 
     def _on_readable(self) -> None:
         # ZeroMQ's descriptor is edge-triggered: read until EAGAIN or the next edge never comes.
@@ -238,56 +194,37 @@ class WorkerClient:
             except zmq.Again:
                 return
             try:
-                self._dispatch(ipc.unpack(frame.buffer))
+                self._dispatch(messages.decode_from_worker(frame.buffer))
             except Exception:
                 logger.exception("worker %s/%s: bad message ignored", self.model_name, self.label)
 
-    def _dispatch(self, message: list[Any]) -> None:
+    def _dispatch(self, message: messages.FromWorker) -> None:
         self.last_message_at = time.monotonic()
         if self.state == UNRESPONSIVE and self._kill_reason is None:
             self.state = READY  # it speaks again (SIGCONT, the driver call returned)
             logger.warning("worker %s/%s responds again; ready", self.model_name, self.label)
-        kind = message[0]
-        if kind == ipc.OUTPUTS:
-            self._on_outputs(message[1], message[3])
-            if message[2] is not None:
-                self.stats = ipc.decode_stats(message[2])
-        elif kind == ipc.STATS:
-            self.stats = ipc.decode_stats(message[1])
-        elif kind == ipc.ERROR:
-            self._fail(message[1], WorkerError(int(message[2]), message[3]))
-        elif kind == ipc.READY:
+        if isinstance(message, messages.Outputs):
+            self.requests.deliver(message.outputs, message.queue_times)
+            if message.stats is not None:
+                self.stats = message.stats
+        elif isinstance(message, messages.Stats):
+            self.stats = message.stats
+        elif isinstance(message, messages.Failed):
+            self.requests.fail(message.request_id, message.error)
+        elif isinstance(message, messages.Ready):
             if self.state != STARTING:  # e.g. its model failed (tokenizer) while it was loading
                 logger.info("worker %s/%s ready while %s; ignored", self.model_name, self.label, self.state)
                 return
-            self.info = message[1]
+            self.info = message.info
             self.state = READY
             self._watch_ranks()
             self._ready_since = time.monotonic()
             logger.info("worker %s/%s ready in %.1fs (max_model_len=%s)", self.model_name, self.label,
                         time.time() - self.started_at, self.info.get("max_model_len"))
-        elif kind == ipc.FAILED:
+        elif isinstance(message, messages.LoadFailed):
             self.state = FAILED
-            self.last_error = message[1]
-            logger.error("worker %s/%s failed to load: %s", self.model_name, self.label, message[1])
-
-    def _on_outputs(self, outputs: list[list[Any]], queue_times: dict[str, float]) -> None:
-        streams = self._streams
-        for item in outputs:
-            out = ipc.decode_output(item)
-            stream = streams.get(out.request_id)
-            if stream is None:  # aborted here while the worker was still stepping it
-                continue
-            if stream.queue_time is None and out.request_id in queue_times:
-                stream.queue_time = queue_times[out.request_id]
-            if out.index in stream.done:  # this choice was aborted here
-                continue
-            stream.queue.put_nowait(out)
-            if out.finished:
-                stream.done.add(out.index)
-                self.load -= 1
-                if stream.unfinished <= 0:
-                    del streams[out.request_id]
+            self.last_error = message.message
+            logger.error("worker %s/%s failed to load: %s", self.model_name, self.label, message.message)
 
     async def _watch_heartbeat(self) -> None:
         while True:
@@ -315,16 +252,13 @@ class WorkerClient:
 
     def _mark_unresponsive(self, silence: float) -> None:
         """No new requests; the held ones fail now (retried elsewhere when they have no token yet)."""
-        held = list(self._streams)
-        if held:  # should the worker resume, it drops them rather than run them for nobody
-            self._post([ipc.ABORT, [[request_id, None] for request_id in held]])
+        error = RequestError(f"worker {self.label} of {self.model_name} is unresponsive", unavailable=True,
+                             retryable=True)
+        held = self.requests.fail_all(error, abort=True)  # aborted while the worker is still READY
         self.state = UNRESPONSIVE
         self.last_error = f"no message for {silence:.1f}s (heartbeat_timeout_s={self.heartbeat_timeout_s:g})"
         logger.error("worker %s/%s is unresponsive: %s; %d request(s) moved or ended", self.model_name,
-                     self.label, self.last_error, len(held))
-        for request_id in held:
-            self._fail(request_id, WorkerError(503, f"worker {self.label} of {self.model_name} is unresponsive",
-                                               retryable=True))
+                     self.label, self.last_error, held)
 
     def _watch_ranks(self) -> None:
         """Watch the other ranks' processes on this node: a dead rank ends the whole replica (its
@@ -376,9 +310,8 @@ class WorkerClient:
         if self.state != FAILED:
             self.state = DEAD
             self.last_error = "worker process exited"
-        for request_id in list(self._streams):
-            self._fail(request_id, WorkerError(503, f"worker {self.label} of {self.model_name} died",
-                                               retryable=True))
+        self.requests.fail_all(RequestError(f"worker {self.label} of {self.model_name} died", unavailable=True,
+                                            retryable=True))
         self._supervisor = asyncio.ensure_future(self._after_exit(proc, restart, healthy_for))
 
     async def _after_exit(self, proc: mp.process.BaseProcess, restart: bool, healthy_for: float) -> None:
@@ -441,7 +374,7 @@ class WorkerClient:
             self.state = STOPPED
             if was_ready and self._send is not None:
                 try:
-                    self._send.send(ipc.pack([ipc.SHUTDOWN]), flags=zmq.NOBLOCK)
+                    self._send.send(messages.encode(Shutdown()), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
             deadline = time.monotonic() + (timeout_s if was_ready else 0)
@@ -453,8 +386,7 @@ class WorkerClient:
         self.state = STOPPED
         if proc is not None:
             asyncio.get_running_loop().remove_reader(proc.sentinel)
-        for request_id in list(self._streams):
-            self._fail(request_id, WorkerError(503, "the server is shutting down"))
+        self.requests.fail_all(RequestError("the server is shutting down", unavailable=True))
         if self._recv is not None:
             asyncio.get_running_loop().remove_reader(self._recv.getsockopt(zmq.FD))
         for sock in (self._send, self._recv):

@@ -5,7 +5,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -104,7 +104,7 @@ def sse_frame(obj: Any) -> bytes:
     return b"data: " + dumps(obj).encode() + b"\n\n"
 
 
-class _EventStream(EventSourceResponse):
+class EventStream(EventSourceResponse):
     """sse-starlette's response, minus a cancel scope per event when no send timeout is set.
 
     Measured: the per-send ``anyio.move_on_after`` was a visible share of the HTTP process's
@@ -118,34 +118,45 @@ class _EventStream(EventSourceResponse):
             await super()._send_with_timeout(send, message)
 
 
-def sse_response(
-    request: Request, gen: Any, frames: AsyncIterator[dict[str, Any]], metrics: Any
+def event_stream(
+    request: Request, gen: Any, items: AsyncIterator[dict[str, Any]], metrics: Any, *,
+    frame: Callable[[dict[str, Any]], bytes], error_body: Callable[[APIError], dict[str, Any]], last: bytes = b"",
 ) -> EventSourceResponse:
-    """Stream ``frames`` as ``data: {json}`` events ending with ``data: [DONE]``.
+    """Stream ``items``, each framed by ``frame``, then ``last`` (if any) once they end.
 
     ``gen``: a ``GenerationGroup`` (``request_id``, ``abort()``, ``observe(metrics, end)``).
 
-    An error after the first frame is sent as an error frame (OpenAI's envelope), then [DONE].
-    A disconnect cancels the generator; its ``finally`` aborts the request in the worker.
+    An error after the first frame is sent as one frame of ``error_body`` (the API's envelope).
+    A disconnect cancels the generator; its ``finally`` aborts the request in the worker, writes
+    the request's log fields and observes its metrics, however the stream ends.
     """
 
     async def events() -> AsyncIterator[bytes]:
         status = "disconnected"
         try:
-            async for frame in frames:
-                yield sse_frame(frame)
+            async for item in items:
+                yield frame(item)
             status = "ok"
         except APIError as exc:
             status = f"error {exc.status}"
-            yield sse_frame(error_body(exc))
+            yield frame(error_body(exc))
         except Exception:
             status = "error 500"
             logger.exception("request %s failed mid-stream", gen.request_id)
-            yield sse_frame(error_body(APIError(500, f"Internal error in request {gen.request_id}.")))
+            yield frame(error_body(APIError(500, f"Internal error in request {gen.request_id}.")))
         finally:
             gen.abort()
             log_fields(request, gen, status)
             gen.observe(metrics, time.perf_counter())
-        yield b"data: [DONE]\n\n"
+        if last:
+            yield last
 
-    return _EventStream(events(), sep="\n", ping=15, headers={"Cache-Control": "no-cache"})
+    return EventStream(events(), sep="\n", ping=15, headers={"Cache-Control": "no-cache"})
+
+
+def sse_response(
+    request: Request, gen: Any, frames: AsyncIterator[dict[str, Any]], metrics: Any
+) -> EventSourceResponse:
+    """OpenAI's stream: ``data: {json}`` events ending with ``data: [DONE]`` (after an error frame too)."""
+    return event_stream(request, gen, frames, metrics, frame=sse_frame, error_body=error_body,
+                        last=b"data: [DONE]\n\n")

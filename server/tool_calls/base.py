@@ -1,7 +1,9 @@
 """What every tool-call parser shares: the call record, the parse result, JSON helpers."""
 
 import json
+import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,13 @@ def function_name(call: Any) -> str:
 def content_or_none(text: str) -> str | None:
     text = text.strip()
     return text or None
+
+
+def tagged_calls(text: str, tag: str, bodies: re.Pattern, call: Callable[[str], ToolCall]) -> ParsedOutput:
+    """Calls each written inside ``tag`` (``bodies`` captures one's inside): the text before the
+    first is the content; no call, and all of it is."""
+    calls = [call(body) for body in bodies.findall(text)]
+    return ParsedOutput(content_or_none(text[: text.find(tag)]) if calls else text, calls)
 
 
 class ToolCallParser:

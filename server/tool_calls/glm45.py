@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any
 
-from server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser, content_or_none
+from server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser, tagged_calls
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -18,19 +18,19 @@ class Glm45Parser(ToolCallParser):
     start = ("<tool_call>",)
 
     def _parse(self, text: str) -> ParsedOutput:
-        calls = []
-        for body in _CALL.findall(text):
-            body = body.strip()
-            if "<arg_key>" in body:
-                name = body[: body.index("<arg_key>")].strip()
-                arguments = {key.strip(): self._value(name, key.strip(), value) for key, value in _ARG.findall(body)}
-            else:  # GLM-4, or a call without arguments
-                name, _, rest = body.partition("\n")
-                arguments = json.loads(rest) if rest.strip() else {}
-            if not name:
-                raise ValueError("a tool call without a name")
-            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
-        return ParsedOutput(content_or_none(text[: text.find("<tool_call>")]) if calls else text, calls)
+        return tagged_calls(text, "<tool_call>", _CALL, self._call)
+
+    def _call(self, body: str) -> ToolCall:
+        body = body.strip()
+        if "<arg_key>" in body:
+            name = body[: body.index("<arg_key>")].strip()
+            arguments = {key.strip(): self._value(name, key.strip(), value) for key, value in _ARG.findall(body)}
+        else:  # GLM-4, or a call without arguments
+            name, _, rest = body.partition("\n")
+            arguments = json.loads(rest) if rest.strip() else {}
+        if not name:
+            raise ValueError("a tool call without a name")
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
     def _value(self, function: str, key: str, value: str) -> Any:
         schema = self.tools.get(function, {}).get("parameters", {}).get("properties", {}).get(key, {})

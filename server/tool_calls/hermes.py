@@ -8,8 +8,8 @@ from server.tool_calls.base import (
     ToolCall,
     ToolCallParser,
     arguments_text,
-    content_or_none,
     function_name,
+    tagged_calls,
 )
 
 # The last call's end tag may be missing when the model stops on its end-of-turn token instead.
@@ -20,8 +20,9 @@ class HermesParser(ToolCallParser):
     start = ("<tool_call>",)
 
     def _parse(self, text: str) -> ParsedOutput:
-        calls = []
-        for body in _CALL.findall(text):
-            call = json.loads(body)
-            calls.append(ToolCall(function_name(call), arguments_text(call.get("arguments", {}))))
-        return ParsedOutput(content_or_none(text[: text.find("<tool_call>")]) if calls else text, calls)
+        return tagged_calls(text, "<tool_call>", _CALL, _call)
+
+
+def _call(body: str) -> ToolCall:
+    call = json.loads(body)
+    return ToolCall(function_name(call), arguments_text(call.get("arguments", {})))

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_DIR = REPO_ROOT / "tests" / "fixtures" / "openai-schemas"
@@ -139,6 +140,71 @@ class ServerProcess:
                 self.proc.wait(10)
         if not self._log.closed:
             self._log.close()
+
+
+def serve_config(start_server: Callable[..., ServerProcess], directory: Path, config: dict[str, Any],
+                 settle: str = "ready") -> ServerProcess:
+    """Start ``xinserve serve`` on ``config`` (written to ``directory``/config.yaml) and wait until it
+    is ready (``settle="settled"``: until no worker is starting, some may have failed)."""
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    srv = start_server(["--config", str(path)])
+    srv.wait_ready() if settle == "ready" else srv.wait_settled()
+    return srv
+
+
+def short_tiny_config(model_dir: Path, max_tokens: int) -> dict[str, Any]:
+    """One model "tiny" on one CPU worker whose generations stay short (``limits.max_tokens``)."""
+    return {
+        "models": [{"name": "tiny", "path": str(model_dir), "workers": ["cpu"], "max_model_len": 512}],
+        "limits": {"max_tokens": max_tokens, "max_prompt_chars": 20_000},
+    }
+
+
+def wait_for(check: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
+    """Poll ``check()`` until it returns something truthy; the last value either way."""
+    deadline = time.monotonic() + timeout
+    value = check()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval)
+        value = check()
+    return value
+
+
+async def open_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[httpx.Response, Any]:
+    """A streamed chat completion of ``body``, read up to its first content frame; the response and
+    its remaining lines."""
+    request = client.build_request("POST", "/v1/chat/completions", json=body)
+    response = await client.send(request, stream=True)
+    assert response.status_code == 200
+    lines = response.aiter_lines()
+    while '"content":"' not in (line := await anext(lines)) or '"content":""' in line:
+        pass
+    return response, lines
+
+
+async def data_payloads(lines: Any) -> list[str]:
+    """The ``data:`` payloads left in a stream's lines, as text."""
+    return [line[5:].strip() async for line in lines if line.startswith("data:")]
+
+
+async def first_tails(streams: list[tuple[httpx.Response, Any]]) -> list[list[str]]:
+    """Read the ``open_stream`` streams' remaining payloads until one ends, then close them all;
+    the payloads of those that ended."""
+    tails = [asyncio.ensure_future(data_payloads(lines)) for _, lines in streams]
+    done, pending = await asyncio.wait(tails, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    for response, _ in streams:
+        await response.aclose()
+    return [t.result() for t in done]
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    """A client of the module's ``server`` fixture."""
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
 
 
 @pytest.fixture(scope="session")

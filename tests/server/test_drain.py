@@ -1,6 +1,7 @@
 """The drain: requests counted until their last byte, new ones refused, the rest ended after the wait."""
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import httpx
 from starlette.applications import Starlette
@@ -34,55 +35,51 @@ def test_nothing_in_flight_ends_nothing():
     assert drain.draining and ended(pool) == [0, 0]
 
 
-def test_requests_that_finish_in_time_are_not_ended():
+def drain_one_request(timeout_s: float, meanwhile: Callable[[Drain, Pool, asyncio.Future], Awaitable[None]]) -> list[int]:
+    """Drain a pool with one request in flight: ``meanwhile(drain, pool, running drain)`` runs while
+    the drain waits, then the request ends; how many requests each worker was told to end."""
     pool = Pool()
     drain = Drain([pool])
 
     async def go():
         drain.enter()
-        running = asyncio.ensure_future(drain.run(timeout_s=60))
-        await asyncio.sleep(0)
-        assert drain.draining and not running.done()
+        running = asyncio.ensure_future(drain.run(timeout_s=timeout_s))
+        await meanwhile(drain, pool, running)
         drain.leave()
         await running
 
     asyncio.run(go())
-    assert ended(pool) == [0, 0]
+    return ended(pool)
+
+
+async def until_ended(pool: Pool) -> None:
+    while ended(pool) == [0, 0]:
+        await asyncio.sleep(0)
+
+
+def test_requests_that_finish_in_time_are_not_ended():
+    async def meanwhile(drain, pool, running):
+        await asyncio.sleep(0)
+        assert drain.draining and not running.done()
+
+    assert drain_one_request(60, meanwhile) == [0, 0]
 
 
 def test_requests_past_the_timeout_are_ended_then_awaited():
-    pool = Pool()
-    drain = Drain([pool])
-
-    async def go():
-        drain.enter()
-        running = asyncio.ensure_future(drain.run(timeout_s=0))
-        while ended(pool) == [0, 0]:
-            await asyncio.sleep(0)
+    async def meanwhile(drain, pool, running):
+        await until_ended(pool)
         assert not running.done()  # the ended request's handler still writes its error frame
-        drain.leave()
-        await running
 
-    asyncio.run(go())
-    assert ended(pool) == [1, 1]
+    assert drain_one_request(0, meanwhile) == [1, 1]
 
 
 def test_a_second_signal_ends_requests_at_once():
-    pool = Pool()
-    drain = Drain([pool])
-
-    async def go():
-        drain.enter()
-        running = asyncio.ensure_future(drain.run(timeout_s=3600))
+    async def meanwhile(drain, pool, running):
         await asyncio.sleep(0)
         drain.hurry()
-        while ended(pool) == [0, 0]:
-            await asyncio.sleep(0)
-        drain.leave()
-        await running
+        await until_ended(pool)
 
-    asyncio.run(go())
-    assert ended(pool) == [1, 1]
+    assert drain_one_request(3600, meanwhile) == [1, 1]
 
 
 def test_middleware_counts_requests_and_refuses_new_ones_while_draining():

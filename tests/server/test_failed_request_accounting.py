@@ -16,8 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from engines.outputs import StepOutput
 from server.app import create_app
 from server.config import parse_config
+from server.fanout import RequestStream
+from server.messages import RequestError
 from server.responses import TokenTexts
-from server.worker_client import RequestStream, WorkerError
 
 KEY = "sk-team-a-8c1d2e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -34,7 +35,7 @@ class FailingWorker:
     stats = None  # what /metrics reads of a worker
     restarts = 0
 
-    def __init__(self, tokens: int, end: WorkerError | None) -> None:
+    def __init__(self, tokens: int, end: RequestError | None) -> None:
         self.tokens, self.end = tokens, end
         self.info = {"vocab_size": 512, "max_model_len": 256}
         self.aborted: list[str] = []
@@ -95,8 +96,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_worker_lost_after_tokens_keeps_the_log_fields_and_counts_the_usage(tiny_tokenizer, caplog, stream):
-    app = make_app(tiny_tokenizer, FailingWorker(2, WorkerError(503, "worker cpu#7 of m is unresponsive",
-                                                                 retryable=True)))
+    app = make_app(tiny_tokenizer, FailingWorker(2, RequestError("worker cpu#7 of m is unresponsive",
+                                                                  unavailable=True, retryable=True)))
     caplog.set_level(logging.INFO, logger="xinserve.request")
     r, counters = run(app, {**CHAT, "stream": stream})
     prompt_tokens = int(request_line(caplog).split("prompt_tokens=")[1].split()[0])

@@ -12,8 +12,9 @@ from transformers import AutoTokenizer
 from engines.outputs import StepOutput
 from engines.sampling_params import SamplingParams
 from server.errors import APIError
+from server.fanout import RequestStream
 from server.generation import Generation
-from server.worker_client import RequestStream, WorkerError
+from server.messages import RequestError
 
 TEXT = "The river runs to the sea."
 
@@ -186,7 +187,7 @@ def test_n2_mixed_finish(tiny_tokenizer):
 def test_worker_error_becomes_api_error(tiny_tokenizer):
     async def go(status):
         gen, worker = make(tiny_tokenizer)
-        worker.stream.queue.put_nowait(WorkerError(status, "nope"))
+        worker.stream.queue.put_nowait(RequestError("nope", client_fault=status == 400, unavailable=status == 503))
         await gen.next_deltas()
 
     with pytest.raises(APIError) as info:

@@ -11,10 +11,11 @@ import pytest
 from engines.outputs import StepOutput
 from engines.sampling_params import SamplingParams
 from server.errors import APIError
+from server.fanout import RequestStream
 from server.generation import Generation
-from server.worker_client import RequestStream, WorkerError
+from server.messages import RequestError
 
-DIED = WorkerError(503, "worker cpu#0 of m died", retryable=True)
+DIED = RequestError("worker cpu#0 of m died", unavailable=True, retryable=True)
 
 
 class Worker:
@@ -98,7 +99,7 @@ def test_only_one_retry(tiny_tokenizer):
         first.put(DIED)
         pending = asyncio.ensure_future(gen.next_deltas())
         await asyncio.sleep(0)
-        spare.put(WorkerError(503, "worker cpu#1 of m died", retryable=True))
+        spare.put(RequestError("worker cpu#1 of m died", unavailable=True, retryable=True))
         with pytest.raises(APIError) as info:
             await pending
         return info.value, asked
@@ -125,7 +126,7 @@ def test_errors_that_are_verdicts_are_not_retried(tiny_tokenizer):
     async def go():
         gen, first, asked = make(tiny_tokenizer, [Worker("cpu#1")])
         gen.start()
-        first.put(WorkerError(503, "The server is shutting down."))
+        first.put(RequestError("The server is shutting down.", unavailable=True))
         with pytest.raises(APIError) as info:
             await gen.next_deltas()
         return info.value, asked

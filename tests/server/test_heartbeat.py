@@ -14,9 +14,10 @@ import zmq
 
 from engines.outputs import EngineStats
 from engines.sampling_params import SamplingParams
-from server import heartbeat, ipc
+from server import heartbeat
+from server.messages import Outputs, RequestError, Shutdown, Stats, decode_from_worker, encode
 from server.worker import WorkerLoop
-from server.worker_client import READY, UNRESPONSIVE, RequestStream, WorkerClient, WorkerError
+from server.worker_client import READY, UNRESPONSIVE, WorkerClient
 
 TIMEOUT = 2.0
 
@@ -36,8 +37,7 @@ def serving_client(*request_ids: str) -> tuple[WorkerClient, Process]:
     client.state = READY
     client._proc = proc = Process()
     for request_id in request_ids:
-        client._streams[request_id] = RequestStream(request_id, 1)  # as add() registers them
-        client.load += 1
+        client.requests.open(request_id, 1)  # as add() registers them
     client.last_message_at = time.monotonic()
     return client, proc
 
@@ -55,17 +55,17 @@ def test_verdicts():
 
 def test_silence_makes_the_worker_unresponsive_and_its_requests_retryable():
     client, proc = serving_client("a", "b")
-    streams = dict(client._streams)
+    streams = dict(client.requests._streams)
     silent_for(client, TIMEOUT - 0.5)
     client._check_heartbeat()
     assert client.state == READY and client.load == 2
     silent_for(client, TIMEOUT + 0.1)
     client._check_heartbeat()
     assert client.state == UNRESPONSIVE and not client.ready
-    assert client.load == 0 and not client._streams
+    assert client.load == 0 and not client.requests._streams
     for stream in streams.values():
         error = stream.queue.get_nowait()
-        assert isinstance(error, WorkerError) and error.retryable and error.status == 503
+        assert isinstance(error, RequestError) and error.retryable and error.status == 503
         assert "unresponsive" in error.message
     assert "no message for" in client.last_error
     assert proc.kills == 0
@@ -80,7 +80,7 @@ def test_a_worker_that_speaks_again_is_ready_again():
     silent_for(client, TIMEOUT + 0.1)
     client._check_heartbeat()
     assert client.state == UNRESPONSIVE
-    client._dispatch([ipc.OUTPUTS, [], None, {}])
+    client._dispatch(Outputs([]))
     assert client.state == READY
     client._check_heartbeat()
     assert client.state == READY and proc.kills == 0
@@ -88,13 +88,13 @@ def test_a_worker_that_speaks_again_is_ready_again():
 
 def test_a_long_silence_kills_the_worker_once():
     client, proc = serving_client("a")
-    stream = client._streams["a"]
+    stream = client.requests._streams["a"]
     silent_for(client, 2 * TIMEOUT + 0.1)  # e.g. the event loop itself was held up past both deadlines
     client._check_heartbeat()
     assert proc.kills == 1 and client.state == UNRESPONSIVE
     assert stream.queue.get_nowait().retryable
     client._check_heartbeat()
-    client._dispatch([ipc.OUTPUTS, [], None, {}])  # a last word before the kill lands: still going
+    client._dispatch(Outputs([]))  # a last word before the kill lands: still going
     assert proc.kills == 1 and client.state == UNRESPONSIVE
 
 
@@ -133,11 +133,11 @@ def test_an_idle_worker_loop_beats_at_the_servers_period():
     try:
         beats, deadline = 0, time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            if from_worker.poll(100) and ipc.unpack(from_worker.recv())[0] == ipc.STATS:
+            if from_worker.poll(100) and isinstance(decode_from_worker(from_worker.recv()), Stats):
                 beats += 1
         assert beats >= 8  # about 20 at 50 ms; the default period (1 s) would give one or two
     finally:
-        to_worker.send(ipc.pack([ipc.SHUTDOWN]))
+        to_worker.send(encode(Shutdown()))
         thread.join(5)
         for s in (to_worker, from_worker, recv, send):
             s.close(linger=0)

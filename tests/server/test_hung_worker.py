@@ -13,7 +13,8 @@ import time
 
 import httpx
 import pytest
-import yaml
+
+from tests.server.conftest import first_tails, open_stream, serve_config, wait_for
 
 HEARTBEAT_TIMEOUT_S = 2.0
 
@@ -25,10 +26,7 @@ def server(start_server, tiny_model_dir, tmp_path_factory):
         "server": {"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S},
         "models": [{"name": "pair", "workers": ["cpu", "cpu"], **model}, {"name": "solo", "workers": ["cpu"], **model}],
     }
-    path = tmp_path_factory.mktemp("hung") / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    srv = start_server(["--config", str(path)])
-    srv.wait_ready()
+    srv = serve_config(start_server, tmp_path_factory.mktemp("hung"), config)
     yield srv
     srv.stop()
 
@@ -39,16 +37,6 @@ def health(server) -> httpx.Response:
 
 def worker(server, model: str, label: str) -> dict:
     return next(w for w in health(server).json()["workers"] if w["model"] == model and w["worker"] == label)
-
-
-def wait_for(check, timeout: float, interval: float = 0.1):
-    """Poll ``check()`` until it returns something truthy; the last value either way."""
-    deadline = time.monotonic() + timeout
-    value = check()
-    while not value and time.monotonic() < deadline:
-        time.sleep(interval)
-        value = check()
-    return value
 
 
 def chat_body(model: str, max_tokens: int, stream: bool = False) -> dict:
@@ -67,28 +55,13 @@ def back_to_ok(server, model: str, label: str, restarts: int) -> dict:
     return info
 
 
-async def _open_stream(client: httpx.AsyncClient) -> tuple[httpx.Response, object]:
-    """A long stream of "pair", read up to its first content frame."""
-    request = client.build_request("POST", "/v1/chat/completions", json=chat_body("pair", 2000, stream=True))
-    response = await client.send(request, stream=True)
-    assert response.status_code == 200
-    lines = response.aiter_lines()
-    while '"content":"' not in (line := await anext(lines)) or '"content":""' in line:
-        pass
-    return response, lines
-
-
-async def _tail(lines) -> list[str]:
-    return [line[5:].strip() async for line in lines if line.startswith("data:")]
-
-
 def test_a_stopped_worker_is_routed_around_then_killed_and_restarted(server, schemas):
     victim = worker(server, "pair", "cpu#1")
     assert victim["restarts"] == 0
 
     async def scenario():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            streams = [await _open_stream(client), await _open_stream(client)]  # one on each worker
+            streams = [await open_stream(client, chat_body("pair", 2000, stream=True)) for _ in range(2)]  # one each
             os.kill(victim["pid"], signal.SIGSTOP)
             # Until its silence is noticed it still looks ready: some of these are routed to it.
             burst = [asyncio.ensure_future(client.post("/v1/chat/completions", json=chat_body("pair", 16)))
@@ -101,13 +74,7 @@ def test_a_stopped_worker_is_routed_around_then_killed_and_restarted(server, sch
             status = await asyncio.to_thread(health, server)
             # New requests go to the other worker meanwhile.
             during = await client.post("/v1/chat/completions", json=chat_body("pair", 4))
-            tails = [asyncio.ensure_future(_tail(lines)) for _, lines in streams]
-            done, pending = await asyncio.wait(tails, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            for response, _ in streams:
-                await response.aclose()
-            return status, during, [t.result() for t in done], await asyncio.gather(*burst)
+            return status, during, await first_tails(streams), await asyncio.gather(*burst)
 
     status, during, ended, answers = asyncio.run(scenario())
     assert status.status_code == 200

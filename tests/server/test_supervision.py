@@ -12,12 +12,12 @@ import asyncio
 import json
 import os
 import signal
-import time
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import first_tails, open_stream, serve_config, wait_for
 
 WORKERS = ("cpu#0", "cpu#1")
 
@@ -25,10 +25,7 @@ WORKERS = ("cpu#0", "cpu#1")
 @pytest.fixture(scope="module")
 def server(start_server, tiny_model_dir, tmp_path_factory):
     config = {"models": [{"name": "tiny", "path": str(tiny_model_dir), "workers": ["cpu", "cpu"], "cpu_threads": 1}]}
-    path = tmp_path_factory.mktemp("supervision") / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    srv = start_server(["--config", str(path)])
-    srv.wait_ready()
+    srv = serve_config(start_server, tmp_path_factory.mktemp("supervision"), config)
     yield srv
     srv.stop()
 
@@ -57,16 +54,6 @@ def engine_state(server) -> dict[str, tuple[float, float, float]]:
     waiting = metrics(server, "xinserve:num_requests_waiting")
     kv = metrics(server, "xinserve:kv_cache_usage_perc")
     return {w: (running[w], waiting[w], kv[w]) for w in WORKERS}
-
-
-def wait_for(check, timeout: float, interval: float = 0.2):
-    """Poll ``check()`` until it returns something truthy; the last value either way."""
-    deadline = time.monotonic() + timeout
-    value = check()
-    while not value and time.monotonic() < deadline:
-        time.sleep(interval)
-        value = check()
-    return value
 
 
 def chat_body(max_tokens: int, stream: bool) -> dict:
@@ -106,21 +93,6 @@ def test_disconnect_storm_leaves_nothing_running(server):
     assert {w: info["load"] for w, info in workers(server).items()} == {"cpu#0": 0, "cpu#1": 0}
 
 
-async def _open_stream(client: httpx.AsyncClient) -> tuple[httpx.Response, object]:
-    """A long stream, read up to its first content frame."""
-    request = client.build_request("POST", "/v1/chat/completions", json=chat_body(2000, stream=True))
-    response = await client.send(request, stream=True)
-    assert response.status_code == 200
-    lines = response.aiter_lines()
-    while '"content":"' not in (line := await anext(lines)) or '"content":""' in line:
-        pass
-    return response, lines
-
-
-async def _tail(lines) -> list[str]:
-    return [line[5:].strip() async for line in lines if line.startswith("data:")]
-
-
 def test_killed_worker_restarts_and_unstarted_requests_run_elsewhere(server, schemas):
     victim = workers(server)["cpu#1"]
     assert victim["restarts"] == 0
@@ -128,7 +100,7 @@ def test_killed_worker_restarts_and_unstarted_requests_run_elsewhere(server, sch
     async def scenario():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             # One long stream on each worker (least-loaded routing), both past their first token.
-            streams = [await _open_stream(client), await _open_stream(client)]
+            streams = [await open_stream(client, chat_body(2000, stream=True)) for _ in range(2)]
             assert {w: i["load"] for w, i in (await asyncio.to_thread(workers, server)).items()} == \
                 {"cpu#0": 1, "cpu#1": 1}
             # Frozen, cpu#1 still looks ready: what is routed to it now waits in its socket, no token yet.
@@ -143,13 +115,7 @@ def test_killed_worker_restarts_and_unstarted_requests_run_elsewhere(server, sch
             degraded = await asyncio.to_thread(wait_for, lambda: health(server)["status"] == "degraded", 10)
             assert degraded, health(server)
             assert health(server)["models"] == {"tiny": "degraded"}
-            tails = [asyncio.ensure_future(_tail(lines)) for _, lines in streams]
-            done, pending = await asyncio.wait(tails, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
-            for response, _ in streams:
-                await response.aclose()
-            return held, [t.result() for t in done], await asyncio.gather(*burst)
+            return held, await first_tails(streams), await asyncio.gather(*burst)
 
     held, ended, answers = asyncio.run(scenario())
     # The stream cpu#1 was generating: an error frame, then [DONE]; the other one ran on.

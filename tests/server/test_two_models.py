@@ -16,8 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from transformers import AutoTokenizer
+
+from tests.server.conftest import serve_config
 
 # Greedy stories260K after "Once upon a time" (checked against transformers in tests/engines).
 STORY = ", there was a little girl named Lily. She loved to play outside in the park."
@@ -49,18 +50,9 @@ def server(start_server, tiny_model_dir, stories_dir, tmp_path_factory):
         {"name": "badarch", "path": str(bad), "tokenizer": str(tokenizer), "workers": ["cpu"],
          "fallback": ["tiny"]},
     ]}
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    srv = start_server(["--config", str(path)])
-    srv.wait_settled()
+    srv = serve_config(start_server, root, config, settle="settled")
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def workers(http) -> dict[str, dict]:

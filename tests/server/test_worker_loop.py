@@ -1,8 +1,8 @@
 """The worker's step loop, in a thread over in-process ZeroMQ sockets, around a scripted engine.
 
 The engine here is a small deterministic stand-in (token ids count up; a flag makes one step fail)
-so the loop's own contract is pinned: one OUTPUTS message per step, a bad request answered as an
-ERROR without ending the loop, a failing step failing only the requests in it, and aborts.
+so the loop's own contract is pinned: one ``Outputs`` message per step, a bad request answered as
+``Failed`` without ending the loop, a failing step failing only the requests in it, and aborts.
 """
 
 import threading
@@ -13,7 +13,8 @@ import zmq
 
 from engines.outputs import EngineStats, StepOutput
 from engines.sampling_params import SamplingParams
-from server import ipc
+from server import messages
+from server.messages import Abort, Add, Failed, Outputs, Shutdown, Stats
 from server.worker import WorkerLoop
 
 
@@ -36,6 +37,10 @@ class ScriptedEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.seqs)
+
+    @property
+    def requests(self) -> set[str]:
+        return {rid for rid, _ in self.seqs}
 
     def step(self) -> list[StepOutput]:
         time.sleep(0.001)  # a step takes time; without it a long request floods the socket at once
@@ -70,24 +75,24 @@ def loop_io():
     # Started by the first ``until``: messages posted before it are all queued when the loop wakes.
     thread = threading.Thread(target=loop.run, daemon=True)
 
-    def post(*message) -> None:
-        to_worker.send(ipc.pack(list(message)))
+    def post(message) -> None:
+        to_worker.send(message if isinstance(message, bytes) else messages.encode(message))
 
-    def until(pred, limit: int = 5000) -> list[list]:
-        """Collect messages until ``pred(message)``; STATS heartbeats included."""
+    def until(pred, limit: int = 5000) -> list:
+        """Collect messages until ``pred(message)``; ``Stats`` heartbeats included."""
         if not thread.is_alive():
             thread.start()
         got = []
         for _ in range(limit):
             assert from_worker.poll(5000), f"no message; got {got}"
-            msg = ipc.unpack(from_worker.recv())
+            msg = messages.decode_from_worker(from_worker.recv())
             got.append(msg)
             if pred(msg):
                 return got
         raise AssertionError(f"predicate never held; last messages: {got[-3:]}")
 
     yield engine, post, until, thread
-    post(ipc.SHUTDOWN)
+    post(Shutdown())
     if thread.is_alive():
         thread.join(5)
     for s in (to_worker, from_worker, recv, send):
@@ -95,45 +100,50 @@ def loop_io():
     ctx.term()
 
 
-def params(n: int = 1, max_tokens: int = 3) -> list:
-    return ipc.encode_params(SamplingParams(n=n, max_tokens=max_tokens, temperature=0))
+def add(request_id: str, prompt_token_ids: list[int], n: int = 1, max_tokens: int = 3) -> Add:
+    return messages.add_request(request_id, prompt_token_ids, SamplingParams(n=n, max_tokens=max_tokens, temperature=0))
 
 
-def outputs(messages: list[list]) -> list[StepOutput]:
-    return [ipc.decode_output(o) for m in messages if m[0] == ipc.OUTPUTS for o in m[1]]
+def outputs(got: list) -> list[StepOutput]:
+    return [o for m in got if isinstance(m, Outputs) for o in m.outputs]
 
 
 def finished(rid: str, index: int = 0):
-    return lambda m: m[0] == ipc.OUTPUTS and any(o[0] == rid and o[1] == index and o[3] for o in m[1])
+    return lambda m: isinstance(m, Outputs) and any(
+        o.request_id == rid and o.index == index and o.finished for o in m.outputs)
+
+
+def failed(m) -> bool:
+    return isinstance(m, Failed)
 
 
 def test_tokens_flow_one_message_per_step(loop_io):
     _, post, until, _ = loop_io
-    post(ipc.ADD, "a", [1, 2], params(max_tokens=3))
-    post(ipc.ADD, "b", [1], params(max_tokens=2))
+    post(add("a", [1, 2], max_tokens=3))
+    post(add("b", [1], max_tokens=2))
     got = until(finished("a"))
     outs = outputs(got)
     assert [o.new_token_ids[0] for o in outs if o.request_id == "a"] == [101, 102, 103]
     assert [o.finish_reason for o in outs if o.request_id == "b"] == [None, "length"]
-    steps = [m for m in got if m[0] == ipc.OUTPUTS]
+    steps = [m for m in got if isinstance(m, Outputs)]
     assert len(steps) == 3  # both requests share the messages of the steps they ran in
-    first = next(m for m in steps if any(o[0] == "a" for o in m[1]))
-    assert "a" in first[3]  # queue time reported with a request's first output
-    assert steps[-1][2] is not None  # stats ride along once the engine goes idle
+    first = next(m for m in steps if any(o.request_id == "a" for o in m.outputs))
+    assert "a" in first.queue_times  # queue time reported with a request's first output
+    assert steps[-1].stats is not None  # stats ride along once the engine goes idle
 
 
 def test_bad_request_is_an_error_and_the_loop_lives_on(loop_io):
     _, post, until, thread = loop_io
-    post(ipc.ADD, "bad", [], params())
-    err = until(lambda m: m[0] == ipc.ERROR)[-1]
-    assert err[1:3] == ["bad", 400] and "empty" in err[3]
-    bad = params()
-    bad[0] = 0  # n, the first field: what a client of the wire format could send
-    post(ipc.ADD, "bad-params", [1], bad)
-    err = until(lambda m: m[0] == ipc.ERROR)[-1]
-    assert err[1:3] == ["bad-params", 400]
-    post("nonsense", 1, 2)
-    post(ipc.ADD, "good", [1], params(max_tokens=1))
+    post(add("bad", []))
+    err = until(failed)[-1]
+    assert (err.request_id, err.error.status) == ("bad", 400) and "empty" in err.error.message
+    bad = add("bad-params", [1])
+    bad.params[0] = 0  # n, the first field: what a client of the wire format could send
+    post(bad)
+    err = until(failed)[-1]
+    assert (err.request_id, err.error.status) == ("bad-params", 400)
+    post(messages.encode(["nonsense", 1, 2]))
+    post(add("good", [1], max_tokens=1))
     until(finished("good"))
     assert thread.is_alive()
 
@@ -141,35 +151,35 @@ def test_bad_request_is_an_error_and_the_loop_lives_on(loop_io):
 def test_failed_step_fails_its_requests_only(loop_io):
     engine, post, until, thread = loop_io
     engine.fail_next_step = True
-    post(ipc.ADD, "x", [1], params(max_tokens=50))
-    err = until(lambda m: m[0] == ipc.ERROR)[-1]
-    assert err[1:3] == ["x", 500]
+    post(add("x", [1], max_tokens=50))
+    err = until(failed)[-1]
+    assert (err.request_id, err.error.status) == ("x", 500)
     assert ("x", None) in engine.aborted
-    post(ipc.ADD, "y", [1], params(max_tokens=2))
+    post(add("y", [1], max_tokens=2))
     until(finished("y"))
     assert thread.is_alive()
 
 
 def test_abort_whole_request_and_single_choice(loop_io):
     engine, post, until, _ = loop_io
-    post(ipc.ADD, "r", [1], params(n=2, max_tokens=1000))
-    until(lambda m: m[0] == ipc.OUTPUTS)
-    post(ipc.ABORT, [["r", 1]])
-    post(ipc.ADD, "marker", [1], params(max_tokens=1))
+    post(add("r", [1], n=2, max_tokens=1000))
+    until(lambda m: isinstance(m, Outputs))
+    post(Abort([("r", 1)]))
+    post(add("marker", [1], max_tokens=1))
     until(finished("marker"))
     assert ("r", 1) in engine.aborted and ("r", 0) in engine.seqs
-    post(ipc.ABORT, [["r", None], ["unknown", None]])
-    # After the abort the engine is idle: the next message is a STATS with nothing running.
-    stats = until(lambda m: m[0] == ipc.STATS)[-1]
-    assert ipc.decode_stats(stats[1]).num_running == 0
+    post(Abort([("r", None), ("unknown", None)]))
+    # After the abort the engine is idle: the next message is a ``Stats`` with nothing running.
+    stats = until(lambda m: isinstance(m, Stats))[-1]
+    assert stats.stats.num_running == 0
     assert not engine.seqs
 
 
 def test_shutdown_ends_the_loop(loop_io):
     _, post, until, thread = loop_io
-    post(ipc.ADD, "a", [1], params(max_tokens=1))
+    post(add("a", [1], max_tokens=1))
     until(finished("a"))
-    post(ipc.SHUTDOWN)
+    post(Shutdown())
     thread.join(5)
     assert not thread.is_alive()
 
@@ -186,9 +196,10 @@ def test_a_schema_that_failed_to_compile_is_a_400_not_a_500(loop_io):
                            bad_request=True)]
 
     engine.step = step_once_failing_the_schema
-    post(ipc.ADD, "s", [1], params(max_tokens=50))
-    err = until(lambda m: m[0] == ipc.ERROR)[-1]
-    assert err[1:] == ["s", 400, "the JSON schema took more than 10s to compile"]
-    post(ipc.ADD, "next", [1], params(max_tokens=1))
+    post(add("s", [1], max_tokens=50))
+    err = until(failed)[-1]
+    assert (err.request_id, err.error.status, err.error.message) == (
+        "s", 400, "the JSON schema took more than 10s to compile")
+    post(add("next", [1], max_tokens=1))
     until(finished("next"))
     assert thread.is_alive()

@@ -12,9 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+
+from tests.server.conftest import serve_config, short_tiny_config
 
 MODEL = "tiny"
 MAX_TOKENS = 4  # the server's limits.max_tokens: every generation stays short
@@ -27,22 +28,10 @@ FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_model_dir, tmp_path_factory):
-    config = {
-        "models": [{"name": MODEL, "path": str(tiny_model_dir), "workers": ["cpu"], "max_model_len": 512}],
-        "limits": {"max_tokens": MAX_TOKENS, "max_prompt_chars": 20_000},
-    }
-    path = tmp_path_factory.mktemp("anthropic-fuzz") / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    srv = start_server(["--config", str(path)])
-    srv.wait_ready()
+    config = short_tiny_config(tiny_model_dir, MAX_TOKENS)
+    srv = serve_config(start_server, tmp_path_factory.mktemp("anthropic-fuzz"), config)
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
 
 
 texts = st.one_of(st.text(max_size=20), st.builds(lambda c, k: c * k, st.sampled_from("a \u00e9\U0001f600\x00"),

@@ -1,0 +1,100 @@
+"""Routing a worker's step outputs to the streams of the requests in flight on it.
+
+The HTTP process owns each request's state: how many choices it has and which are done (finished,
+stopped by a stop string, or aborted), and so the worker's load. The worker forgets a request as
+soon as its engine does. Nothing here awaits: aborts are issued from ``finally`` blocks of
+cancelled tasks, where an await would be cancelled again.
+"""
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from server.messages import Abort, RequestError, ToWorker
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """Items of one request as they arrive: ``StepOutput`` or ``RequestError`` (the last one)."""
+
+    request_id: str
+    n: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: set[int] = field(default_factory=set)  # choice indices finished or aborted
+    queue_time: float | None = None
+
+    @property
+    def unfinished(self) -> int:
+        return self.n - len(self.done)
+
+
+class Fanout:
+    """The requests in flight on one worker. ``post`` sends a message to the worker and says
+    whether it went (False: the worker is not accepting messages)."""
+
+    def __init__(self, post: Callable[[ToWorker], bool]) -> None:
+        self._post = post
+        self._streams: dict[str, RequestStream] = {}
+        self.load = 0  # sequences submitted and not finished
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def open(self, request_id: str, n: int) -> RequestStream:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        stream = self._streams[request_id] = RequestStream(request_id, n)
+        self.load += n
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.load -= stream.unfinished
+            self._post(Abort([(request_id, None)]))
+
+    def abort_choice(self, request_id: str, index: int) -> None:
+        """Stop one choice of an n > 1 request (its stop string matched) and free its blocks."""
+        stream = self._streams.get(request_id)
+        if stream is None or index in stream.done:
+            return
+        self._finish_choice(stream, index)
+        self._post(Abort([(request_id, index)]))
+
+    def fail(self, request_id: str, error: RequestError) -> None:
+        """End a request with ``error``: its last item."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.load -= stream.unfinished
+            stream.queue.put_nowait(error)
+
+    def fail_all(self, error: RequestError, abort: bool = False) -> int:
+        """End every request in flight with ``error`` (and abort them in the worker); how many."""
+        ended = list(self._streams)
+        for request_id in ended:
+            self.fail(request_id, error)
+        if abort and ended:  # should the worker still run them, it drops them rather than run them for nobody
+            self._post(Abort([(request_id, None) for request_id in ended]))
+        return len(ended)
+
+    def deliver(self, outputs: list, queue_times: dict[str, float]) -> None:
+        """Hand one step's ``StepOutput``s to their streams."""
+        streams = self._streams
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:  # aborted here while the worker was still stepping it
+                continue
+            if stream.queue_time is None and out.request_id in queue_times:
+                stream.queue_time = queue_times[out.request_id]
+            if out.index in stream.done:  # this choice was aborted here
+                continue
+            stream.queue.put_nowait(out)
+            if out.finished:
+                self._finish_choice(stream, out.index)
+
+    def _finish_choice(self, stream: RequestStream, index: int) -> None:
+        stream.done.add(index)
+        self.load -= 1
+        if stream.unfinished <= 0:
+            del self._streams[stream.request_id]
