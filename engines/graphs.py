@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from engines.attention_metadata import AttentionMetadata
 from engines.config import COMPILE_ENV_VAR, COMPILE_MODES
 from engines.decode_buckets import DecodeBuffers, bucket_for, bucket_sizes
 from engines.platforms import Platform
+from kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

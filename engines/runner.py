@@ -8,7 +8,6 @@ from functools import partial
 import numpy as np
 import torch
 
-from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from engines.config import EngineConfig
 from engines.graphs import DecodeGraphs, build_decode_graphs, capture_memory_probe, effective_mode
 from engines.models.loader import load_model
@@ -20,8 +19,9 @@ from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledSeq
 from engines.sequence import Sequence, needs_prompt_logits
 from engines.structured.bitmask import apply_grammars
+from kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from kernels.model_shapes import ModelShapes
 from kernels.ops import KernelOps
-from kernels.probes import ModelShapes
 from kernels.registry import KernelSelection, select
 
 logger = logging.getLogger(__name__)

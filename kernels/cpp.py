@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
 

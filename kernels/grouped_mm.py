@@ -13,7 +13,7 @@ Shape letters as in kernels/reference.py.
 import torch
 
 from kernels import reference
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
 
 if not hasattr(torch, "_grouped_mm"):
     raise ImportError(f"torch {torch.__version__} has no torch._grouped_mm")

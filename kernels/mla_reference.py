@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engines.attention_metadata import AttentionMetadata, DecodeGather
+    from kernels.attention_metadata import AttentionMetadata, DecodeGather
 
 
 def write_latent(values: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

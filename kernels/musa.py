@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 import torch_musa  # noqa: F401  registers the musa device and routes SDPA to muDNN's flash kernel
 
-from engines.attention_metadata import DecodeGather
-from kernels.probes import ModelShapes
+from kernels.attention_metadata import DecodeGather
+from kernels.model_shapes import ModelShapes
 from kernels.reference import prefill_context
 
 try:

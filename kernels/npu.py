@@ -18,11 +18,11 @@ import torch
 import torch_npu
 
 from kernels import npu_mla
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
 from kernels.routing import MoeRouting
 
 if TYPE_CHECKING:
-    from engines.attention_metadata import DecodeGather
+    from kernels.attention_metadata import DecodeGather
 
 # sparse_mode 3 (right-down causal) reads a fixed 2048 x 2048 mask: 1 above the diagonal = masked.
 # Aligned at the bottom right, it lets a chunk after a cached prefix see the prefix and itself causally.

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch_npu
 
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
 
 if TYPE_CHECKING:
-    from engines.attention_metadata import AttentionMetadata, DecodeGather
+    from kernels.attention_metadata import AttentionMetadata, DecodeGather
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 RIGHT_DOWN_CAUSAL = 3

@@ -25,7 +25,7 @@ from kernels import mla_reference
 from kernels.routing import MoeRouting
 
 if TYPE_CHECKING:
-    from engines.attention_metadata import DecodeGather
+    from kernels.attention_metadata import DecodeGather
 
 
 def write_kv(

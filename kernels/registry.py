@@ -20,8 +20,9 @@ from types import ModuleType
 
 import torch
 
+from kernels.model_shapes import ModelShapes
 from kernels.ops import OP_FUNCTIONS, OPS, KernelOps
-from kernels.probes import TOLERANCE, ModelShapes, applies, probe
+from kernels.probes import TOLERANCE, applies, probe
 from kernels.timing import WORKLOADS, TimingCache, fastest, measure
 
 # implementation name -> module exposing ``OPS`` (and optionally ``unsupported(op, shapes, dtype)``)

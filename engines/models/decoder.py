@@ -13,12 +13,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engines.attention_metadata import AttentionMetadata
 from engines.models.layers import Attention, GatedMLP, MergedLinear, RMSNorm
 from engines.models.moe import Experts, MoeSpec, SparseMoeBlock
 from engines.models.rope import build_cos_sin_cache, rotary_dim
+from kernels.attention_metadata import AttentionMetadata
+from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
-from kernels.probes import ModelShapes
 
 # checkpoint projection -> (our fused projection, shard index in its output_sizes)
 FUSED_SHARDS = {

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.attention_metadata import AttentionMetadata
 from engines.models.dsa_indexer import Indexer
 from engines.models.layers import RMSNorm
 from engines.models.rope import rope_settings, yarn_mscale
+from kernels.attention_metadata import AttentionMetadata
 from kernels.mla_reference import latent_context, selection_mask
 from kernels.ops import KernelOps
 

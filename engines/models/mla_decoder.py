@@ -17,14 +17,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engines.attention_metadata import AttentionMetadata
 from engines.models.decoder import CausalLM, DecoderSpec
 from engines.models.dsa_indexer import Indexer
 from engines.models.layers import GatedMLP, RMSNorm
 from engines.models.mla import MLAAttention
 from engines.models.moe import MoeSpec, SparseMoeBlock
+from kernels.attention_metadata import AttentionMetadata
+from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
-from kernels.probes import ModelShapes
 from kernels.routing import MoeRouting
 
 

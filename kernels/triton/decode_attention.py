@@ -19,7 +19,7 @@ import triton.language as tl
 from kernels.triton.common import interpreted, keys_tile, tile
 
 if TYPE_CHECKING:
-    from engines.attention_metadata import DecodeGather
+    from kernels.attention_metadata import DecodeGather
 
 TOKENS_TILE = 64  # keys per inner step, a [64, D] K and V tile (fewer when they are wide: keys_tile)
 # Split a context so that S * KVH * splits programs fill a large GPU, but into at most MAX_SPLITS

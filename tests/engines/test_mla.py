@@ -11,11 +11,11 @@ import torch
 from test_llm_vs_transformers import MAX_TOKENS, Reference, check_against_reference
 
 from engines import LLM
-from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from engines.models.mla import MLAAttention
 from engines.tiny_model import make_config
+from kernels.attention_metadata import AttentionMetadata, build_decode_gather
 from kernels.mla_reference import indexer_topk
-from kernels.probes import scrambled_block_tables
+from kernels.probe_inputs import scrambled_block_tables
 
 INDEX_TOPK = 12  # engines/tiny_model.py's DSA models keep 12 positions per query
 # name -> tiny_models arguments (3 layers, the first dense; 8 experts top-2 in 2 groups; kv_lora_rank

@@ -15,10 +15,11 @@ import torch
 
 import engines.engine
 from engines import LLM, SamplingParams
-from engines.attention_metadata import build_decode_gather
 from engines.platforms import Platform
 from kernels import reference, registry
-from kernels.probes import TOLERANCE, ModelShapes, applies, max_error
+from kernels.attention_metadata import build_decode_gather
+from kernels.model_shapes import ModelShapes
+from kernels.probes import TOLERANCE, applies, max_error
 
 BS = 128  # Ascend's paged kernels want 128
 

@@ -11,7 +11,7 @@ import torch
 
 from engines import LLM, SamplingParams
 from kernels import reference, registry
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
 from kernels.registry import KernelSelectionError, parse_forced, select
 
 SHAPES = ModelShapes(num_heads=6, num_kv_heads=2, head_dim=8, rotary_dim=8, rope_is_neox=True, hidden_size=48,
