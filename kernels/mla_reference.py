@@ -174,5 +174,8 @@ def _top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return positions
 
 
+# Eagerly it ranks the decode rows by their host lengths, which a captured graph would freeze.
+indexer_topk.graph_capturable = False
+
 # function name -> function, merged into ``kernels.reference.OPS``
 OPS = {fn.__name__: fn for fn in (write_latent, mla_decode_attention, indexer_topk)}

@@ -11,6 +11,8 @@ heads, D head dim, N KV blocks, BS block size, B blocks per sequence, V vocabula
 experts per token, Hd hidden size, I one expert's intermediate size.
 """
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -32,6 +34,28 @@ HALF_PRECISION = (torch.float16, torch.bfloat16)
 # MoeGatingTopK: at most 2048 experts, and a group's width rounded up to 32 times the groups as well
 MAX_GATING_EXPERTS = 2048
 GROUP_BY_TOP2_SUM = 1  # group_select_mode: a group ranks by the sum of its two best experts
+# The task groups recorded while a graph is captured ((handle, call arguments) each), None otherwise.
+_recording: list[tuple[object, dict]] | None = None
+
+
+@contextmanager
+def recording_graph_tasks() -> Iterator[Callable[[], None]]:
+    """Wraps one graph capture (engines/graphs.py): the paged decode attention calls made inside it
+    are recorded as task groups. Yields what to call before each replay of that graph: it re-issues
+    them, so they read the step's host lengths rather than those of the capture step."""
+    global _recording
+    tasks = _recording = []
+    stream = torch.npu.Stream()
+
+    def before_replay() -> None:
+        update_graph_tasks(tasks, stream)
+
+    try:
+        yield before_replay
+    finally:
+        _recording = None
+
+
 def update_graph_tasks(tasks: list[tuple[object, dict]], stream: object) -> None:
     """Re-issue each recorded paged attention into its task group of the captured graph, on
     ``stream``, which the replaying stream then waits for. The arguments are the static decode
@@ -117,22 +141,26 @@ def paged_decode_attention(
     host copy (``gather.host_seq_lens``), as the operator wants them: a device copy would sync.
 
     The operator reads them when it is launched, so a captured graph would replay the lengths of its
-    capture step: while a graph is captured (``gather.graph_tasks`` is a list) the call is made a
-    task group and recorded, and each replay first re-issues it (``update_graph_tasks``)."""
+    capture step: while a graph is captured (``recording_graph_tasks``) the call is made a task
+    group and recorded, and each replay first re-issues it (``update_graph_tasks``)."""
     out = torch.empty_like(query)
     arguments = {
         "query": query, "key_cache": key_cache, "value_cache": value_cache, "num_kv_heads": key_cache.shape[2],
         "num_heads": query.shape[1], "scale_value": scale, "block_table": block_tables,
         "context_lens": gather.host_seq_lens, "out": out,
     }
-    if gather.graph_tasks is None:
+    if _recording is None:
         torch_npu._npu_paged_attention(**arguments)
         return out
     stream = torch.npu.current_stream()
     torch.npu.graph_task_group_begin(stream)
     torch_npu._npu_paged_attention(**arguments)
-    gather.graph_tasks.append((torch.npu.graph_task_group_end(stream), arguments))
+    _recording.append((torch.npu.graph_task_group_end(stream), arguments))
     return out
+
+
+# Each capture that calls it is wrapped in this (the registry collects it: KernelSelection.capture_hooks).
+paged_decode_attention.graph_capture_hook = recording_graph_tasks
 
 
 def rms_norm(

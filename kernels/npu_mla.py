@@ -99,6 +99,11 @@ def indexer_topk(
     return indices.squeeze(1).long()  # [T, K], -1 past a context shorter than K
 
 
+# Both build host arguments into each call (the lengths, the query ends) that a captured graph would
+# replay as they were at capture, and no graph-task update is written for them.
+mla_decode_attention.graph_capturable = False
+indexer_topk.graph_capturable = False
+
 OPS = {fn.__name__: fn for fn in (write_latent, mla_decode_attention, indexer_topk)}
 
 

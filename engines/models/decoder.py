@@ -146,9 +146,6 @@ class CausalLM(nn.Module):
     FLOAT32_PARAMETERS: ClassVar[tuple[str, ...]] = ()
     # False: engines/models/tensor_parallel.py has no sharding for this architecture's layers
     TENSOR_PARALLEL: ClassVar[bool] = True
-    # False: decode must not be graph-captured on accelerators (a kernel reads host lengths that a
-    # replay would freeze, with no graph-task update written for it); CPU compilation is unaffected
-    DECODE_GRAPH_CAPTURE: ClassVar[bool] = True
 
     def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
         super().__init__()

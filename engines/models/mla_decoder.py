@@ -143,7 +143,6 @@ class MLACausalLM(CausalLM):
     FLOAT32_PARAMETERS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
     INDEXER_ROPE_IS_NEOX: ClassVar[bool] = False
     TENSOR_PARALLEL = False  # the latent projections and the indexer have no tensor-parallel split yet
-    DECODE_GRAPH_CAPTURE = False  # Ascend's MLA attention takes host lengths (kernels/npu_mla.py)
 
     def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
         nn.Module.__init__(self)

@@ -280,6 +280,8 @@ def test_the_registry_chooses_npu_for_every_op(npu, no_forced_kernels, dtype):
     selection = registry.select("npu", CPU, dtype, SHAPES)
     assert selection.chosen == ALL_NPU, selection.rejected
     assert selection.ops.paged_prefill_attention is npu.paged_prefill_attention
+    # the paged decode records its host-length calls while a graph is captured (engines/graphs.py)
+    assert selection.capture_hooks == [npu.recording_graph_tasks] and selection.uncapturable == {}
 
 
 def test_the_registry_skips_what_the_operators_decline(npu, no_forced_kernels):
