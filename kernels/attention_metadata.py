@@ -23,6 +23,14 @@ class DecodeGather:
     mask: torch.Tensor | None  # [S, 1, 1, Lc] bool, True where a position holds context; None: all do
     host_seq_lens: torch.Tensor | None = None  # [S] int32 on the host: each context length
 
+    def contexts(self, cache: torch.Tensor, num_seqs: int) -> torch.Tensor:
+        """cache [N, BS, ...] -> [S, Lc, ...]: each sequence's first Lc cached positions. Whole
+        blocks are copied (index_select over rows of BS * ... values copies contiguous runs, several
+        times faster than advanced indexing), then cut to the longest context."""
+        num_blocks = cache.shape[0]
+        rows = cache.view(num_blocks, -1).index_select(0, self.block_ids)  # [S * Bg, BS * ...]
+        return rows.view(num_seqs, -1, *cache.shape[2:])[:, : self.context_len]
+
 
 def build_decode_gather(
     block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int, device: torch.device

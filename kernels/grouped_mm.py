@@ -32,19 +32,13 @@ def fused_moe(
 def _grouped_fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)  # [T * K]: sorted row -> its (token, k) slot
-    tokens = order // top_k
+    order, tokens, rows = reference.sort_by_expert(hidden, topk_ids)  # rows: [T * K, Hd]
     # offsets: [E] int32, the end of each expert's rows in the sorted batch
-    offsets = torch.bincount(flat_ids, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
-    rows = hidden.index_select(0, tokens)  # [T * K, Hd]
+    offsets = torch.bincount(topk_ids.reshape(-1), minlength=w13.shape[0]).cumsum(0).to(torch.int32)
     # the transposed weights are views ([E, Hd, 2I], [E, I, Hd]): the op takes them as they are
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)  # [T * K, 2I]
     down = torch._grouped_mm(reference.silu_and_mul(gate_up), w2.transpose(1, 2), offs=offsets)  # [T * K, Hd]
-    weighted = down.float() * topk_weights.reshape(-1).index_select(0, order)[:, None]
-    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    return out.index_add_(0, tokens, weighted).to(hidden.dtype)
+    return reference.add_back_to_tokens(down, topk_weights, order, tokens, hidden)
 
 
 # torch.compile cannot trace bincount (its output's length depends on the ids): it would break the

@@ -59,11 +59,7 @@ def mla_decode_attention(
     (the caller applies ``W_UV``).
     """
     num_seqs = query.shape[0]
-    block_size, width = latent_cache.shape[1:]
-    gathered_len = gather.block_ids.shape[0] // num_seqs * block_size
-    # context: [S, Lc, C]: whole blocks, then cut to the longest context
-    context = latent_cache.index_select(0, gather.block_ids).view(num_seqs, gathered_len, width)  # whole blocks
-    context = context[:, : gather.context_len].unsqueeze(1)  # [S, 1, Lc, C]: one KV head
+    context = gather.contexts(latent_cache, num_seqs).unsqueeze(1)  # [S, 1, Lc, C]: one KV head
     mask = gather.mask  # [S, 1, 1, Lc] or None
     if selected is not None:
         chosen = selection_mask(selected, gather.context_len).view(num_seqs, 1, 1, -1)
@@ -115,10 +111,7 @@ def indexer_topk(
     out = torch.full((query.shape[0], topk), -1, dtype=torch.int64, device=query.device)
     if num_decode:
         gather = metadata.decode_gather
-        block_size, width = index_cache.shape[1:]
-        gathered_len = gather.block_ids.shape[0] // num_decode * block_size
-        keys = index_cache.index_select(0, gather.block_ids).view(num_decode, gathered_len, width)
-        keys = keys[:, : gather.context_len]  # [S, Lc, Di]
+        keys = gather.contexts(index_cache, num_decode)  # [S, Lc, Di]
         # scores: [S, Lc], -inf past each context
         scores = _index_scores(query[:num_decode, None], weights[:num_decode, None], keys, scale).squeeze(1)
         if gather.mask is None or torch.compiler.is_compiling():

@@ -21,6 +21,7 @@ import torch_npu
 
 from kernels import npu_mla
 from kernels.model_shapes import ModelShapes
+from kernels.npu_mla import half_precision_only
 from kernels.routing import MoeRouting
 
 if TYPE_CHECKING:
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 # Aligned at the bottom right, it lets a chunk after a cached prefix see the prefix and itself causally.
 CAUSAL_MASK_SIZE = 2048
 RIGHT_DOWN_CAUSAL = 3
-HALF_PRECISION = (torch.float16, torch.bfloat16)
 # MoeGatingTopK: at most 2048 experts, and a group's width rounded up to 32 times the groups as well
 MAX_GATING_EXPERTS = 2048
 GROUP_BY_TOP2_SUM = 1  # group_select_mode: a group ranks by the sum of its two best experts
@@ -292,16 +292,6 @@ def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     return None if check is None else check(shapes, dtype)
 
 
-def _half_precision_only(dtype: torch.dtype) -> str | None:
-    if dtype not in HALF_PRECISION:
-        return f"{str(dtype).removeprefix('torch.')} unsupported (float16 / bfloat16 only)"
-    return None
-
-
-def _write_kv_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
-    return _half_precision_only(dtype)  # ReshapeAndCache: float16 / bfloat16 / int8 caches
-
-
 def _prefill_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     # npu_fused_infer_attention_score with Q_S > 1 and PageAttention: block size a multiple of 128
     # in [128, 512]; D 16-byte aligned and at most 512 (vllm-ascend moves D = 512 off this path);
@@ -316,7 +306,7 @@ def _prefill_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     if shapes.num_heads > 256 or shapes.num_heads // shapes.num_kv_heads > 64:
         return (f"{shapes.num_heads} heads over {shapes.num_kv_heads} KV heads unsupported "
                 "(at most 256 heads, 64 per KV head)")
-    return _half_precision_only(dtype)
+    return half_precision_only(shapes, dtype)
 
 
 def _decode_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
@@ -329,7 +319,7 @@ def _decode_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
         return f"block_size {bs} unsupported (a multiple of 16)"
     if d > 256 or d * bs > 128 * 128:
         return f"head_dim {d} unsupported at block_size {bs} (at most 256, and head_dim * block_size 16384)"
-    return _half_precision_only(dtype)
+    return half_precision_only(shapes, dtype)
 
 
 def _rotary_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
@@ -362,7 +352,7 @@ def _fused_moe_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
 _NO_WINDOW = "sliding window unsupported (not implemented for the Ascend attention operators here)"
 
 _LIMITS = {
-    "write_kv": _write_kv_limits,
+    "write_kv": half_precision_only,  # ReshapeAndCache: float16 / bfloat16 / int8 caches
     "prefill_attention": _prefill_limits,
     "decode_attention": _decode_limits,
     "rotary": _rotary_limits,

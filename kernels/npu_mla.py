@@ -108,6 +108,7 @@ OPS = {fn.__name__: fn for fn in (write_latent, mla_decode_attention, indexer_to
 
 
 def half_precision_only(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    """The limit of most Ascend operators here (kernels/npu.py too): float16 / bfloat16 only."""
     if dtype not in HALF_PRECISION:
         return f"{str(dtype).removeprefix('torch.')} unsupported (float16 / bfloat16 only)"
     return None
