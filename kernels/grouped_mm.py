@@ -43,15 +43,7 @@ def _grouped_fused_moe(
 
 # torch.compile cannot trace bincount (its output's length depends on the ids): it would break the
 # compiled decode's graph in every MoE layer. As an opaque op the graph calls it whole.
-@torch.library.custom_op("xinserve::fused_moe_grouped_mm", mutates_args=())
-def _grouped_fused_moe_op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                          topk_ids: torch.Tensor) -> torch.Tensor:
-    return _grouped_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
-
-
-@_grouped_fused_moe_op.register_fake
-def _(hidden, w13, w2, topk_weights, topk_ids):
-    return torch.empty_like(hidden)
+_grouped_fused_moe_op = reference.opaque_moe_op("fused_moe_grouped_mm", _grouped_fused_moe)
 
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:

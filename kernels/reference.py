@@ -15,7 +15,7 @@ as transformers defines the window. The model passes the keyword only on windowe
 implementation without windows need not accept it (its ``unsupported`` declines windowed models).
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -324,15 +324,20 @@ def add_back_to_tokens(down: torch.Tensor, topk_weights: torch.Tensor, order: to
 # torch.compile cannot trace the per-expert loop: reading the counts on the host breaks the graph, and
 # dynamo guards on every expert's count, so each new routing recompiled until the recompile limit left
 # the decode eager. As an opaque op the compiled decode calls it as it is; the fake says the shape.
-@torch.library.custom_op("xinserve::fused_moe", mutates_args=())
-def _fused_moe_op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+def opaque_moe_op(name: str, function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``function`` (a fused_moe body, its signature) as the opaque torch op ``xinserve::<name>``,
+    whose fake tells the compiler the output's shape without running it."""
+
+    @torch.library.custom_op(f"xinserve::{name}", mutates_args=())
+    def op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> torch.Tensor:
+        return function(hidden, w13, w2, topk_weights, topk_ids)
+
+    op.register_fake(lambda hidden, *weights_and_routing: torch.empty_like(hidden))
+    return op
 
 
-@_fused_moe_op.register_fake
-def _(hidden, w13, w2, topk_weights, topk_ids):
-    return torch.empty_like(hidden)
+_fused_moe_op = opaque_moe_op("fused_moe", _fused_moe)
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
