@@ -68,13 +68,8 @@ def update_graph_tasks(tasks: list[tuple[object, dict]], stream: object) -> None
     torch.npu.current_stream().wait_stream(stream)
 
 
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """key, value: [T, KVH, D]; key_cache, value_cache: [N, BS, KVH, D]; slot_mapping: [T] int64."""
     if not slot_mapping.numel():  # the operator rejects empty tensors
         return
@@ -89,15 +84,9 @@ def write_kv(
     )
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: list[int],
-    seq_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                            scale: float) -> torch.Tensor:
     """query: [T, H, D] (P sequences back to back); block_tables: [P, B] int32; host lists
     query_start_loc [P + 1] and seq_lens [P]. Returns [T, H, D]."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -128,15 +117,9 @@ def _causal_mask(device: torch.device) -> torch.Tensor:
     return torch.ones(CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE, dtype=torch.int8, device=device).triu_(1)
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    gather: "DecodeGather",
-) -> torch.Tensor:
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           gather: "DecodeGather") -> torch.Tensor:
     """query: [S, H, D]; block_tables: [S, B] int32. The context lengths are read from the step's
     host copy (``gather.host_seq_lens``), as the operator wants them: a device copy would sync.
 
@@ -163,12 +146,8 @@ def paged_decode_attention(
 paged_decode_attention.graph_capture_hook = recording_graph_tasks
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x: [..., H]; weight: [H]. With ``residual``: ``(norm(x + residual), x + residual)``."""
     if residual is None:
         normed, _ = torch_npu.npu_rms_norm(x, weight, epsilon=eps)

@@ -41,16 +41,9 @@ def write_latent(values: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
                                      values.to(cache.dtype).contiguous())
 
 
-def mla_decode_attention(
-    query: torch.Tensor,
-    latent_cache: torch.Tensor,
-    kv_lora_rank: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    gather: "DecodeGather",
-    selected: torch.Tensor | None = None,
-) -> torch.Tensor:
+def mla_decode_attention(query: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         gather: "DecodeGather", selected: torch.Tensor | None = None) -> torch.Tensor:
     """query: [S, H, R + dr]; latent_cache: [N, BS, R + dr]; block_tables: [S, B] int32;
     selected: [S, K] or None. Returns [S, H, R]."""
     num_seqs, num_heads, _ = query.shape
@@ -77,14 +70,8 @@ def mla_decode_attention(
     return out[0] if isinstance(out, tuple) else out
 
 
-def indexer_topk(
-    query: torch.Tensor,
-    weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    metadata: "AttentionMetadata",
-    topk: int,
-    scale: float,
-) -> torch.Tensor:
+def indexer_topk(query: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, metadata: "AttentionMetadata",
+                 topk: int, scale: float) -> torch.Tensor:
     """query: [T, Hi, Di]; weights: [T, Hi] float32; index_cache: [N, BS, Di]. Returns [T, K] int64."""
     num_decode = metadata.num_decode_seqs
     # cumulative query ends over the step's sequences: the decodes' single tokens, then the prefills

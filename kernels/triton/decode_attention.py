@@ -134,17 +134,10 @@ def default_split_len(max_len: int, num_seqs: int, num_kv_heads: int) -> int:
     return triton.cdiv(triton.cdiv(max_len, splits), TOKENS_TILE) * TOKENS_TILE
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    gather: "DecodeGather | None" = None,
-    *,
-    split_len: int | None = None,
-) -> torch.Tensor:
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           gather: "DecodeGather | None" = None, *,
+                           split_len: int | None = None) -> torch.Tensor:
     """``kernels.reference.paged_decode_attention`` in Triton. query: [S, H, D]; key_cache,
     value_cache: [N, BS, KVH, D]; block_tables: [S, B] int32; seq_lens: [S] int32. Returns [S, H, D].
 
