@@ -169,6 +169,10 @@ def _top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 # Eagerly it ranks the decode rows by their host lengths, which a captured graph would freeze.
 indexer_topk.graph_capturable = False
+# Not yet shown to replay correctly: an MLA decode captured on the fake Ascend graph
+# (tests/kernels/test_npu_graphs.py) gave other tokens than eager, cause not yet found; until it is,
+# MLA models decode eagerly on accelerators (CPU compilation is unaffected).
+mla_decode_attention.graph_capturable = False
 
 # function name -> function, merged into ``kernels.reference.OPS``
 OPS = {fn.__name__: fn for fn in (write_latent, mla_decode_attention, indexer_topk)}

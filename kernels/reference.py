@@ -356,6 +356,9 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+# Eagerly it reads the per-expert row counts on the host, which a captured graph would freeze.
+fused_moe.graph_capturable = False
+
 # function name -> function, as every implementation module exposes (kernels/ops.py)
 OPS = {
     fn.__name__: fn

@@ -211,7 +211,8 @@ def test_a_chosen_kernel_that_cannot_be_captured_is_reported_for_the_ops_the_mod
     assert "not graph-capturable" in frozen.table()
     hooked = select("cpu", CPU, torch.float32, SHAPES, forced={"silu_and_mul": "hooked"})
     assert hooked.uncapturable == {} and hooked.capture_hooks == [hook]
-    # the reference DSA indexer ranks by host lengths: reported for a DSA model only
+    # the reference MLA decode and DSA indexer: reported for an MLA / DSA model only
     dsa = replace(SHAPES, num_heads=4, num_kv_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, index_topk=4,
                   index_n_heads=2, index_head_dim=8)
-    assert select("cpu", CPU, torch.float32, dsa).uncapturable == {"indexer_topk": "reference"}
+    assert select("cpu", CPU, torch.float32, dsa).uncapturable == {"mla_decode_attention": "reference",
+                                                                    "indexer_topk": "reference"}
