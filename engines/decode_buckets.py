@@ -10,7 +10,7 @@ past the pool), so they never touch a real sequence's cache; their logits are dr
 
 import torch
 
-from engines.attention_metadata import AttentionMetadata, DecodeGather
+from kernels.attention_metadata import AttentionMetadata, DecodeGather
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:

@@ -8,9 +8,11 @@
 - CUDA / Ascend / MUSA: each bucket's forward is captured once with the device's graph API
   (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``, ``torch.musa.MUSAGraph`` when torch_musa has
   it), largest bucket first so the smaller ones share its memory pool; a step copies its inputs
-  into the static buffers and replays. Ascend's paged attention takes the context lengths on the
-  host, which a graph would freeze at capture: its calls are recorded as task groups and re-issued
-  with the step's lengths before each replay (kernels/npu.py).
+  into the static buffers and replays. A kernel that needs more says so itself (kernels/ops.py):
+  each capture is wrapped in the chosen kernels' capture hooks, whose callbacks run before each
+  replay (Ascend's paged attention takes the context lengths on the host, which a graph would freeze
+  at capture: kernels/npu.py records its calls as task groups and re-issues them with the step's
+  lengths).
 
 Only pure-decode steps take this path; steps with prefill stay eager. A failure to compile or
 capture is logged and leaves the decode eager (never fatal).
@@ -21,15 +23,16 @@ import os
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
-from engines.attention_metadata import AttentionMetadata
 from engines.config import COMPILE_ENV_VAR, COMPILE_MODES
 from engines.decode_buckets import DecodeBuffers, bucket_for, bucket_sizes
 from engines.platforms import Platform
+from kernels.attention_metadata import AttentionMetadata
 from kernels.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -110,9 +113,11 @@ def build_decode_graphs(
     block_size: int,
     scratch_block: int,
     sizes: list[int] | None = None,
+    capture_hooks: Sequence[Callable] = (),
 ) -> DecodeGraphs | None:
     """Compile (CPU) or capture (accelerators) the decode forward per bucket; None when every
-    bucket runs eagerly (mode "off", nothing compiled or captured, or eager faster everywhere)."""
+    bucket runs eagerly (mode "off", nothing compiled or captured, or eager faster everywhere).
+    ``capture_hooks``: the chosen kernels' (``KernelSelection.capture_hooks``), around each capture."""
     if mode == "off":
         return None
     sizes = sizes or bucket_sizes(max_num_seqs)
@@ -121,7 +126,7 @@ def build_decode_graphs(
     if platform.kind == "cpu":
         steps, kind = _compile(forward, buffers, mode, platform), "compiled"
     else:
-        steps, kind = _capture(forward, buffers, platform), "captured"
+        steps, kind = _capture(forward, buffers, platform, capture_hooks), "captured"
     if not steps:
         return None
     logger.info("decode buckets %s run %s; the others eagerly", sorted(steps), kind)
@@ -168,7 +173,7 @@ def _compile(forward: Callable, buffers: DecodeBuffers, mode: str, platform: Pla
     return steps
 
 
-def _capture(forward: Callable, buffers: DecodeBuffers, platform: Platform) -> dict:
+def _capture(forward: Callable, buffers: DecodeBuffers, platform: Platform, hooks: Sequence[Callable]) -> dict:
     api = getattr(torch, platform.kind, None)
     graph_class = getattr(api, GRAPH_CLASSES.get(platform.kind, ""), None)
     if graph_class is None:
@@ -184,39 +189,27 @@ def _capture(forward: Callable, buffers: DecodeBuffers, platform: Platform) -> d
             forward(*inputs)  # warm-up: lazy initialisation and workspace allocation happen outside capture
             platform.synchronize()
             graph = graph_class()
-            gather = inputs[2].decode_gather
-            # Ascend: the kernels reading host lengths record their calls here during the capture.
-            tasks = gather.graph_tasks = [] if platform.kind == "npu" else None
-            try:
+            with ExitStack() as around:
+                before_replay = [around.enter_context(hook()) for hook in hooks]
                 with api.graph(graph, pool=pool):
                     out = forward(*inputs)
-            finally:
-                gather.graph_tasks = None
         except Exception as exc:  # noqa: BLE001  a driver or operator that cannot be captured: stay eager
             logger.warning("capturing the decode step for bucket %d failed (%s: %s); decode runs eagerly",
                            size, type(exc).__name__, _first_line(exc))
             return {}
-        steps[size] = _replayer(graph, out, tasks, platform.kind)
+        steps[size] = _replayer(graph, out, before_replay)
         logger.info("captured the decode step for batch bucket %d", size)
     return steps
 
 
-def _replayer(graph, out: torch.Tensor, tasks: list | None, kind: str) -> Callable[[], torch.Tensor]:
-    if not tasks:
-        def replay() -> torch.Tensor:
-            graph.replay()
-            return out
-        return replay
-    from kernels import npu
-
-    update_stream = getattr(torch, kind).Stream()
-
-    def replay_with_updates() -> torch.Tensor:
-        npu.update_graph_tasks(tasks, update_stream)
+def _replayer(graph, out: torch.Tensor, before_replay: list[Callable[[], None]]) -> Callable[[], torch.Tensor]:
+    def replay() -> torch.Tensor:
+        for update in before_replay:
+            update()
         graph.replay()
         return out
 
-    return replay_with_updates
+    return replay
 
 
 def _first_line(exc: Exception) -> str:
@@ -241,11 +234,11 @@ def _median_seconds(function: Callable[[], object], platform: Platform) -> float
 @torch.inference_mode()
 def capture_memory_probe(model: torch.nn.Module, kv_cache: torch.Tensor, platform: Platform, mode: str,
                          max_num_seqs: int, max_model_len: int, block_size: int,
-                         scratch_block: int) -> DecodeGraphs | None:
+                         scratch_block: int, capture_hooks: Sequence[Callable] = ()) -> DecodeGraphs | None:
     """The largest bucket captured on the warm-up cache, to be held while the free memory is read,
     so the KV pool leaves room for the graphs' memory pool (which the smaller buckets share).
     None on the CPU (compiled code takes no device memory) or when graphs are off."""
     if mode == "off" or platform.kind == "cpu":
         return None
     return build_decode_graphs(model, kv_cache, platform, mode, max_num_seqs, max_model_len, block_size,
-                               scratch_block, sizes=[bucket_sizes(max_num_seqs)[-1]])
+                               scratch_block, sizes=[bucket_sizes(max_num_seqs)[-1]], capture_hooks=capture_hooks)

@@ -8,7 +8,6 @@ from functools import partial
 import numpy as np
 import torch
 
-from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from engines.config import EngineConfig
 from engines.graphs import DecodeGraphs, build_decode_graphs, capture_memory_probe, effective_mode
 from engines.models.loader import load_model
@@ -20,8 +19,9 @@ from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledSeq
 from engines.sequence import Sequence, needs_prompt_logits
 from engines.structured.bitmask import apply_grammars
+from kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from kernels.model_shapes import ModelShapes
 from kernels.ops import KernelOps
-from kernels.probes import ModelShapes
 from kernels.registry import KernelSelection, select
 
 logger = logging.getLogger(__name__)
@@ -101,9 +101,10 @@ class ModelRunner:
             # Compiling or capturing across the group's collectives is not built or tested yet.
             logger.info("tensor parallel: decode steps run eagerly (compile %r is ignored)", self.compile_mode)
             self.compile_mode = "off"
-        if self.compile_mode != "off" and platform.kind != "cpu" and not self.model.DECODE_GRAPH_CAPTURE:
-            logger.info("%s decodes eagerly on %s: its kernels cannot be graph-captured yet",
-                        type(self.model).__name__, self.device)
+        if self.compile_mode != "off" and platform.kind != "cpu" and self.kernels.uncapturable:
+            logger.info("%s decodes eagerly on %s: its kernels cannot be graph-captured yet (%s)",
+                        type(self.model).__name__, self.device,
+                        ", ".join(f"{op}={name}" for op, name in self.kernels.uncapturable.items()))
             self.compile_mode = "off"
         self.decode_graphs: DecodeGraphs | None = None
         self.scratch_block = 0  # the KV block past the pool where padded decode rows write
@@ -159,7 +160,8 @@ class ModelRunner:
         # Decode graphs are captured after the pool is allocated: hold one of the largest bucket
         # while the free memory is read, so the pool leaves room for them.
         probe = capture_memory_probe(self.model, self.kv_cache, self.platform, self.compile_mode, max_num_seqs,
-                                     max_model_len, self.block_size, self.scratch_block)
+                                     max_model_len, self.block_size, self.scratch_block,
+                                     capture_hooks=self.kernels.capture_hooks)
         num_blocks = self.blocks_that_fit(fraction)
         del probe
         return num_blocks
@@ -182,7 +184,8 @@ class ModelRunner:
     def init_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Compile or capture the decode buckets over the allocated KV cache (once, at start-up)."""
         self.decode_graphs = build_decode_graphs(self.model, self.kv_cache, self.platform, self.compile_mode,
-                                                 max_num_seqs, max_model_len, self.block_size, self.scratch_block)
+                                                 max_num_seqs, max_model_len, self.block_size, self.scratch_block,
+                                                 capture_hooks=self.kernels.capture_hooks)
 
     def close(self) -> None:
         """Release what outlives the runner (a tensor-parallel runner's other ranks); here nothing."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
 
@@ -82,14 +82,8 @@ _extension = _build(BUILD_KEY)
 # Registered with torch.library so torch.compile (engines/graphs.py) can trace a decode forward that
 # calls it: the fake implementation tells the compiler the output's shape without running the kernel.
 @torch.library.custom_op(f"xinserve::paged_decode_attention_{BUILD_KEY}", mutates_args=())
-def _paged_decode_op(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def _paged_decode_op(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     return _extension.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
@@ -98,15 +92,9 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, scale):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    gather: object = None,
-) -> torch.Tensor:
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           gather: object = None) -> torch.Tensor:
     """The reference's signature; the gather plan is not needed (nothing is gathered). Eager calls
     skip the custom op's dispatch (tens of microseconds per layer); a traced one goes through it."""
     if not torch.compiler.is_compiling():

@@ -13,7 +13,7 @@ Shape letters as in kernels/reference.py.
 import torch
 
 from kernels import reference
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
 
 if not hasattr(torch, "_grouped_mm"):
     raise ImportError(f"torch {torch.__version__} has no torch._grouped_mm")
@@ -32,32 +32,18 @@ def fused_moe(
 def _grouped_fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)  # [T * K]: sorted row -> its (token, k) slot
-    tokens = order // top_k
+    order, tokens, rows = reference.sort_by_expert(hidden, topk_ids)  # rows: [T * K, Hd]
     # offsets: [E] int32, the end of each expert's rows in the sorted batch
-    offsets = torch.bincount(flat_ids, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
-    rows = hidden.index_select(0, tokens)  # [T * K, Hd]
+    offsets = torch.bincount(topk_ids.reshape(-1), minlength=w13.shape[0]).cumsum(0).to(torch.int32)
     # the transposed weights are views ([E, Hd, 2I], [E, I, Hd]): the op takes them as they are
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)  # [T * K, 2I]
     down = torch._grouped_mm(reference.silu_and_mul(gate_up), w2.transpose(1, 2), offs=offsets)  # [T * K, Hd]
-    weighted = down.float() * topk_weights.reshape(-1).index_select(0, order)[:, None]
-    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    return out.index_add_(0, tokens, weighted).to(hidden.dtype)
+    return reference.add_back_to_tokens(down, topk_weights, order, tokens, hidden)
 
 
 # torch.compile cannot trace bincount (its output's length depends on the ids): it would break the
 # compiled decode's graph in every MoE layer. As an opaque op the graph calls it whole.
-@torch.library.custom_op("xinserve::fused_moe_grouped_mm", mutates_args=())
-def _grouped_fused_moe_op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                          topk_ids: torch.Tensor) -> torch.Tensor:
-    return _grouped_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
-
-
-@_grouped_fused_moe_op.register_fake
-def _(hidden, w13, w2, topk_weights, topk_ids):
-    return torch.empty_like(hidden)
+_grouped_fused_moe_op = reference.opaque_moe_op("fused_moe_grouped_mm", _grouped_fused_moe)
 
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:

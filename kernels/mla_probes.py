@@ -5,29 +5,17 @@ that cross blocks, a decode batch of uneven lengths, a DSA selection, and a step
 decode with a chunked prefill for the indexer."""
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from kernels import mla_reference
-
-if TYPE_CHECKING:
-    from kernels.probes import ModelShapes, _Inputs
-
-
-def _tables(lens: list[int], block_size: int, num_blocks: int, seed: int) -> np.ndarray:
-    from kernels.probes import scrambled_block_tables
-    return scrambled_block_tables(lens, block_size, num_blocks, seed)
+from kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from kernels.model_shapes import ModelShapes
+from kernels.probe_inputs import ProbeInputs, max_error, pool_size, scrambled_block_tables
 
 
-def _error(got: object, want: object) -> float:
-    from kernels.probes import max_error
-    return max_error(got, want)
-
-
-def probe_write_latent(fn: dict[str, Callable], shapes: "ModelShapes", x: "_Inputs") -> float:
+def probe_write_latent(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     bs, width = shapes.block_size, shapes.kv_lora_rank + shapes.qk_rope_head_dim
     cache = x.randn(4, bs, width)
     slots = torch.tensor([0, bs - 1, bs, 2 * bs + 3, 4 * bs - 1], dtype=torch.int64, device=x.device)
@@ -35,15 +23,15 @@ def probe_write_latent(fn: dict[str, Callable], shapes: "ModelShapes", x: "_Inpu
     got, want = cache.clone(), cache.clone()
     fn["write_latent"](values, got, slots)
     mla_reference.write_latent(values, want, slots)
-    return _error(got, want)
+    return max_error(got, want)
 
 
-def probe_mla_decode_attention(fn: dict[str, Callable], shapes: "ModelShapes", x: "_Inputs") -> float:
+def probe_mla_decode_attention(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     bs, rank = shapes.block_size, shapes.kv_lora_rank
     lens = [1, bs + 1, 2 * bs + 3]  # one token, just past a block, deep into the third
-    num_blocks = max(8, sum(-(-n // bs) for n in lens))
+    num_blocks = pool_size(lens, bs)
     cache = x.randn(num_blocks, bs, rank + shapes.qk_rope_head_dim)
-    tables_np, lens_np = _tables(lens, bs, num_blocks, seed=3), np.array(lens, np.int32)
+    tables_np, lens_np = scrambled_block_tables(lens, bs, num_blocks, seed=3), np.array(lens, np.int32)
     tables, seq_lens = torch.from_numpy(tables_np).to(x.device), torch.from_numpy(lens_np).to(x.device)
     query = x.randn(len(lens), shapes.num_heads, rank + shapes.qk_rope_head_dim)
     scale = (rank + shapes.qk_rope_head_dim) ** -0.5
@@ -62,11 +50,11 @@ def probe_mla_decode_attention(fn: dict[str, Callable], shapes: "ModelShapes", x
             query.cpu().float(), cache.cpu().float(), rank, tables.cpu(), seq_lens.cpu(), scale, host_gather,
             None if selected is None else selected.cpu(),
         )
-        errors.append(_error(got, want))
+        errors.append(max_error(got, want))
     return max(errors)
 
 
-def probe_mla_prefill_attention(fn: dict[str, Callable], shapes: "ModelShapes", x: "_Inputs") -> float:
+def probe_mla_prefill_attention(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     """A whole 7-token prompt, then a 5-token chunk after a cached prefix that ends mid-block; for a
     DSA model also over a selection."""
     bs, rank, heads = shapes.block_size, shapes.kv_lora_rank, shapes.num_heads
@@ -74,7 +62,7 @@ def probe_mla_prefill_attention(fn: dict[str, Callable], shapes: "ModelShapes", 
     q_lens, lens = [7, 5], [7, bs + 8]
     num_blocks = max(8, sum(-(-n // bs) for n in lens))
     cache = x.randn(num_blocks, bs, rank + rope)
-    tables = torch.from_numpy(_tables(lens, bs, num_blocks, seed=6)).to(x.device)
+    tables = torch.from_numpy(scrambled_block_tables(lens, bs, num_blocks, seed=6)).to(x.device)
     query = x.randn(sum(q_lens), heads, nope + rope)
     weight = x.randn(heads, nope + value, rank) * rank**-0.5  # keys and values of order one
     query_start_loc, scale = [0, q_lens[0], sum(q_lens)], (nope + rope) ** -0.5
@@ -91,19 +79,19 @@ def probe_mla_prefill_attention(fn: dict[str, Callable], shapes: "ModelShapes", 
         got = fn["mla_prefill_attention"](query, cache, weight, tables, query_start_loc, lens, scale, selected)
         want = mla_reference.mla_prefill_attention(*host, tables.cpu(), query_start_loc, lens, scale,
                                                    None if selected is None else selected.cpu())
-        errors.append(_error(got, want))
+        errors.append(max_error(got, want))
     return max(errors)
 
 
-def probe_indexer_topk(fn: dict[str, Callable], shapes: "ModelShapes", x: "_Inputs") -> float:
+def probe_indexer_topk(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     """A decode and a 3-token chunk after a cached prefix. Positions are compared by score (two
     positions with equal scores are interchangeable): the error is the largest difference between the
     sorted float32 scores of the candidate's picks and of the reference's."""
     bs, heads, dim, topk = shapes.block_size, shapes.index_n_heads, shapes.index_head_dim, shapes.index_topk
     lens = [topk // 2 + 1, topk + bs + 3]  # shorter than top-k (padding), longer (selection)
-    num_blocks = max(8, sum(-(-n // bs) for n in lens))
+    num_blocks = pool_size(lens, bs)
     cache = x.randn(num_blocks, bs, dim)
-    tables_np, lens_np = _tables(lens, bs, num_blocks, seed=5), np.array(lens, np.int32)
+    tables_np, lens_np = scrambled_block_tables(lens, bs, num_blocks, seed=5), np.array(lens, np.int32)
     query = x.randn(4, heads, dim)
     weights = x.randn(4, heads, dtype=torch.float32)
     scale = dim**-0.5

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 import torch_musa  # noqa: F401  registers the musa device and routes SDPA to muDNN's flash kernel
 
-from engines.attention_metadata import DecodeGather
-from kernels.probes import ModelShapes
+from kernels.attention_metadata import DecodeGather
+from kernels.model_shapes import ModelShapes
 from kernels.reference import prefill_context
 
 try:
@@ -37,15 +37,9 @@ except ImportError as exc:  # MATE missing, or built for another GPU architectur
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: list[int],
-    seq_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                            scale: float) -> torch.Tensor:
     """Causal attention for P prefill (or chunked-prefill) sequences; see the reference for the
     layouts. query: [T, H, D]; key_cache, value_cache: [N, BS, KVH, D]; block_tables: [P, B] int32.
     Returns [T, H, D]."""
@@ -58,15 +52,9 @@ def paged_prefill_attention(
         out[start:end] = o.transpose(0, 1)
     return out
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    gather: DecodeGather,
-) -> torch.Tensor:
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           gather: DecodeGather) -> torch.Tensor:
     """One new token per sequence over its cached context, read in place by MATE (``gather``, the
     reference's plan, is not needed). query: [S, H, D]; key_cache, value_cache: [N, BS, KVH, D];
     block_tables: [S, B] int32; seq_lens: [S] int32. Returns [S, H, D]."""

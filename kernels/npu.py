@@ -11,6 +11,8 @@ heads, D head dim, N KV blocks, BS block size, B blocks per sequence, V vocabula
 experts per token, Hd hidden size, I one expert's intermediate size.
 """
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -18,20 +20,42 @@ import torch
 import torch_npu
 
 from kernels import npu_mla
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
+from kernels.npu_mla import half_precision_only
 from kernels.routing import MoeRouting
 
 if TYPE_CHECKING:
-    from engines.attention_metadata import DecodeGather
+    from kernels.attention_metadata import DecodeGather
 
 # sparse_mode 3 (right-down causal) reads a fixed 2048 x 2048 mask: 1 above the diagonal = masked.
 # Aligned at the bottom right, it lets a chunk after a cached prefix see the prefix and itself causally.
 CAUSAL_MASK_SIZE = 2048
 RIGHT_DOWN_CAUSAL = 3
-HALF_PRECISION = (torch.float16, torch.bfloat16)
 # MoeGatingTopK: at most 2048 experts, and a group's width rounded up to 32 times the groups as well
 MAX_GATING_EXPERTS = 2048
 GROUP_BY_TOP2_SUM = 1  # group_select_mode: a group ranks by the sum of its two best experts
+# The task groups recorded while a graph is captured ((handle, call arguments) each), None otherwise.
+_recording: list[tuple[object, dict]] | None = None
+
+
+@contextmanager
+def recording_graph_tasks() -> Iterator[Callable[[], None]]:
+    """Wraps one graph capture (engines/graphs.py): the paged decode attention calls made inside it
+    are recorded as task groups. Yields what to call before each replay of that graph: it re-issues
+    them, so they read the step's host lengths rather than those of the capture step."""
+    global _recording
+    tasks = _recording = []
+    stream = torch.npu.Stream()
+
+    def before_replay() -> None:
+        update_graph_tasks(tasks, stream)
+
+    try:
+        yield before_replay
+    finally:
+        _recording = None
+
+
 def update_graph_tasks(tasks: list[tuple[object, dict]], stream: object) -> None:
     """Re-issue each recorded paged attention into its task group of the captured graph, on
     ``stream``, which the replaying stream then waits for. The arguments are the static decode
@@ -44,13 +68,8 @@ def update_graph_tasks(tasks: list[tuple[object, dict]], stream: object) -> None
     torch.npu.current_stream().wait_stream(stream)
 
 
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """key, value: [T, KVH, D]; key_cache, value_cache: [N, BS, KVH, D]; slot_mapping: [T] int64."""
     if not slot_mapping.numel():  # the operator rejects empty tensors
         return
@@ -65,15 +84,9 @@ def write_kv(
     )
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: list[int],
-    seq_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                            scale: float) -> torch.Tensor:
     """query: [T, H, D] (P sequences back to back); block_tables: [P, B] int32; host lists
     query_start_loc [P + 1] and seq_lens [P]. Returns [T, H, D]."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -104,43 +117,37 @@ def _causal_mask(device: torch.device) -> torch.Tensor:
     return torch.ones(CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE, dtype=torch.int8, device=device).triu_(1)
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    gather: "DecodeGather",
-) -> torch.Tensor:
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           gather: "DecodeGather") -> torch.Tensor:
     """query: [S, H, D]; block_tables: [S, B] int32. The context lengths are read from the step's
     host copy (``gather.host_seq_lens``), as the operator wants them: a device copy would sync.
 
     The operator reads them when it is launched, so a captured graph would replay the lengths of its
-    capture step: while a graph is captured (``gather.graph_tasks`` is a list) the call is made a
-    task group and recorded, and each replay first re-issues it (``update_graph_tasks``)."""
+    capture step: while a graph is captured (``recording_graph_tasks``) the call is made a task
+    group and recorded, and each replay first re-issues it (``update_graph_tasks``)."""
     out = torch.empty_like(query)
     arguments = {
         "query": query, "key_cache": key_cache, "value_cache": value_cache, "num_kv_heads": key_cache.shape[2],
         "num_heads": query.shape[1], "scale_value": scale, "block_table": block_tables,
         "context_lens": gather.host_seq_lens, "out": out,
     }
-    if gather.graph_tasks is None:
+    if _recording is None:
         torch_npu._npu_paged_attention(**arguments)
         return out
     stream = torch.npu.current_stream()
     torch.npu.graph_task_group_begin(stream)
     torch_npu._npu_paged_attention(**arguments)
-    gather.graph_tasks.append((torch.npu.graph_task_group_end(stream), arguments))
+    _recording.append((torch.npu.graph_task_group_end(stream), arguments))
     return out
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+# Each capture that calls it is wrapped in this (the registry collects it: KernelSelection.capture_hooks).
+paged_decode_attention.graph_capture_hook = recording_graph_tasks
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x: [..., H]; weight: [H]. With ``residual``: ``(norm(x + residual), x + residual)``."""
     if residual is None:
         normed, _ = torch_npu.npu_rms_norm(x, weight, epsilon=eps)
@@ -264,16 +271,6 @@ def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     return None if check is None else check(shapes, dtype)
 
 
-def _half_precision_only(dtype: torch.dtype) -> str | None:
-    if dtype not in HALF_PRECISION:
-        return f"{str(dtype).removeprefix('torch.')} unsupported (float16 / bfloat16 only)"
-    return None
-
-
-def _write_kv_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
-    return _half_precision_only(dtype)  # ReshapeAndCache: float16 / bfloat16 / int8 caches
-
-
 def _prefill_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     # npu_fused_infer_attention_score with Q_S > 1 and PageAttention: block size a multiple of 128
     # in [128, 512]; D 16-byte aligned and at most 512 (vllm-ascend moves D = 512 off this path);
@@ -288,7 +285,7 @@ def _prefill_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     if shapes.num_heads > 256 or shapes.num_heads // shapes.num_kv_heads > 64:
         return (f"{shapes.num_heads} heads over {shapes.num_kv_heads} KV heads unsupported "
                 "(at most 256 heads, 64 per KV head)")
-    return _half_precision_only(dtype)
+    return half_precision_only(shapes, dtype)
 
 
 def _decode_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
@@ -301,7 +298,7 @@ def _decode_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
         return f"block_size {bs} unsupported (a multiple of 16)"
     if d > 256 or d * bs > 128 * 128:
         return f"head_dim {d} unsupported at block_size {bs} (at most 256, and head_dim * block_size 16384)"
-    return _half_precision_only(dtype)
+    return half_precision_only(shapes, dtype)
 
 
 def _rotary_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
@@ -334,7 +331,7 @@ def _fused_moe_limits(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
 _NO_WINDOW = "sliding window unsupported (not implemented for the Ascend attention operators here)"
 
 _LIMITS = {
-    "write_kv": _write_kv_limits,
+    "write_kv": half_precision_only,  # ReshapeAndCache: float16 / bfloat16 / int8 caches
     "prefill_attention": _prefill_limits,
     "decode_attention": _decode_limits,
     "rotary": _rotary_limits,

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch_npu
 
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
 
 if TYPE_CHECKING:
-    from engines.attention_metadata import AttentionMetadata, DecodeGather
+    from kernels.attention_metadata import AttentionMetadata, DecodeGather
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 RIGHT_DOWN_CAUSAL = 3
@@ -41,16 +41,9 @@ def write_latent(values: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
                                      values.to(cache.dtype).contiguous())
 
 
-def mla_decode_attention(
-    query: torch.Tensor,
-    latent_cache: torch.Tensor,
-    kv_lora_rank: int,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    gather: "DecodeGather",
-    selected: torch.Tensor | None = None,
-) -> torch.Tensor:
+def mla_decode_attention(query: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         gather: "DecodeGather", selected: torch.Tensor | None = None) -> torch.Tensor:
     """query: [S, H, R + dr]; latent_cache: [N, BS, R + dr]; block_tables: [S, B] int32;
     selected: [S, K] or None. Returns [S, H, R]."""
     num_seqs, num_heads, _ = query.shape
@@ -77,14 +70,8 @@ def mla_decode_attention(
     return out[0] if isinstance(out, tuple) else out
 
 
-def indexer_topk(
-    query: torch.Tensor,
-    weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    metadata: "AttentionMetadata",
-    topk: int,
-    scale: float,
-) -> torch.Tensor:
+def indexer_topk(query: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, metadata: "AttentionMetadata",
+                 topk: int, scale: float) -> torch.Tensor:
     """query: [T, Hi, Di]; weights: [T, Hi] float32; index_cache: [N, BS, Di]. Returns [T, K] int64."""
     num_decode = metadata.num_decode_seqs
     # cumulative query ends over the step's sequences: the decodes' single tokens, then the prefills
@@ -99,10 +86,16 @@ def indexer_topk(
     return indices.squeeze(1).long()  # [T, K], -1 past a context shorter than K
 
 
+# Both build host arguments into each call (the lengths, the query ends) that a captured graph would
+# replay as they were at capture, and no graph-task update is written for them.
+mla_decode_attention.graph_capturable = False
+indexer_topk.graph_capturable = False
+
 OPS = {fn.__name__: fn for fn in (write_latent, mla_decode_attention, indexer_topk)}
 
 
 def half_precision_only(shapes: ModelShapes, dtype: torch.dtype) -> str | None:
+    """The limit of most Ascend operators here (kernels/npu.py too): float16 / bfloat16 only."""
     if dtype not in HALF_PRECISION:
         return f"{str(dtype).removeprefix('torch.')} unsupported (float16 / bfloat16 only)"
     return None

@@ -7,6 +7,11 @@ kernel wants its own table layout; fused_moe is ``select_experts`` (routing) plu
 experts), because a vendor's routing output is laid out for its own expert kernels. Every
 implementation module (``kernels.reference``, ``kernels.triton``, ``kernels.npu``, ...) exposes
 ``OPS``: function name -> function, for the functions it implements, with the reference signatures.
+
+A function says what graph capture (engines/graphs.py) must know of it as attributes, like cpp's
+``build_key``: ``graph_capturable = False`` when a captured replay would be wrong (it reads host
+values that a graph freezes), ``graph_capture_hook`` a context-manager factory to wrap each capture
+in, yielding what to call before each replay (Ascend's paged attention re-issues its task groups).
 """
 
 from collections.abc import Callable

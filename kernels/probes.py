@@ -10,47 +10,17 @@ and for mixture-of-experts models the model's routing with experts that receive 
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engines.attention_metadata import build_decode_gather
 from kernels import mla_probes, reference
-from kernels.routing import MoeRouting
+from kernels.attention_metadata import build_decode_gather
+from kernels.model_shapes import ModelShapes
+from kernels.probe_inputs import ProbeInputs, max_error, pool_size, scrambled_block_tables, to_host32
 
 # Largest tolerated max-abs error against the float32 reference, for inputs of order one.
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShapes:
-    """What a model's kernels will see; the probes build their inputs from it."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_is_neox: bool
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
-    block_size: int
-    rms_norm_eps: float = 1e-6
-    sliding_window: int | None = None  # the window of the model's windowed layers; None: no window
-    num_experts: int = 0  # routed experts of a mixture-of-experts layer; 0: a dense model
-    moe_intermediate_size: int = 0  # one expert's intermediate size
-    moe_routing: MoeRouting | None = None
-    # multi-head latent attention (0: the model has none): latent width R + dr and the query heads'
-    # absorbed width are kv_lora_rank + qk_rope_head_dim
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    # MLA's per-head up-projected widths: (qk_nope_head_dim, v_head_dim), the no-rope key's and the value's
-    mla_up_head_dims: tuple[int, int] = (0, 0)
-    # the DSA indexer (0: none)
-    index_topk: int = 0
-    index_n_heads: int = 0
-    index_head_dim: int = 0
 
 
 def applies(op: str, shapes: ModelShapes) -> bool:
@@ -67,56 +37,13 @@ def applies(op: str, shapes: ModelShapes) -> bool:
     return True
 
 
-class _Inputs:
-    """Seeded random tensors made on the host (so every device sees the same values) and copied."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.device, self.dtype = device, dtype
-        self.generator = torch.Generator().manual_seed(0)
-
-    def randn(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.generator).to(self.device, dtype or self.dtype)
-
-
-def max_error(candidate: object, expected: object) -> float:
-    """Max abs difference over (nested tuples of) tensors; inf when the -inf patterns differ."""
-    if isinstance(expected, tuple):
-        return max(max_error(c, e) for c, e in zip(candidate, expected, strict=True))
-    got, want = candidate.detach().float().cpu(), expected.detach().float().cpu()
-    if got.shape != want.shape:
-        return float("inf")
-    finite = torch.isfinite(want)
-    if not torch.equal(finite, torch.isfinite(got)):
-        return float("inf")
-    return float((got[finite] - want[finite]).abs().max()) if finite.any() else 0.0
-
-
-def _to_host32(value: object) -> object:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().float() if value.is_floating_point() else value.detach().cpu()
-    return value
-
-
-def _paged_cache(x: _Inputs, shapes: ModelShapes, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _paged_cache(x: ProbeInputs, shapes: ModelShapes, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     # key_cache, value_cache: [N, BS, KVH, D]
     shape = (num_blocks, shapes.block_size, shapes.num_kv_heads, shapes.head_dim)
     return x.randn(*shape), x.randn(*shape)
 
 
-def scrambled_block_tables(lens: list[int], block_size: int, num_blocks: int, seed: int) -> np.ndarray:
-    """[S, B] int32 tables over a scrambled pool of num_blocks (rows zero-padded), so no kernel can
-    rely on contiguous blocks."""
-    needed = [-(-n // block_size) for n in lens]
-    order = np.random.default_rng(seed).permutation(num_blocks)[: sum(needed)]
-    width = max(needed)
-    table, start = np.zeros((len(lens), width), np.int32), 0
-    for i, n in enumerate(needed):
-        table[i, :n] = order[start : start + n]
-        start += n
-    return table
-
-
-def probe_write_kv(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+def probe_write_kv(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     num_blocks, bs = 4, shapes.block_size
     key_cache, value_cache = _paged_cache(x, shapes, num_blocks)
     # Slots scattered over every block, both ends of a block included.
@@ -137,22 +64,18 @@ def _windows(shapes: ModelShapes) -> list[dict[str, int]]:
     return [{}] if window is None else [{}, {"sliding_window": window}]
 
 
-def _num_blocks(lens: list[int], block_size: int) -> int:
-    return max(8, sum(-(-n // block_size) for n in lens))
-
-
-def probe_prefill_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+def probe_prefill_attention(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     bs = shapes.block_size
     # A whole 7-token prompt, then a 5-token chunk after a cached prefix that ends mid-block (and
     # reaches past the model's window, whose edge then cuts into the prefix).
     q_lens, seq_lens = [7, 5], [7, max(bs, shapes.sliding_window or 0) + 8]
-    num_blocks = _num_blocks(seq_lens, bs)
+    num_blocks = pool_size(seq_lens, bs)
     key_cache, value_cache = _paged_cache(x, shapes, num_blocks)
     tables = torch.from_numpy(scrambled_block_tables(seq_lens, bs, num_blocks, seed=1)).to(x.device)
     query = x.randn(sum(q_lens), shapes.num_heads, shapes.head_dim)
     query_start_loc = [0, q_lens[0], sum(q_lens)]
     scale = shapes.head_dim**-0.5
-    args = [_to_host32(a) for a in (query, key_cache, value_cache, tables)]
+    args = [to_host32(a) for a in (query, key_cache, value_cache, tables)]
     errors = []
     for window in _windows(shapes):
         got = fn["paged_prefill_attention"](query, key_cache, value_cache, tables, query_start_loc, seq_lens,
@@ -162,11 +85,11 @@ def probe_prefill_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _In
     return max(errors)
 
 
-def probe_decode_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+def probe_decode_attention(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     bs = shapes.block_size
     # one token, just past a block, deep into the third block (and 3 tokens past the window)
     lens = [1, bs + 1, max(2 * bs, shapes.sliding_window or 0) + 3]
-    num_blocks = _num_blocks(lens, bs)
+    num_blocks = pool_size(lens, bs)
     key_cache, value_cache = _paged_cache(x, shapes, num_blocks)
     tables_np = scrambled_block_tables(lens, bs, num_blocks, seed=2)
     lens_np = np.array(lens, np.int32)
@@ -176,7 +99,7 @@ def probe_decode_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _Inp
     scale = shapes.head_dim**-0.5
     gather = build_decode_gather(tables_np, lens_np, bs, x.device)
     host_gather = build_decode_gather(tables_np, lens_np, bs, torch.device("cpu"))
-    args = [_to_host32(a) for a in (query, key_cache, value_cache, tables, seq_lens)]
+    args = [to_host32(a) for a in (query, key_cache, value_cache, tables, seq_lens)]
     errors = []
     for window in _windows(shapes):
         got = fn["paged_decode_attention"](query, key_cache, value_cache, tables, seq_lens, scale, gather, **window)
@@ -185,21 +108,21 @@ def probe_decode_attention(fn: dict[str, Callable], shapes: ModelShapes, x: _Inp
     return max(errors)
 
 
-def probe_rms_norm(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+def probe_rms_norm(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     errors = []
     for size in {shapes.hidden_size, shapes.head_dim}:  # the layer norms and Qwen3's per-head q/k norm
         hidden, residual = x.randn(5, size), x.randn(5, size)
         weight = 1 + 0.1 * x.randn(size)
         eps = shapes.rms_norm_eps
         errors.append(max_error(fn["rms_norm"](hidden, weight, eps),
-                                reference.rms_norm(*map(_to_host32, (hidden, weight)), eps)))
+                                reference.rms_norm(*map(to_host32, (hidden, weight)), eps)))
         got = fn["rms_norm"](hidden, weight, eps, residual)
-        want = reference.rms_norm(*map(_to_host32, (hidden, weight)), eps, _to_host32(residual))
+        want = reference.rms_norm(*map(to_host32, (hidden, weight)), eps, to_host32(residual))
         errors.append(max_error(got, want))
     return max(errors)
 
 
-def probe_rotary(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+def probe_rotary(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     positions = torch.tensor([0, 1, 17, 130, 511], dtype=torch.int64)
     half = shapes.rotary_dim // 2
     inv_freq = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float32) / half))
@@ -211,16 +134,16 @@ def probe_rotary(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> fl
     table = fn["rotary_cos_sin"](positions.to(x.device), cache.to(x.device), is_neox, x.dtype)
     got = fn["rotary_embedding"](query, key, table, is_neox)
     want_table = reference.rotary_cos_sin(positions, cache, is_neox, torch.float32)
-    want = reference.rotary_embedding(_to_host32(query), _to_host32(key), want_table, is_neox)
+    want = reference.rotary_embedding(to_host32(query), to_host32(key), want_table, is_neox)
     return max_error(got, want)
 
 
-def probe_silu_and_mul(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+def probe_silu_and_mul(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     gate_up = x.randn(5, 2 * shapes.intermediate_size)
-    return max_error(fn["silu_and_mul"](gate_up), reference.silu_and_mul(_to_host32(gate_up)))
+    return max_error(fn["silu_and_mul"](gate_up), reference.silu_and_mul(to_host32(gate_up)))
 
 
-def probe_fused_moe(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+def probe_fused_moe(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     # The model's experts and routing, with one expert's matrices cut to at most 256 x 128: a real
     # model's full expert stack would cost gigabytes here, and a matmul's accuracy does not depend
     # on its size. 7 tokens leave some experts without a row; a lone token is a decode step.
@@ -236,13 +159,13 @@ def probe_fused_moe(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) ->
         logits = x.randn(tokens, num_experts, dtype=torch.float32)
         weights, ids = fn["select_experts"](logits, routing, bias)
         got = fn["fused_moe"](hidden, w13, w2, weights, ids)
-        want_weights, want_ids = reference.select_experts(logits.cpu(), routing, _to_host32(bias))
-        want = reference.fused_moe(*map(_to_host32, (hidden, w13, w2)), want_weights, want_ids)
+        want_weights, want_ids = reference.select_experts(logits.cpu(), routing, to_host32(bias))
+        want = reference.fused_moe(*map(to_host32, (hidden, w13, w2)), want_weights, want_ids)
         errors.append(max_error(got, want))
     return max(errors)
 
 
-def probe_top_k_top_p(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) -> float:
+def probe_top_k_top_p(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
     # Logits are float32 in the sampler whatever the model's dtype.
     logits = 3 * x.randn(4, shapes.vocab_size, dtype=torch.float32)
     top_k = torch.tensor([[0], [5], [1], [min(50, shapes.vocab_size)]], dtype=torch.int64)
@@ -251,7 +174,7 @@ def probe_top_k_top_p(fn: dict[str, Callable], shapes: ModelShapes, x: _Inputs) 
     return max_error(got, reference.top_k_top_p(logits.cpu(), top_k, top_p))
 
 
-PROBES: dict[str, Callable[[dict[str, Callable], ModelShapes, _Inputs], float]] = {
+PROBES: dict[str, Callable[[dict[str, Callable], ModelShapes, ProbeInputs], float]] = {
     "write_kv": probe_write_kv,
     "prefill_attention": probe_prefill_attention,
     "decode_attention": probe_decode_attention,
@@ -268,4 +191,4 @@ def probe(op: str, functions: dict[str, Callable], shapes: ModelShapes, device: 
           dtype: torch.dtype) -> float:
     """Max abs error of ``functions`` (the op's candidate functions) against the reference."""
     with torch.inference_mode():
-        return PROBES[op](functions, shapes, _Inputs(device, dtype))
+        return PROBES[op](functions, shapes, ProbeInputs(device, dtype))

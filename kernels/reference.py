@@ -15,7 +15,7 @@ as transformers defines the window. The model passes the keyword only on windowe
 implementation without windows need not accept it (its ``unsupported`` declines windowed models).
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,7 +25,7 @@ from kernels import mla_reference
 from kernels.routing import MoeRouting
 
 if TYPE_CHECKING:
-    from engines.attention_metadata import DecodeGather
+    from kernels.attention_metadata import DecodeGather
 
 
 def write_kv(
@@ -43,6 +43,11 @@ def write_kv(
     if torch.compiler.is_compiling():  # traced (engines/graphs.py): the op that writes in place
         _write_kv_in_place(key, value, key_cache, value_cache, slot_mapping)
         return
+    _scatter_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _scatter_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
     # view (not reshape) so a non-contiguous cache fails loudly instead of writing into a copy
     num_kv_heads, head_dim = key_cache.shape[-2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
@@ -55,9 +60,7 @@ def write_kv(
 @torch.library.custom_op("xinserve::write_kv", mutates_args=("key_cache", "value_cache"))
 def _write_kv_in_place(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
-    num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    _scatter_kv(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_decode_attention(
@@ -83,15 +86,11 @@ def paged_decode_attention(
     past its seq_len are masked, so there is no Python loop and no device-to-host sync.
     """
     num_seqs, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+    num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    gathered_len = gather.block_ids.shape[0] // num_seqs * block_size
-    # k, v: [S, Bg * BS, KVH, D] -> [S, KVH, Lc, D]. index_select over whole blocks (rows of
-    # BS * KVH * D values) copies contiguous runs: several times faster than advanced indexing.
-    k = key_cache.view(num_blocks, -1).index_select(0, gather.block_ids)
-    v = value_cache.view(num_blocks, -1).index_select(0, gather.block_ids)
-    k = k.view(num_seqs, gathered_len, num_kv_heads, head_dim)[:, : gather.context_len].transpose(1, 2)
-    v = v.view(num_seqs, gathered_len, num_kv_heads, head_dim)[:, : gather.context_len].transpose(1, 2)
+    # k, v: [S, Lc, KVH, D] -> [S, KVH, Lc, D]
+    k = gather.contexts(key_cache, num_seqs).transpose(1, 2)
+    v = gather.contexts(value_cache, num_seqs).transpose(1, 2)
     # GQA without repeating K/V: the G query heads sharing a KV head act as G query rows.
     # q: [S, KVH, G, D]
     q = query.view(num_seqs, num_kv_heads, group, head_dim)
@@ -294,35 +293,51 @@ def fused_moe(
 def _fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)  # [T * K]: sorted row -> its (token, k) slot
-    tokens = order // top_k  # [T * K]: the token of each sorted row
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    rows = hidden.index_select(0, tokens)  # [T * K, Hd], grouped by expert
+    order, tokens, rows = sort_by_expert(hidden, topk_ids)
+    counts = torch.bincount(topk_ids.reshape(-1), minlength=w13.shape[0]).tolist()
     outputs, start = [], 0
     for expert, count in enumerate(counts):
         if count:
             gate_up = F.linear(rows[start : start + count], w13[expert])  # [n, 2I]
             outputs.append(F.linear(silu_and_mul(gate_up), w2[expert]))  # [n, Hd]
             start += count
-    weighted = torch.cat(outputs).float() * topk_weights.reshape(-1).index_select(0, order)[:, None]
-    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    return add_back_to_tokens(torch.cat(outputs), topk_weights, order, tokens, hidden)
+
+
+def sort_by_expert(hidden: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The T * K (token, expert) rows sorted by expert: (order [T * K], sorted row -> its (token, k)
+    slot; tokens [T * K], the token of each sorted row; rows [T * K, Hd], their hidden states)."""
+    order = topk_ids.reshape(-1).argsort(stable=True)
+    tokens = order // topk_ids.shape[1]
+    return order, tokens, hidden.index_select(0, tokens)
+
+
+def add_back_to_tokens(down: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor, tokens: torch.Tensor,
+                       hidden: torch.Tensor) -> torch.Tensor:
+    """down [T * K, Hd] (the experts' outputs, rows as ``sort_by_expert`` sorted them), weighted and
+    summed per token in float32 -> [T, Hd] in hidden's dtype."""
+    weighted = down.float() * topk_weights.reshape(-1).index_select(0, order)[:, None]
+    out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
 
 
 # torch.compile cannot trace the per-expert loop: reading the counts on the host breaks the graph, and
 # dynamo guards on every expert's count, so each new routing recompiled until the recompile limit left
 # the decode eager. As an opaque op the compiled decode calls it as it is; the fake says the shape.
-@torch.library.custom_op("xinserve::fused_moe", mutates_args=())
-def _fused_moe_op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+def opaque_moe_op(name: str, function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``function`` (a fused_moe body, its signature) as the opaque torch op ``xinserve::<name>``,
+    whose fake tells the compiler the output's shape without running it."""
+
+    @torch.library.custom_op(f"xinserve::{name}", mutates_args=())
+    def op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> torch.Tensor:
+        return function(hidden, w13, w2, topk_weights, topk_ids)
+
+    op.register_fake(lambda hidden, *weights_and_routing: torch.empty_like(hidden))
+    return op
 
 
-@_fused_moe_op.register_fake
-def _(hidden, w13, w2, topk_weights, topk_ids):
-    return torch.empty_like(hidden)
+_fused_moe_op = opaque_moe_op("fused_moe", _fused_moe)
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -340,6 +355,9 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
+
+# Eagerly it reads the per-expert row counts on the host, which a captured graph would freeze.
+fused_moe.graph_capturable = False
 
 # function name -> function, as every implementation module exposes (kernels/ops.py)
 OPS = {

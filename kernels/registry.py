@@ -14,14 +14,15 @@ choice that cannot be used fails start-up with its reason.
 
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 
+from kernels.model_shapes import ModelShapes
 from kernels.ops import OP_FUNCTIONS, OPS, KernelOps
-from kernels.probes import TOLERANCE, ModelShapes, applies, probe
+from kernels.probes import TOLERANCE, applies, probe
 from kernels.timing import WORKLOADS, TimingCache, fastest, measure
 
 # implementation name -> module exposing ``OPS`` (and optionally ``unsupported(op, shapes, dtype)``)
@@ -60,6 +61,10 @@ class KernelSelection:
     # op -> {impl: milliseconds} for ops where several candidates were correct and timed
     timings_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     ops: KernelOps | None = None  # the chosen functions, for the model and the sampler
+    # Graph capture (kernels/ops.py): op -> implementation, for the ops the model calls whose chosen
+    # functions cannot be captured; and the chosen functions' capture hooks.
+    uncapturable: dict[str, str] = field(default_factory=dict)
+    capture_hooks: list[Callable] = field(default_factory=list)
 
     def report(self) -> dict[str, dict]:
         """Per op: the chosen implementation, the rejected ones with their reasons, and the timings
@@ -79,6 +84,8 @@ class KernelSelection:
             notes = []
             if op in self.timings_ms:
                 notes.append("timed " + ", ".join(f"{i} {ms:.3g} ms" for i, ms in self.timings_ms[op].items()))
+            if op in self.uncapturable:
+                notes.append("not graph-capturable")
             if op in self.rejected:
                 notes.append("rejected " + "; ".join(f"{i}: {r}" for i, r in self.rejected[op]))
             lines.append(f"  {op:<18} {name:<10} {' | '.join(notes)}".rstrip())
@@ -141,8 +148,19 @@ def select(
             name = fastest(measured, names)
         selection.chosen[op] = name
         functions.update(correct[name])
+        if applies(op, shapes):
+            _note_capture(selection, op, name, correct[name].values())
     selection.ops = KernelOps.from_functions(functions)
     return selection
+
+
+def _note_capture(selection: KernelSelection, op: str, name: str, chosen: Iterable[Callable]) -> None:
+    for function in chosen:
+        if not getattr(function, "graph_capturable", True):
+            selection.uncapturable[op] = name
+        hook = getattr(function, "graph_capture_hook", None)
+        if hook is not None and hook not in selection.capture_hooks:
+            selection.capture_hooks.append(hook)
 
 
 def _timed(cache: TimingCache, op: str, name: str, functions: dict[str, Callable], shapes: ModelShapes,

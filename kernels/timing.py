@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.attention_metadata import build_decode_gather
+from kernels.attention_metadata import build_decode_gather
 from kernels.cache_dir import cache_dir
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
 
 ITERATIONS = 5
 DECODE_SEQS, DECODE_CONTEXT = 8, 512  # a busy decode step: batch 8 at 512 tokens of context

@@ -119,7 +119,7 @@ def probe_kernels(kind: str, device: str) -> dict[str, Any]:
         import torch
 
         from engines.platforms import get_platform
-        from kernels.probes import ModelShapes
+        from kernels.model_shapes import ModelShapes
         from kernels.registry import select
 
         platform = get_platform(device)

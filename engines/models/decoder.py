@@ -13,12 +13,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engines.attention_metadata import AttentionMetadata
 from engines.models.layers import Attention, GatedMLP, MergedLinear, RMSNorm
 from engines.models.moe import Experts, MoeSpec, SparseMoeBlock
 from engines.models.rope import build_cos_sin_cache, rotary_dim
+from kernels.attention_metadata import AttentionMetadata
+from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
-from kernels.probes import ModelShapes
 
 # checkpoint projection -> (our fused projection, shard index in its output_sizes)
 FUSED_SHARDS = {
@@ -162,9 +162,6 @@ class CausalLM(nn.Module):
     FLOAT32_PARAMETERS: ClassVar[tuple[str, ...]] = ()
     # False: engines/models/tensor_parallel.py has no sharding for this architecture's layers
     TENSOR_PARALLEL: ClassVar[bool] = True
-    # False: decode must not be graph-captured on accelerators (a kernel reads host lengths that a
-    # replay would freeze, with no graph-task update written for it); CPU compilation is unaffected
-    DECODE_GRAPH_CAPTURE: ClassVar[bool] = True
 
     def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
         super().__init__()

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 from kernels.ops import KernelOps
 
 INDEXER_NORM_EPS = 1e-6

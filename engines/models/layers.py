@@ -7,7 +7,7 @@ choice for the worker's device; the pure-torch reference by default).
 import torch
 from torch import nn
 
-from engines.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 from kernels.ops import REFERENCE_OPS, KernelOps
 
 

@@ -17,8 +17,8 @@ from transformers import AutoConfig, PretrainedConfig
 from engines.models import MODEL_REGISTRY
 from engines.models.config_check import unsupported_config_fields
 from engines.models.tensor_parallel import Collectives, check_tensor_parallel, read_shard, shard_model
+from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
-from kernels.probes import ModelShapes
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

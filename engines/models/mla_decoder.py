@@ -18,13 +18,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engines.attention_metadata import AttentionMetadata
 from engines.models.decoder import CausalLM, DecoderModel, DecoderSpec
 from engines.models.dsa_indexer import Indexer
 from engines.models.mla import MLAAttention, MLAStep
 from engines.models.moe import grouped_moe
+from kernels.attention_metadata import AttentionMetadata
+from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
-from kernels.probes import ModelShapes
 
 
 class MLADecoderModel(DecoderModel):
@@ -83,7 +83,6 @@ class MLACausalLM(CausalLM):
     FLOAT32_PARAMETERS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
     INDEXER_ROPE_IS_NEOX: ClassVar[bool] = False
     TENSOR_PARALLEL = False  # the latent projections and the indexer have no tensor-parallel split yet
-    DECODE_GRAPH_CAPTURE = False  # Ascend's MLA attention takes host lengths (kernels/npu_mla.py)
 
     def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
         nn.Module.__init__(self)

@@ -6,7 +6,7 @@ Importing it raises ImportError where Triton is not installed."""
 
 import torch
 
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
 from kernels.triton.decode_attention import paged_decode_attention
 from kernels.triton.kv_write import write_kv
 from kernels.triton.prefill_attention import paged_prefill_attention

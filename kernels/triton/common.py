@@ -2,6 +2,7 @@
 
 import torch
 import triton
+import triton.language as tl
 
 
 def interpreted(kernel: object) -> bool:
@@ -26,3 +27,43 @@ def keys_tile(keys: int, dim_tile: int, cache: torch.Tensor) -> int:
     shared memory; at 32 KB (fp32, D 128) prefill needs ~115 KB, past the ~100 KB per SM of sm_86
     and sm_89 GPUs."""
     return max(16, min(keys, 16384 // (dim_tile * cache.element_size())))
+
+
+@triton.jit
+def load_kv_tile(
+    k_base, v_base, table_base, keys, key_mask, dims, dim_mask,
+    k_stride_n, k_stride_bs, k_stride_d, v_stride_n, v_stride_bs, v_stride_d, bt_stride_b,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """The K and V tiles [len(keys), DIM_TILE] of positions ``keys`` (masked by key_mask and
+    dim_mask) of one sequence and KV head: k_base / v_base point at the caches' KV head, table_base
+    at the sequence's block table row; each key's block is looked up there."""
+    # [keys, 1] each key's block and offset in it; int64: block * stride can pass 2**31
+    blocks = tl.load(table_base + (keys // BLOCK_SIZE) * bt_stride_b, mask=key_mask, other=0).to(tl.int64)[:, None]
+    offsets = (keys % BLOCK_SIZE)[:, None]
+    kv_mask = key_mask[:, None] & dim_mask[None, :]
+    k_ptrs = k_base + blocks * k_stride_n + offsets * k_stride_bs + dims[None, :] * k_stride_d
+    v_ptrs = v_base + blocks * v_stride_n + offsets * v_stride_bs + dims[None, :] * v_stride_d
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(q, k, v, visible, qk_scale, row_max, row_sum, acc):
+    """One K/V tile of an online softmax in base 2 (qk_scale includes log2(e)): q [R, D], k, v [L, D],
+    visible [R, L]; returns the updated running max [R], sum [R] and unnormalised output [R, D].
+    The first tile must hold a visible key for every row (its alpha is then 0)."""
+    # scores: [R, L]; "ieee" keeps fp32 inputs out of TF32 (16-bit ones ignore it)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    alpha = tl.exp2(row_max - new_max)
+    p = tl.exp2(scores - new_max[:, None])
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return new_max, row_sum, acc

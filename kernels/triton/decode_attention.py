@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import interpreted, keys_tile, tile
+from kernels.triton.common import interpreted, keys_tile, load_kv_tile, online_softmax_step, tile
 
 if TYPE_CHECKING:
-    from engines.attention_metadata import DecodeGather
+    from kernels.attention_metadata import DecodeGather
 
 TOKENS_TILE = 64  # keys per inner step, a [64, D] K and V tile (fewer when they are wide: keys_tile)
 # Split a context so that S * KVH * splits programs fill a large GPU, but into at most MAX_SPLITS
@@ -69,30 +69,17 @@ def _split_attention_kernel(
     row_max = tl.full([GROUP_TILE], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_TILE], tl.float32)
     acc = tl.zeros([GROUP_TILE, DIM_TILE], tl.float32)
+    k_base, v_base = key_cache_ptr + kv_head * k_stride_h, value_cache_ptr + kv_head * v_stride_h
     for tile_start in range(start, end, TOKENS_TILE):
         tokens = tile_start + tl.arange(0, TOKENS_TILE)
         token_mask = tokens < end
-        table_ptrs = block_tables_ptr + seq * bt_stride_s + (tokens // BLOCK_SIZE) * bt_stride_b
-        # [TOKENS_TILE, 1] each token's block and offset in it; int64: block * stride can pass 2**31
-        blocks = tl.load(table_ptrs, mask=token_mask, other=0).to(tl.int64)[:, None]
-        offsets = (tokens % BLOCK_SIZE)[:, None]
-        k_ptrs = key_cache_ptr + blocks * k_stride_n + offsets * k_stride_bs + kv_head * k_stride_h
-        v_ptrs = value_cache_ptr + blocks * v_stride_n + offsets * v_stride_bs + kv_head * v_stride_h
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_ptrs + dims[None, :] * k_stride_d, mask=kv_mask, other=0.0)  # [TOKENS_TILE, DIM_TILE]
-        v = tl.load(v_ptrs + dims[None, :] * v_stride_d, mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        # scores: [GROUP_TILE, TOKENS_TILE]; "ieee" keeps fp32 inputs out of TF32 (16-bit ones ignore it)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        alpha = tl.exp2(row_max - new_max)  # 0 on the first tile, whose first token is always in range
-        p = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        row_max = new_max
+        k, v = load_kv_tile(  # [TOKENS_TILE, DIM_TILE]
+            k_base, v_base, block_tables_ptr + seq * bt_stride_s, tokens, token_mask, dims, dim_mask,
+            k_stride_n, k_stride_bs, k_stride_d, v_stride_n, v_stride_bs, v_stride_d, bt_stride_b,
+            BLOCK_SIZE, DOT_F32,
+        )
+        # the first tile's first token is always in range
+        row_max, row_sum, acc = online_softmax_step(q, k, v, token_mask[None, :], qk_scale, row_max, row_sum, acc)
 
     if ONE_SPLIT:
         out = acc / row_sum[:, None]
@@ -147,17 +134,10 @@ def default_split_len(max_len: int, num_seqs: int, num_kv_heads: int) -> int:
     return triton.cdiv(triton.cdiv(max_len, splits), TOKENS_TILE) * TOKENS_TILE
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    gather: "DecodeGather | None" = None,
-    *,
-    split_len: int | None = None,
-) -> torch.Tensor:
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           gather: "DecodeGather | None" = None, *,
+                           split_len: int | None = None) -> torch.Tensor:
     """``kernels.reference.paged_decode_attention`` in Triton. query: [S, H, D]; key_cache,
     value_cache: [N, BS, KVH, D]; block_tables: [S, B] int32; seq_lens: [S] int32. Returns [S, H, D].
 

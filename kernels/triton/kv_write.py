@@ -38,13 +38,8 @@ def _write_kv_kernel(
     tl.store(vc_ptrs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """``kernels.reference.write_kv`` in Triton. key, value: [T, KVH, D] (any strides);
     key_cache, value_cache: [N, BS, KVH, D]; slot_mapping: [T] int64."""
     num_tokens = key.shape[0]

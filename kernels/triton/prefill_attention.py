@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import interpreted, keys_tile, tile
+from kernels.triton.common import interpreted, keys_tile, load_kv_tile, online_softmax_step, tile
 
 # (query, head) rows per program; keys per inner step (fewer when the tiles are wide: keys_tile)
 ROWS_TILE, KEYS_TILE = 64, 64
@@ -63,46 +63,26 @@ def _prefill_kernel(
     row_max = tl.full([ROWS_TILE], float("-inf"), tl.float32)
     row_sum = tl.zeros([ROWS_TILE], tl.float32)
     acc = tl.zeros([ROWS_TILE, DIM_TILE], tl.float32)
+    k_base, v_base = key_cache_ptr + kv_head * k_stride_h, value_cache_ptr + kv_head * v_stride_h
     for key_start in range(0, key_end, KEYS_TILE):
         keys = key_start + tl.arange(0, KEYS_TILE)
         key_mask = keys < key_end
-        table_ptrs = block_tables_ptr + seq * bt_stride_s + (keys // BLOCK_SIZE) * bt_stride_b
-        # [KEYS_TILE, 1] each key's block and offset in it; int64: block * stride can pass 2**31
-        blocks = tl.load(table_ptrs, mask=key_mask, other=0).to(tl.int64)[:, None]
-        offsets = (keys % BLOCK_SIZE)[:, None]
-        k_ptrs = key_cache_ptr + blocks * k_stride_n + offsets * k_stride_bs + kv_head * k_stride_h
-        v_ptrs = value_cache_ptr + blocks * v_stride_n + offsets * v_stride_bs + kv_head * v_stride_h
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_ptrs + dims[None, :] * k_stride_d, mask=kv_mask, other=0.0)  # [KEYS_TILE, DIM_TILE]
-        v = tl.load(v_ptrs + dims[None, :] * v_stride_d, mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        # scores: [ROWS_TILE, KEYS_TILE]; "ieee" keeps fp32 inputs out of TF32 (16-bit ones ignore it)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        alpha = tl.exp2(row_max - new_max)  # 0 on the first tile, which holds key 0
-        p = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        row_max = new_max
+        k, v = load_kv_tile(  # [KEYS_TILE, DIM_TILE]
+            k_base, v_base, block_tables_ptr + seq * bt_stride_s, keys, key_mask, dims, dim_mask,
+            k_stride_n, k_stride_bs, k_stride_d, v_stride_n, v_stride_bs, v_stride_d, bt_stride_b,
+            BLOCK_SIZE, DOT_F32,
+        )
+        visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])  # the first tile holds key 0
+        row_max, row_sum, acc = online_softmax_step(q, k, v, visible, qk_scale, row_max, row_sum, acc)
 
     out = acc / row_sum[:, None]
     out_ptrs = out_ptr + (q_start + queries)[:, None] * out_stride_t + heads[:, None] * out_stride_h
     tl.store(out_ptrs + dims[None, :] * out_stride_d, out.to(out_ptr.dtype.element_ty), mask=row_dim_mask)
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: list[int],
-    seq_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                            scale: float) -> torch.Tensor:
     """``kernels.reference.paged_prefill_attention`` in Triton. query: [T, H, D]; key_cache,
     value_cache: [N, BS, KVH, D] (already holding the new tokens); block_tables: [P, B] int32;
     query_start_loc: P + 1 host offsets from 0; seq_lens: P host context lengths. Returns [T, H, D]."""

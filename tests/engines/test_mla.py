@@ -11,10 +11,10 @@ import torch
 from test_llm_vs_transformers import MAX_TOKENS, Reference, check_against_reference
 
 from engines import LLM, SamplingParams
-from engines.attention_metadata import AttentionMetadata, build_decode_gather
 from engines.models.mla import MLAAttention
+from kernels.attention_metadata import AttentionMetadata, build_decode_gather
 from kernels.mla_reference import indexer_topk
-from kernels.probes import scrambled_block_tables
+from kernels.probe_inputs import scrambled_block_tables
 from server.embedded_model.factory import make_config
 
 INDEX_TOPK = 12  # server/embedded_model/factory.py's DSA models keep 12 positions per query

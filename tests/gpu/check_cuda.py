@@ -25,9 +25,9 @@ import triton
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's packages
 
-from engines.attention_metadata import build_decode_gather
 from kernels import reference
 from kernels import triton as triton_ops
+from kernels.attention_metadata import build_decode_gather
 from kernels.probes import TOLERANCE  # the registry's, so a pass here is a pass there
 from kernels.triton.decode_attention import default_split_len
 
@@ -167,7 +167,7 @@ def time_decode(device: torch.device) -> list[dict]:
 
 def probe_registry(device: torch.device) -> dict:
     """What a worker on this GPU would choose for a Llama-3-70B-shaped layer in bf16, and why."""
-    from kernels.probes import ModelShapes
+    from kernels.model_shapes import ModelShapes
     from kernels.registry import select
 
     shapes = ModelShapes(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rotary_dim=HEAD_DIM,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engines import LLM, SamplingParams
-from engines.attention_metadata import build_decode_gather
 from kernels import cpp, reference
+from kernels.attention_metadata import build_decode_gather
 
 # (head dim, KV heads, query heads, block size)
 SHAPES = [(8, 2, 6, 16), (96, 1, 3, 16), (64, 2, 2, 128), (96, 2, 6, 128)]

@@ -13,7 +13,8 @@ import engines.engine
 from engines import LLM, SamplingParams
 from engines.platforms import Platform
 from kernels import grouped_mm, reference, registry
-from kernels.probes import TOLERANCE, ModelShapes, max_error
+from kernels.model_shapes import ModelShapes
+from kernels.probes import TOLERANCE, max_error
 from kernels.routing import MoeRouting
 
 CPU = torch.device("cpu")

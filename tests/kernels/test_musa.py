@@ -15,10 +15,11 @@ import torch
 
 import engines.engine
 from engines import LLM, SamplingParams
-from engines.attention_metadata import build_decode_gather
 from engines.platforms import get_platform
 from kernels import reference, registry
-from kernels.probes import TOLERANCE, ModelShapes, scrambled_block_tables
+from kernels.attention_metadata import build_decode_gather
+from kernels.model_shapes import ModelShapes
+from kernels.probes import TOLERANCE, scrambled_block_tables
 from kernels.registry import KernelSelectionError, select
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"

@@ -15,10 +15,11 @@ import torch
 
 import engines.engine
 from engines import LLM, SamplingParams
-from engines.attention_metadata import build_decode_gather
 from engines.platforms import Platform
 from kernels import reference, registry
-from kernels.probes import TOLERANCE, ModelShapes, applies, max_error
+from kernels.attention_metadata import build_decode_gather
+from kernels.model_shapes import ModelShapes
+from kernels.probes import TOLERANCE, applies, max_error
 
 BS = 128  # Ascend's paged kernels want 128
 
@@ -279,6 +280,8 @@ def test_the_registry_chooses_npu_for_every_op(npu, no_forced_kernels, dtype):
     selection = registry.select("npu", CPU, dtype, SHAPES)
     assert selection.chosen == ALL_NPU, selection.rejected
     assert selection.ops.paged_prefill_attention is npu.paged_prefill_attention
+    # the paged decode records its host-length calls while a graph is captured (engines/graphs.py)
+    assert selection.capture_hooks == [npu.recording_graph_tasks] and selection.uncapturable == {}
 
 
 def test_the_registry_skips_what_the_operators_decline(npu, no_forced_kernels):

@@ -109,11 +109,29 @@ def test_the_kv_pool_is_sized_with_a_captured_graph_held(npu_platform, tiny_mode
 
 
 def test_an_mla_model_is_never_captured_on_ascend(npu_platform, tiny_models, caplog):
-    """Ascend's MLA attention takes host lengths with no graph-task update: a replay would freeze them."""
-    model = tiny_models("deepseek_v3")
+    """Ascend's MLA attention takes host lengths with no graph-task update: a replay would freeze them.
+    The kernel says so (``graph_capturable = False``), the registry reports it, the runner decodes
+    eagerly. DeepSeek's latent shapes (512 / 64), so the Ascend MLA attention is the one chosen."""
+    model = tiny_models("deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64)
     with caplog.at_level("INFO", logger="engines.runner"):
         llm = LLM(model, device="npu:0", compile="on", dtype="bfloat16", block_size=BS, num_kv_blocks=16, max_num_seqs=2)
-    assert llm.engine.runner.decode_graphs is None and llm.engine.runner.compile_mode == "off"
+    runner = llm.engine.runner
+    assert runner.kernels.chosen["mla_decode_attention"] == "npu"
+    assert runner.kernels.uncapturable == {"mla_decode_attention": "npu"}
+    assert runner.decode_graphs is None and runner.compile_mode == "off"
     assert "DeepseekV3ForCausalLM decodes eagerly on cpu: its kernels cannot be graph-captured yet" in caplog.text
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].token_ids) == 3
+
+
+
+def test_the_reference_mla_decode_is_declared_uncapturable_too(npu_platform, tiny_models):
+    """With the tiny model's latent (32 / 8) the Ascend MLA attention declines and the reference one
+    is chosen; it declares itself uncapturable (a captured replay on the fake graph differed from
+    eager), so the model decodes eagerly, as every MLA model did before the kernels declared it."""
+    model = tiny_models("deepseek_v3")
+    llm = LLM(model, device="npu:0", compile="on", dtype="bfloat16", block_size=BS, num_kv_blocks=16, max_num_seqs=2)
+    runner = llm.engine.runner
+    assert runner.kernels.chosen["mla_decode_attention"] == "reference"
+    assert runner.kernels.uncapturable == {"mla_decode_attention": "reference"}
+    assert runner.decode_graphs is None and runner.compile_mode == "off"

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernels import registry
-from kernels.probes import TOLERANCE, ModelShapes, probe
+from kernels.model_shapes import ModelShapes
+from kernels.probes import TOLERANCE, probe
 from kernels.routing import MoeRouting
 
 CPU = torch.device("cpu")

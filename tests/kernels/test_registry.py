@@ -11,7 +11,7 @@ import torch
 
 from engines import LLM, SamplingParams
 from kernels import reference, registry
-from kernels.probes import ModelShapes
+from kernels.model_shapes import ModelShapes
 from kernels.registry import KernelSelectionError, parse_forced, select
 
 SHAPES = ModelShapes(num_heads=6, num_kv_heads=2, head_dim=8, rotary_dim=8, rope_is_neox=True, hidden_size=48,
@@ -185,3 +185,34 @@ def test_ties_go_to_the_preferred_candidate():
 
     assert fastest({"reference": 1.0, "cpp": 1.0}, ("cpp", "reference")) == "cpp"
     assert fastest({"reference": 0.5, "cpp": 1.0}, ("cpp", "reference")) == "reference"
+
+
+def test_a_chosen_kernel_that_cannot_be_captured_is_reported_for_the_ops_the_model_calls(monkeypatch):
+    """A function's ``graph_capturable = False`` reaches ``KernelSelection.uncapturable`` when its op
+    is one the model calls; its ``graph_capture_hook`` reaches ``capture_hooks``."""
+    monkeypatch.setenv(registry.TIMING_ENV_VAR, "off")
+
+    def hook():
+        raise AssertionError("only collected here, never entered")
+
+    def frozen_silu(x: torch.Tensor) -> torch.Tensor:
+        return reference.silu_and_mul(x).clone()
+
+    def hooked_silu(x: torch.Tensor) -> torch.Tensor:
+        return reference.silu_and_mul(x).clone()
+
+    frozen_silu.graph_capturable = False
+    hooked_silu.graph_capture_hook = hook
+    fake_module("frozen", monkeypatch, OPS={"silu_and_mul": frozen_silu})
+    fake_module("hooked", monkeypatch, OPS={"silu_and_mul": hooked_silu})
+    assert select("cpu", CPU, torch.float32, SHAPES).uncapturable == {}  # the reference and cpp capture
+    frozen = select("cpu", CPU, torch.float32, SHAPES, forced={"silu_and_mul": "frozen"})
+    assert frozen.uncapturable == {"silu_and_mul": "frozen"} and frozen.capture_hooks == []
+    assert "not graph-capturable" in frozen.table()
+    hooked = select("cpu", CPU, torch.float32, SHAPES, forced={"silu_and_mul": "hooked"})
+    assert hooked.uncapturable == {} and hooked.capture_hooks == [hook]
+    # the reference MLA decode and DSA indexer: reported for an MLA / DSA model only
+    dsa = replace(SHAPES, num_heads=4, num_kv_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, index_topk=4,
+                  index_n_heads=2, index_head_dim=8)
+    assert select("cpu", CPU, torch.float32, dsa).uncapturable == {"mla_decode_attention": "reference",
+                                                                    "indexer_topk": "reference"}

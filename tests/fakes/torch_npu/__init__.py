@@ -22,8 +22,8 @@ speed or memory.
 import torch
 import torch.nn.functional as F
 
-from engines.attention_metadata import build_decode_gather
 from kernels import reference
+from kernels.attention_metadata import build_decode_gather
 from kernels.routing import MoeRouting
 
 from . import npu  # graphs and streams; the real torch_npu registers its npu module as torch.npu too

@@ -12,7 +12,8 @@ class DecodeGather:
     can attend: which blocks to gather and which gathered positions hold context. It depends only on
     the step, so the runner builds it once per step (from host copies, without a device sync) and
     every layer reuses it. Kernels that read the cache in place ignore it, except ``host_seq_lens``,
-    which Ascend's paged attention takes on the host.
+    which kernels that take the lengths on the host read (Ascend's paged attention, the reference DSA
+    indexer).
 
     Shapes: S = decode sequences, Bg = blocks gathered per sequence, Lc = context_len <= Bg * BS.
     """
@@ -21,9 +22,14 @@ class DecodeGather:
     context_len: int  # Lc: the first Lc gathered positions are attended (the longest context)
     mask: torch.Tensor | None  # [S, 1, 1, Lc] bool, True where a position holds context; None: all do
     host_seq_lens: torch.Tensor | None = None  # [S] int32 on the host: each context length
-    # Set only while an Ascend graph is captured (engines/graphs.py): kernels that read host_seq_lens
-    # append (task group handle, call arguments) here, to be re-issued with each replay's lengths.
-    graph_tasks: list | None = None
+
+    def contexts(self, cache: torch.Tensor, num_seqs: int) -> torch.Tensor:
+        """cache [N, BS, ...] -> [S, Lc, ...]: each sequence's first Lc cached positions. Whole
+        blocks are copied (index_select over rows of BS * ... values copies contiguous runs, several
+        times faster than advanced indexing), then cut to the longest context."""
+        num_blocks = cache.shape[0]
+        rows = cache.view(num_blocks, -1).index_select(0, self.block_ids)  # [S * Bg, BS * ...]
+        return rows.view(num_seqs, -1, *cache.shape[2:])[:, : self.context_len]
 
 
 def build_decode_gather(
