@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine_timing import LLAMA_5M, best_window, decode_args, decoding, llama_5m
+from engine_timing import LLAMA_5M, best_window, decode_args, decode_engine, decoding, llama_5m
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_buckets.json"
 MODES = ("off", "on")
@@ -41,17 +41,13 @@ def main() -> None:
     path = llama_5m(args.model_dir)
     import torch
 
-    from engines import LLM
-
     contexts, batches = ((128, 512), (1, 3, 8)) if args.quick else ((128, 512, 1900), (1, 3, 8, 32))
     windows, window = (2, 4) if args.quick else (5, 8)
     max_num_seqs = max(batches)
-    num_blocks = max_num_seqs * (-(-(max(contexts) + 8 + windows * window) // 16)) + 16
     engines, startup = {}, {}
     for mode in MODES:
         start = time.perf_counter()
-        engines[mode] = LLM(path, dtype="float32", num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, block_size=16,
-                            max_num_batched_tokens=4096, compile=mode)
+        engines[mode] = decode_engine(path, max_num_seqs, max(contexts), windows * window, compile=mode)
         startup[mode] = time.perf_counter() - start
         print(f"compile {mode}: engine ready in {startup[mode]:.1f} s", file=sys.stderr)
     rows = []

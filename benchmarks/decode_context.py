@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine_timing import LLAMA_5M, best_window, decode_args, decoding, llama_5m
+from engine_timing import LLAMA_5M, best_window, decode_args, decode_engine, decoding, llama_5m
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_context.json"
 IMPLEMENTATIONS = ("reference", "cpp")
@@ -32,14 +32,10 @@ def main() -> None:
     path = llama_5m(args.model_dir)
     import torch
 
-    from engines import LLM
-
     contexts, batches = ((128, 512), (1, 8)) if args.quick else ((128, 512, 1536), (1, 8, 32))
     windows, window = (2, 4) if args.quick else (5, 8)
-    num_blocks = max(batches) * (-(-(max(contexts) + 8 + windows * window) // 16)) + 16
     engines = {
-        impl: LLM(path, dtype="float32", num_kv_blocks=num_blocks, max_num_seqs=max(batches), block_size=16,
-                  max_num_batched_tokens=4096, kernels={"decode_attention": impl})
+        impl: decode_engine(path, max(batches), max(contexts), windows * window, kernels={"decode_attention": impl})
         for impl in IMPLEMENTATIONS
     }
     rows = []

@@ -4,7 +4,8 @@
 - ``forward_clock``: a timing wrapper around the runner's ``forward`` (the decoder and the logits);
 - ``decoding`` and ``best_window``: steady decode steps of a batch at a given context, and the
   fastest window of them (on a shared machine the least disturbed estimate);
-- ``decode_args`` and ``llama_5m``: the command line and the model of the decode-step scripts.
+- ``decode_args``, ``llama_5m`` and ``decode_engine``: the command line, the model and the engines
+  of the decode-step scripts.
 
 A sibling module of the scripts (``python benchmarks/X.py`` puts this folder on ``sys.path``).
 """
@@ -115,3 +116,13 @@ def llama_5m(model_dir: str) -> str:
 
     torch.set_num_threads(1)
     return str(ensure_tiny_model(model_dir, name="llama-5m", **LLAMA_5M))
+
+
+def decode_engine(path: str, max_num_seqs: int, max_context: int, steps: int, **options):
+    """An ``LLM`` of ``path`` in float32 with KV blocks of 16 tokens for ``max_num_seqs`` sequences of
+    ``max_context`` prompt tokens and ``steps`` decode steps (``decoding``'s), plus ``options``."""
+    from engines import LLM
+
+    num_blocks = max_num_seqs * -(-(max_context + 8 + steps) // 16) + 16
+    return LLM(path, dtype="float32", num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, block_size=16,
+               max_num_batched_tokens=4096, **options)
