@@ -13,21 +13,16 @@ start-up compile time (cold, or warm from the inductor cache). Prints a markdown
     python benchmarks/decode_buckets.py [--quick]
 """
 
-import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "decode_buckets.json"
-MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
-MODES = ("off", "on")
+from engine_timing import LLAMA_5M, best_window, decode_args, decode_engine, decoding, llama_5m
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from decode_context import best_window, decoding  # a sibling script: one way to time a step
+RESULTS = Path(__file__).resolve().parent / "results" / "decode_buckets.json"
+MODES = ("off", "on")
 
 
 def step_time(llm, batch: int, context: int, windows: int, window: int) -> tuple[float, int]:
@@ -42,28 +37,17 @@ def step_time(llm, batch: int, context: int, windows: int, window: int) -> tuple
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer windows, contexts and batches (a smoke run)")
-    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
+    args = decode_args(__doc__, RESULTS, "fewer windows, contexts and batches (a smoke run)")
+    path = llama_5m(args.model_dir)
     import torch
 
-    from engines import LLM
-    from server.embedded_model.factory import ensure_tiny_model
-
-    torch.set_num_threads(1)
     contexts, batches = ((128, 512), (1, 3, 8)) if args.quick else ((128, 512, 1900), (1, 3, 8, 32))
     windows, window = (2, 4) if args.quick else (5, 8)
     max_num_seqs = max(batches)
-    path = str(ensure_tiny_model(args.model_dir, name="llama-5m", **MODEL))
-    num_blocks = max_num_seqs * (-(-(max(contexts) + 8 + windows * window) // 16)) + 16
     engines, startup = {}, {}
     for mode in MODES:
         start = time.perf_counter()
-        engines[mode] = LLM(path, dtype="float32", num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, block_size=16,
-                            max_num_batched_tokens=4096, compile=mode)
+        engines[mode] = decode_engine(path, max_num_seqs, max(contexts), windows * window, compile=mode)
         startup[mode] = time.perf_counter() - start
         print(f"compile {mode}: engine ready in {startup[mode]:.1f} s", file=sys.stderr)
     rows = []
@@ -81,7 +65,7 @@ def main() -> None:
                 print(f"context {context:>5} batch {batch:>3}: eager {row['eager_ms']:.2f} ms, "
                       f"compiled {row['compiled_ms']:.2f} ms", file=sys.stderr)
     load = os.getloadavg()[0]
-    result = {"model": MODEL, "dtype": "float32", "threads": 1, "startup_s": startup, "load_avg_1m_after": load,
+    result = {"model": LLAMA_5M, "dtype": "float32", "threads": 1, "startup_s": startup, "load_avg_1m_after": load,
               "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -3,8 +3,8 @@ every layer sparse): the engine against transformers' own forward, at batch 1, 8
 
 Engine: ``engine.step()`` in steady decode after 128-token prompts (greedy, ignore_eos), once with
 the reference fused_moe (the CPU default: per-expert matmuls after sorting the tokens by expert) and
-once with ``torch._grouped_mm`` forced; the model forward (decoder + logits) is timed inside the
-step. transformers: ``model(next_tokens, past_key_values=cache)`` on a batch that has prefilled the
+once with ``torch._grouped_mm`` forced; the model forward (decoder + logits) inside the step is
+timed by wrapping the runner's ``forward`` (benchmarks/engine_timing.py). transformers: ``model(next_tokens, past_key_values=cache)`` on a batch that has prefilled the
 same prompts (its default experts implementation, recorded in the output). Each figure is the best
 of several windows of 10 steps (on a shared machine the minimum is the least disturbed estimate).
 One thread, float32. Prints a markdown table and writes ``benchmarks/results/moe_decode.json``.
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from engine_timing import forward_clock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -54,13 +55,13 @@ def engine_steps(path: str, windows: int, fused_moe: str) -> dict[int, dict[str,
         for _ in range(WARM_STEPS):  # the prefill, then a few decodes
             engine.step()
         for _ in range(windows):
-            runner.forward_seconds = 0.0  # the runner sums the forward (decoder + logits) over steps
-            start = time.perf_counter()
-            for _ in range(WINDOW):
-                engine.step()
-            step = (time.perf_counter() - start) / WINDOW
+            with forward_clock(runner) as forward:
+                start = time.perf_counter()
+                for _ in range(WINDOW):
+                    engine.step()
+                step = (time.perf_counter() - start) / WINDOW
             if batch not in best or step < best[batch]["step_ms"] / 1e3:
-                best[batch] = {"step_ms": 1e3 * step, "forward_ms": 1e3 * runner.forward_seconds / WINDOW}
+                best[batch] = {"step_ms": 1e3 * step, "forward_ms": 1e3 * forward.seconds / WINDOW}
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
     return best

@@ -9,7 +9,8 @@ batches, left padding, a batch runs until its longest request is done) both deco
   and 32. Only the requested tokens count, so a static batch pays for its padding steps.
 
 Output tokens/s is the best of ``--repeats`` runs. For the engine it also reports one step's wall
-time, the model forward inside it (decoder plus logits, timed by the runner) and the difference:
+time, the model forward inside it (decoder plus logits, the runner's ``forward`` timed from outside
+by benchmarks/engine_timing.py) and the difference:
 the per-step overhead of scheduling, input preparation and sampling. Prints a markdown table
 and writes ``benchmarks/results/offline_throughput.json``.
 
@@ -33,6 +34,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
 import torch
+from engine_timing import StepClock, forward_clock
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -95,26 +97,18 @@ def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[in
 
 def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> tuple[float, dict]:
     """Wall seconds of one ``generate`` and the engine's step timings summed over it."""
-    engine, runner = llm.engine, llm.engine.runner
-    step, timing = engine.step, {"steps": 0, "step_s": 0.0}
-
-    def timed_step():  # the step's own wall time, without LLM.generate's detokenising around it
-        start = time.perf_counter()
-        out = step()
-        timing["step_s"] += time.perf_counter() - start
-        timing["steps"] += 1
-        return out
-
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    engine.step, runner.forward_seconds = timed_step, 0.0
+    # The steps' own wall time, without LLM.generate's detokenising around them.
+    engine = llm.engine
+    llm.engine = steps = StepClock(engine)
     try:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        wall = time.perf_counter() - start
-        timing["forward_s"] = runner.forward_seconds
+        with forward_clock(engine.runner) as forward:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            wall = time.perf_counter() - start
     finally:
-        del engine.step  # back to the class's method
-        runner.forward_seconds = None
+        llm.engine = engine
+    timing = {"steps": steps.steps, "step_s": steps.seconds, "forward_s": forward.seconds}
     if [len(o.token_ids) for o in outputs] != max_tokens:
         raise RuntimeError("the engine did not generate the requested number of tokens")
     return wall, timing

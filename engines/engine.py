@@ -1,4 +1,4 @@
-"""The engine loop: schedule -> run model -> sample -> emit outputs. Drives one device."""
+"""The engine loop: schedule -> run the model and sample -> the scheduler's update. Drives one device."""
 
 import itertools
 import logging
@@ -11,9 +11,8 @@ from engines.config import EngineConfig
 from engines.kv_cache import BlockManager
 from engines.outputs import EngineStats, StepOutput
 from engines.platforms import get_platform
-from engines.runner import SampledToken
 from engines.sampling_params import SamplingParams
-from engines.scheduler import ScheduledSeq, Scheduler
+from engines.scheduler import SampledTokens, ScheduledSeq, Scheduler
 from engines.sequence import Sequence, SequenceStatus
 from engines.structured.compiler import GrammarCompiler, PendingGrammar
 from engines.structured.schema import check_json_schema
@@ -37,7 +36,8 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.init_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         # request_id -> (its grammar being compiled, its sequences): held back from the scheduler
@@ -143,20 +143,25 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def step(self) -> list[StepOutput]:
-        not_compiled = self._admit_compiled() if self._compiling else []
+        outputs = self._admit_compiled() if self._compiling else []
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return not_compiled
-        failed: list[StepOutput] = []
+            return outputs
+        sampled, scheduled, failed = self._execute(scheduled)
+        new = self.scheduler.update(scheduled, sampled)
+        self._forget_finished([s.seq for s in sampled])
+        self.generation_tokens_total += sum(len(out.new_token_ids) for out in new)
+        return outputs + failed + new
+
+    def _execute(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[list[SampledTokens], list[ScheduledSeq], list[StepOutput]]:
+        """Run the step; when it fails, run its sequences one by one (``_execute_one_by_one``)."""
         try:
-            sampled = self.runner.execute(scheduled)
+            return self.runner.execute(scheduled), scheduled, []
         except Exception:
             logger.exception("step of %d sequences failed; running them one by one", len(scheduled))
-            sampled, scheduled, failed = self._execute_one_by_one(scheduled)
-        for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(s.seq)
-        return not_compiled + failed + [self._append_token(s) for s in sampled]
+            return self._execute_one_by_one(scheduled)
 
     def _admit_compiled(self) -> list[StepOutput]:
         """Hand requests whose grammar is compiled to the scheduler, each sequence with its own matcher.
@@ -192,11 +197,11 @@ class LLMEngine:
 
     def _execute_one_by_one(
         self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[SampledToken], list[ScheduledSeq], list[StepOutput]]:
+    ) -> tuple[list[SampledTokens], list[ScheduledSeq], list[StepOutput]]:
         """After a failed step, run each sequence alone, so that a request the failure can be
         traced to fails by itself (every choice of it, finish reason "error") and the others go on.
         Returns the sampled tokens and the sequences that ran, and one output per failed sequence."""
-        sampled: list[SampledToken] = []
+        sampled: list[SampledTokens] = []
         ran: list[ScheduledSeq] = []
         failed_requests: dict[str, str] = {}
         for s in scheduled:
@@ -218,43 +223,6 @@ class LLMEngine:
         sampled = [t for t in sampled if t.seq.request_id not in failed_requests]
         return sampled, ran, failed
 
-    def _append_token(self, sampled: SampledToken) -> StepOutput:
-        seq, token = sampled.seq, sampled.token_id
-        seq.token_ids.append(token)
-        self.generation_tokens_total += 1
-        error = None
-        if seq.grammar is not None and not seq.grammar.matcher.accept_token(token):
-            # The mask allows only tokens the grammar accepts: this is a bug, not a bad request.
-            error = f"token {token} is outside the output's grammar"
-            logger.error("request %s: %s", seq.request_id, error)
-        if seq.waiting_grammar is not None and token == seq.params.json_schema_after_token:
-            seq.grammar, seq.waiting_grammar = seq.waiting_grammar, None
-        reason = "error" if error else self._stop_reason(seq, token)
-        if reason is not None:
-            self._finish(seq, reason)
-        return StepOutput(
-            request_id=seq.request_id,
-            index=seq.index,
-            new_token_ids=[token],
-            finished=reason is not None,
-            finish_reason=reason,
-            logprobs=None if sampled.logprob is None else [sampled.logprob],
-            error=error,
-            prompt_logprobs=sampled.prompt_logprobs,
-        )
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if seq.grammar is not None and token in self.eos_token_ids:
-            return "stop"  # the grammar's end: its mask allows EOS only there, ignore_eos or not
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.request_id in self._compiling:  # never handed to the scheduler: nothing to free
             self._compiling[seq.request_id][1].remove(seq)
@@ -263,10 +231,17 @@ class LLMEngine:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         else:
             self.scheduler.finish(seq, reason)
-        self.runner.release(seq)
-        seqs = self.requests.get(seq.request_id, [])
-        if all(s.is_finished for s in seqs):
-            self.requests.pop(seq.request_id, None)
+        self._forget_finished([seq])
+
+    def _forget_finished(self, seqs: list[Sequence]) -> None:
+        """Drop the runner's state of each finished sequence, and a request once all its choices are done."""
+        for seq in seqs:
+            if not seq.is_finished:
+                continue
+            self.runner.release(seq)
+            choices = self.requests.get(seq.request_id, [])
+            if all(s.is_finished for s in choices):
+                self.requests.pop(seq.request_id, None)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -1,8 +1,8 @@
 """Runs one scheduled step on the device: flatten the batch, one forward, one sample, one copy back."""
 
 import logging
-import time
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -16,7 +16,7 @@ from engines.outputs import TokenLogprob
 from engines.platforms import Platform
 from engines.sampler import Sampler, SamplingRow, choice_seed
 from engines.sampling_params import SamplingParams
-from engines.scheduler import ScheduledSeq
+from engines.scheduler import SampledTokens, ScheduledSeq
 from engines.sequence import Sequence, needs_prompt_logits
 from engines.structured.bitmask import apply_grammars
 from kernels.attention_metadata import AttentionMetadata, build_decode_gather
@@ -44,7 +44,11 @@ class HostInputs:
 
 @dataclass(slots=True)
 class StepBatch:
-    """Device inputs of one step plus which sequences get a new token from it."""
+    """Device inputs of one step plus which sequences get a new token from it.
+
+    Rows are decode-first: the single-token sequences form the vectorized decode part of attention,
+    the multi-token ones end the batch. ``seqs``, ``starts`` and ``num_new`` say whose rows are
+    whose, in that order (empty in a batch a tensor-parallel follower rebuilt)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -53,14 +57,21 @@ class StepBatch:
     logits_indices: torch.Tensor | None
     sampled: list[Sequence]  # N sequences whose computed tokens reach their end this step
     host: HostInputs | None = None  # set by ModelRunner._prepare; None in a batch rebuilt by a follower
+    seqs: list[Sequence] = field(default_factory=list)  # S, in row order
+    starts: list[int] = field(default_factory=list)  # [S] the position of each one's first row
+    num_new: list[int] = field(default_factory=list)  # [S] its row count
 
+    def spans(self) -> Iterator[tuple[Sequence, int, int, int]]:
+        """(sequence, its first position, its first row, its row count), in row order."""
+        row = 0
+        for seq, start, count in zip(self.seqs, self.starts, self.num_new):
+            yield seq, start, row, count
+            row += count
 
-@dataclass(slots=True)
-class SampledToken:
-    seq: Sequence
-    token_id: int
-    logprob: TokenLogprob | None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # with a request's first token, when asked
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether a sequence asks for its prompt's log-probs (echo with logprobs) in this step."""
+        return any(needs_prompt_logits(seq) for seq in self.seqs)
 
 
 def parse_dtype(dtype: str | None) -> torch.dtype | None:
@@ -108,9 +119,6 @@ class ModelRunner:
             self.compile_mode = "off"
         self.decode_graphs: DecodeGraphs | None = None
         self.scratch_block = 0  # the KV block past the pool where padded decode rows write
-        # Benchmarks set 0.0 to sum the wall time of the model forward (with the logits) over steps;
-        # None (the default) keeps the timer out of the step.
-        self.forward_seconds: float | None = None
 
     def _choose_kernels(self, forced: dict[str, str] | None, shapes: ModelShapes, dtype: torch.dtype) -> KernelOps:
         """Probe this device's kernel candidates for the model's shapes (kernels/registry.py)."""
@@ -195,20 +203,19 @@ class ModelRunner:
         self.prompt_logprobs.pop(seq.seq_id, None)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledTokens]:
+        """One step: its inputs, the forward (and the logits), one sample per sequence that reaches its end."""
         batch = self._prepare(scheduled)
-        if any(needs_prompt_logits(s.seq) for s in scheduled):
-            return self._with_prompt_logprobs(batch, scheduled)
-        if self.forward_seconds is None:
-            logits = self._forward(batch)
-        else:
-            start = time.perf_counter()
-            logits = self._forward(batch)
-            self.platform.synchronize()
-            self.forward_seconds += time.perf_counter() - start
-        return self._sample(batch, logits)
+        self.broadcast(batch)
+        if batch.needs_prompt_logits:
+            return self._with_prompt_logprobs(batch)
+        return self._sample(batch, self.forward(batch))
 
-    def _sample(self, batch: StepBatch, logits: torch.Tensor | None) -> list[SampledToken]:
+    def broadcast(self, batch: StepBatch) -> None:
+        """Hand the step's inputs to the other ranks before the forward (tensor parallel,
+        engines/tp_runner.py); one device has none."""
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor | None) -> list[SampledTokens]:
         if logits is None:
             return []
         if all(_plain_greedy(seq) for seq in batch.sampled):
@@ -218,24 +225,24 @@ class ModelRunner:
             if any(g is not None for g in grammars):
                 logits = apply_grammars(logits, grammars)
             token_ids = logits.argmax(dim=-1).tolist()
-            return [SampledToken(s, t, None) for s, t in zip(batch.sampled, token_ids)]
+            return [SampledTokens(s, [t]) for s, t in zip(batch.sampled, token_ids)]
         out = self.sampler(logits, [self._sampling_row(seq) for seq in batch.sampled])
         token_ids = out.token_ids.tolist()  # the step's one device -> host copy (plus log-probs if asked)
-        logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
+        logprobs: list[list[TokenLogprob] | None] = [None] * len(token_ids)
         if out.logprobs is not None:
             values, ids = out.logprobs.tolist(), out.logprob_token_ids.tolist()
             for i, seq in enumerate(batch.sampled):
                 k = seq.params.logprobs
                 if k is not None:
-                    logprobs[i] = TokenLogprob(values[i][0], ids[i][1 : 1 + k], values[i][1 : 1 + k])
-        return [SampledToken(s, t, lp) for s, t, lp in zip(batch.sampled, token_ids, logprobs)]
+                    logprobs[i] = [TokenLogprob(values[i][0], ids[i][1 : 1 + k], values[i][1 : 1 + k])]
+        return [SampledTokens(s, [t], lp) for s, t, lp in zip(batch.sampled, token_ids, logprobs)]
 
-    def _with_prompt_logprobs(self, batch: StepBatch, scheduled: list[ScheduledSeq]) -> list[SampledToken]:
+    def _with_prompt_logprobs(self, batch: StepBatch) -> list[SampledTokens]:
         """``execute`` for a step in which a sequence asked for its prompt's log-probs (echo with
         logprobs): the logits of its prompt positions too. Off the normal path, with a second copy
         to the host for those log-probs."""
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
-        for seq, start, first_row, count in _flat_rows(scheduled, hidden.shape[0]):
+        for seq, start, first_row, count in batch.spans():
             if needs_prompt_logits(seq):
                 self._add_prompt_logprobs(seq, start, hidden[first_row : first_row + count])
         logits = None
@@ -268,7 +275,7 @@ class ModelRunner:
         for row_values, row_ids in zip(values.tolist(), ids.tolist()):
             entries.append(TokenLogprob(row_values[0], row_ids[1:], row_values[1:]))
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor | None:
+    def forward(self, batch: StepBatch) -> torch.Tensor | None:
         """The model forward plus the logits of the sampled tokens ([N, vocab] float32; None when no
         sequence reaches its end this step)."""
         if self.decode_graphs is not None and not batch.metadata.num_prefill_seqs and batch.sampled:
@@ -283,8 +290,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+        """The step's inputs, decode-first (``StepBatch``), on the device and on the host."""
         bs = self.block_size
-        # Decode-first order: single-token sequences form the vectorized decode part of attention.
         decodes = [s.seq for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         num_decode = len(decodes)
@@ -339,6 +346,9 @@ class ModelRunner:
             logits_indices=None if logits_indices is None else self._to_device(logits_indices),
             sampled=[seq for seq, yes in zip(seqs, is_sampled) if yes],
             host=host,
+            seqs=seqs,
+            starts=starts,
+            num_new=num_new,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -376,15 +386,3 @@ def _plain_greedy(seq: Sequence) -> bool:
         and not p.logit_bias
     )
 
-
-def _flat_rows(scheduled: list[ScheduledSeq], num_tokens: int) -> list[tuple[Sequence, int, int, int]]:
-    """(sequence, its first position, its first row, its row count) in the flat batch ``_prepare``
-    builds: single-token sequences first, then the multi-token ones, which end the batch."""
-    decodes = [s for s in scheduled if s.num_new_tokens == 1]
-    prefills = [s for s in scheduled if s.num_new_tokens > 1]
-    rows = [(s.seq, s.seq.num_computed_tokens, i, 1) for i, s in enumerate(decodes)]
-    row = num_tokens - sum(s.num_new_tokens for s in prefills)
-    for s in prefills:
-        rows.append((s.seq, s.seq.num_computed_tokens, row, s.num_new_tokens))
-        row += s.num_new_tokens
-    return rows

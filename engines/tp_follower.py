@@ -1,7 +1,7 @@
 """A rank > 0 of a tensor-parallel replica: ``python -m engines.tp_follower PAYLOAD``.
 
 It joins the group, loads its shard of the model, then follows rank 0's messages: each STEP is
-rebuilt into the ``StepBatch`` rank 0 built and run through the same ``ModelRunner._forward`` (or, in
+rebuilt into the ``StepBatch`` rank 0 built and run through the same ``ModelRunner.forward`` (or, in
 a step with prompt log-probs, the same sequence of logits computations); rank 0 samples. It leaves
 on STOP, or when the group breaks (rank 0 gone), or when its parent process dies.
 """
@@ -56,7 +56,7 @@ def follow(runner: ModelRunner, group: ParallelGroup) -> None:
         if kind == STEP:
             batch, prompt_rows = decode_step(message, runner.device, runner.block_size)
             if prompt_rows is None:
-                runner._forward(batch)
+                runner.forward(batch)
             else:
                 _prompt_logprobs_step(runner, batch, prompt_rows)
         elif kind == ALLOCATE:

@@ -1,7 +1,7 @@
 """Rank 0 of a tensor-parallel replica: starts the other ranks of its node, forms the group, and
 runs the ``ModelRunner`` with one broadcast of the step's inputs (engines/step_message.py) before
-every forward. The other ranks (engines/tp_follower.py) rebuild the same ``StepBatch`` and run the
-same ``_forward``; rank 0 alone samples. Commands (KV allocation, the KV pool's sizing, stop) travel
+every forward (its ``broadcast`` hook). The other ranks (engines/tp_follower.py) rebuild the same
+``StepBatch`` and run the same ``forward``; rank 0 alone samples. Commands (KV allocation, the KV pool's sizing, stop) travel
 as messages of the same broadcast, so the ranks stay in lock-step.
 """
 
@@ -22,8 +22,7 @@ from engines.distributed import GroupFailure, ParallelGroup, open_store
 from engines.models.tensor_parallel import check_model_splits
 from engines.parallel_config import ParallelConfig
 from engines.platforms import Platform
-from engines.runner import ModelRunner, StepBatch, _flat_rows
-from engines.scheduler import ScheduledSeq
+from engines.runner import ModelRunner, StepBatch
 from engines.sequence import needs_prompt_logits
 from engines.step_message import ALLOCATE, PROFILE, STOP, encode_command, encode_step
 
@@ -126,13 +125,8 @@ class TensorParallelRunner(ModelRunner):
         return [{"rank": rank, "device": device, "pid": local.get(rank), "node": rank // per_node}
                 for rank, device in enumerate(self.parallel.devices)]
 
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
-        batch = super()._prepare(scheduled)
-        rows = None
-        if any(needs_prompt_logits(s.seq) for s in scheduled):
-            rows = prompt_logit_rows(scheduled, len(batch.input_ids))
-        self._send(encode_step(batch, rows))
-        return batch
+    def broadcast(self, batch: StepBatch) -> None:
+        self._send(encode_step(batch, prompt_logit_rows(batch) if batch.needs_prompt_logits else None))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._send(encode_command(ALLOCATE, num_blocks))
@@ -158,12 +152,12 @@ class TensorParallelRunner(ModelRunner):
         self._release()
 
 
-def prompt_logit_rows(scheduled: list[ScheduledSeq], num_tokens: int) -> list[tuple[int, int]]:
+def prompt_logit_rows(batch: StepBatch) -> list[tuple[int, int]]:
     """The (first row, count) of each ``compute_logits`` call that ``ModelRunner._with_prompt_logprobs``
     makes for prompt log-probs, in its order: the followers make the same calls (the logits gather
     is a collective)."""
     rows = []
-    for seq, start, first_row, count in _flat_rows(scheduled, num_tokens):
+    for seq, start, first_row, count in batch.spans():
         if needs_prompt_logits(seq):
             targets = min(start + 1 + count, seq.num_prompt_tokens) - (start + 1)
             if targets > 0:

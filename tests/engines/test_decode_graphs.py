@@ -108,9 +108,9 @@ def test_padded_rows_never_change_real_kv_or_outputs(compiled, eager):
     before = runner.kv_cache.clone()
     steps = runner.decode_graphs.steps_run
     scheduled = decode_step(compiled.engine.vocab_size)
-    got = [t.token_id for t in runner.execute(scheduled)]
+    got = [t.token_ids for t in runner.execute(scheduled)]
     assert runner.decode_graphs.steps_run == steps + 1
-    want = [t.token_id for t in reference.execute(scheduled)]
+    want = [t.token_ids for t in reference.execute(scheduled)]
     assert got == want
     # [2, L, N + 1, BS, KVH, D] -> which (block, offset) slots changed
     changed = (runner.kv_cache != before).flatten(4).any(-1).any(0).any(0).nonzero().tolist()

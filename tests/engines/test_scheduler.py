@@ -2,14 +2,15 @@
 sequence that reaches its end gets token 7."""
 
 from engines.kv_cache import BlockManager
+from engines.outputs import TokenLogprob
 from engines.sampling_params import SamplingParams
-from engines.scheduler import Scheduler
+from engines.scheduler import SampledTokens, Scheduler
 from engines.sequence import Sequence, SequenceStatus
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, prefix=True):
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, prefix=True, eos=(), max_model_len=None):
     bm = BlockManager(num_blocks, block_size, prefix)
-    return Scheduler(bm, max_num_seqs, budget)
+    return Scheduler(bm, max_num_seqs, budget, eos, max_model_len)
 
 
 def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 4) -> Sequence:
@@ -22,13 +23,9 @@ def add(sched: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 4) -> 
 def fake_step(sched: Scheduler) -> list[tuple[Sequence, int]]:
     scheduled = sched.schedule()
     plan = [(s.seq, s.num_new_tokens) for s in scheduled]
-    for seq, n in plan:
-        seq.num_computed_tokens += n
-        sched.block_manager.cache_full_blocks(seq)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(7)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                sched.finish(seq, "length")
+    sampled = [SampledTokens(s.seq, [7]) for s in scheduled
+               if s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens]
+    sched.update(scheduled, sampled)
     return plan
 
 
@@ -131,3 +128,82 @@ def test_n_choices_wait_for_the_parent_prompt_then_share_it():
     assert child.block_table[:2] == parent.block_table[:2]
     run_all(sched)
     assert sched.block_manager.num_free_blocks == 64
+
+
+def test_update_computes_the_scheduled_tokens_and_caches_their_full_blocks():
+    sched = make(block_size=4, budget=6)
+    seq = add(sched, 1, 10, max_tokens=3)
+    scheduled = sched.schedule()  # a chunk of 6: no token sampled yet
+    assert sched.update(scheduled, []) == []
+    assert seq.num_computed_tokens == 6 and seq.num_output_tokens == 0
+    assert sched.block_manager.computed_blocks(Sequence(2, "r2", seq.prompt_token_ids, seq.params)) != []
+    scheduled = sched.schedule()
+    [out] = sched.update(scheduled, [SampledTokens(seq, [5])])
+    assert seq.num_computed_tokens == 10 and seq.token_ids[-1] == 5
+    assert (out.request_id, out.index, out.new_token_ids, out.finished) == ("r1", 0, [5], False)
+
+
+def test_update_stops_on_eos_stop_tokens_and_length():
+    sched = make(eos=[2], max_model_len=14)
+    params = {
+        "eos": SamplingParams(max_tokens=5),
+        "ignore": SamplingParams(max_tokens=5, ignore_eos=True),
+        "stop_id": SamplingParams(max_tokens=5, stop_token_ids=[9]),
+        "max_tokens": SamplingParams(max_tokens=1),
+        "context": SamplingParams(max_tokens=50),
+    }
+    seqs = {}
+    for i, (name, p) in enumerate(params.items()):
+        seqs[name] = Sequence(i, name, [100 + i] * (13 if name == "context" else 4), p)
+        sched.add(seqs[name])
+    scheduled = sched.schedule()
+    tokens = {"eos": 2, "ignore": 2, "stop_id": 9, "max_tokens": 6, "context": 6}
+    outs = sched.update(scheduled, [SampledTokens(seqs[n], [t]) for n, t in tokens.items()])
+    assert {o.request_id: o.finish_reason for o in outs} == {
+        "eos": "stop", "ignore": None, "stop_id": "stop", "max_tokens": "length", "context": "length"}
+    assert sched.running == [seqs["ignore"]]
+    assert all(seqs[n].block_table == [] for n in tokens if n != "ignore")
+
+
+def test_update_takes_several_tokens_up_to_the_first_that_stops():
+    """The seam a speculative step uses: the tokens after a stop are not taken, nor their log-probs."""
+    sched = make(eos=[2])
+    seq = add(sched, 1, 4, max_tokens=10)
+    lps = [TokenLogprob(-0.1 * i, [], []) for i in range(4)]
+    scheduled = sched.schedule()
+    [out] = sched.update(scheduled, [SampledTokens(seq, [5, 6, 2, 8], lps)])
+    assert out.new_token_ids == [5, 6, 2] and out.logprobs == lps[:3]
+    assert (out.finished, out.finish_reason) == (True, "stop")
+    assert seq.output_token_ids == [5, 6, 2] and seq.is_finished
+
+
+class _Matcher:
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed, self.accepted = allowed, []
+
+    def accept_token(self, token: int) -> bool:
+        self.accepted.append(token)
+        return token in self.allowed
+
+
+class _Grammar:
+    def __init__(self, allowed: set[int]) -> None:
+        self.matcher = _Matcher(allowed)
+
+
+def test_update_advances_the_grammar_and_fails_a_token_outside_it():
+    sched = make(eos=[2])
+    waits = add(sched, 1, 4, max_tokens=10)
+    waits.params.json_schema_after_token = 6
+    waits.waiting_grammar = _Grammar({3})
+    bad = add(sched, 2, 4, max_tokens=10)
+    bad.grammar = _Grammar({3})
+    ends = add(sched, 3, 4, max_tokens=10)
+    ends.params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ends.grammar = _Grammar({2})
+    scheduled = sched.schedule()
+    outs = sched.update(scheduled, [SampledTokens(waits, [5, 6]), SampledTokens(bad, [4]), SampledTokens(ends, [2])])
+    assert waits.grammar is not None and waits.waiting_grammar is None and waits.grammar.matcher.accepted == []
+    assert [(o.finish_reason, o.error) for o in outs] == [
+        (None, None), ("error", "token 4 is outside the output's grammar"), ("stop", None)]
+    assert ends.grammar.matcher.accepted == [2]

@@ -1,0 +1,128 @@
+"""How the benchmarks time the engine, from outside it (production code carries no timer):
+
+- ``StepClock``: an engine seen through a stopwatch, put where ``LLM.generate`` looks for its engine;
+- ``forward_clock``: a timing wrapper around the runner's ``forward`` (the decoder and the logits);
+- ``decoding`` and ``best_window``: steady decode steps of a batch at a given context, and the
+  fastest window of them (on a shared machine the least disturbed estimate);
+- ``decode_args``, ``llama_5m`` and ``decode_engine``: the command line, the model and the engines
+  of the decode-step scripts.
+
+A sibling module of the scripts (``python benchmarks/X.py`` puts this folder on ``sys.path``).
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# The 5M-parameter Llama of ../shared/PEERS.md; its context is 2048
+LLAMA_5M = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+
+
+class StepClock:
+    """Stands in for an engine: ``step()`` is timed (``seconds``, ``steps``), the rest passes through."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.seconds, self.steps = engine, 0.0, 0
+
+    def step(self) -> list:
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        self.seconds += time.perf_counter() - start
+        self.steps += 1
+        return outputs
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+@dataclass
+class Clock:
+    seconds: float = 0.0
+
+
+@contextmanager
+def forward_clock(runner) -> Iterator[Clock]:
+    """While open, ``Clock.seconds`` sums the wall time of ``runner.forward`` (the decoder plus the
+    logits, waited for on the device): a wrapper set on the runner instance, removed on exit."""
+    clock, forward = Clock(), runner.forward
+
+    def timed(batch):
+        start = time.perf_counter()
+        logits = forward(batch)
+        runner.platform.synchronize()
+        clock.seconds += time.perf_counter() - start
+        return logits
+
+    runner.forward = timed
+    try:
+        yield clock
+    finally:
+        del runner.forward  # back to the class's method
+
+
+@contextmanager
+def decoding(engine, batch: int, context: int, steps: int) -> Iterator[None]:
+    """``batch`` sequences of ``context`` prompt tokens, prefilled and 4 decode steps in, with
+    ``steps`` more tokens to go; aborted on exit."""
+    from engines import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8 + steps, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{batch}-{context}-{i}", [7 + (i * 31 + j * 7) % 900 for j in range(context)], params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    try:
+        yield
+    finally:
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)
+
+
+def best_window(engine, windows: int, window: int) -> float:
+    """The fastest mean seconds per ``engine.step()`` over ``windows`` windows of ``window`` steps."""
+    best = float("inf")
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(window):
+            engine.step()
+        best = min(best, (time.perf_counter() - start) / window)
+    return best
+
+
+def decode_args(doc: str, results: Path, quick_help: str) -> argparse.Namespace:
+    """The decode-step scripts' command line: ``--quick``, ``--model-dir``, ``--out``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
+    parser.add_argument("--out", type=Path, default=results)
+    return parser.parse_args()
+
+
+def llama_5m(model_dir: str) -> str:
+    """The 5M Llama's directory (built once), with the engine importable and torch on one thread."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from server.embedded_model.factory import ensure_tiny_model
+
+    torch.set_num_threads(1)
+    return str(ensure_tiny_model(model_dir, name="llama-5m", **LLAMA_5M))
+
+
+def decode_engine(path: str, max_num_seqs: int, max_context: int, steps: int, **options):
+    """An ``LLM`` of ``path`` in float32 with KV blocks of 16 tokens for ``max_num_seqs`` sequences of
+    ``max_context`` prompt tokens and ``steps`` decode steps (``decoding``'s), plus ``options``."""
+    from engines import LLM
+
+    num_blocks = max_num_seqs * -(-(max_context + 8 + steps) // 16) + 16
+    return LLM(path, dtype="float32", num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, block_size=16,
+               max_num_batched_tokens=4096, **options)
