@@ -69,7 +69,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             add_generation_prompt=body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs,
         )
         check_chat(chat, limits)
-        ids = await asyncio.to_thread(chat_prompt_ids, pool.tokenizer, chat)
+        ids = await asyncio.to_thread(
+            chat_prompt_ids, pool.tokenizer, chat, max_chars=limits.max_prompt_chars,
+            trust_template=request.app.state.config.server.trust_request_chat_template,
+        )
     else:
         if len(body.prompt) > limits.max_prompt_chars:
             raise APIError(400, f"Invalid 'prompt': the prompt is too long. Expected at most "

@@ -58,6 +58,10 @@ def test_tokenizer_info(http, hf):
     ("/tokenize", {"model": "thinker"}, 400, "prompt"),
     ("/tokenize", {"model": "thinker", "prompt": "x" * 1_000_001}, 400, "prompt"),
     ("/tokenize", {"model": "thinker", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    # a request may not bring its own template here either (issue 18's template refusal)
+    ("/tokenize", {"model": "thinker", "messages": [{"role": "user", "content": "x"}],
+                   "chat_template_kwargs": {"chat_template": "{{ 'ab ' * 2000000 }}"}}, 400,
+     "chat_template_kwargs.chat_template"),
     ("/detokenize", {"model": "thinker", "tokens": [5, 10**9]}, 400, "tokens"),
     ("/detokenize", {"model": "thinker", "tokens": [-1]}, 400, "tokens"),
 ])
