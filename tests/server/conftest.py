@@ -263,3 +263,25 @@ def tiny_tokenizer() -> Any:
     from server.embedded_model.tokenizer import build_tokenizer
 
     return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def thinking_server(start_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A server of the thinking model (tests/server/thinking_model.py) as "thinker" (qwen3 reasoning,
+    hermes tool calls), two API keys. Here, not in thinking_model.py: a fixture imported into several
+    modules is one fixture per module, and each started its own server."""
+    from tests.server.thinking_model import KEYS, make_thinking_model
+
+    directory = tmp_path_factory.mktemp("thinker")
+    model = make_thinking_model(directory / "model")
+    config = {
+        "server": {"api_keys": list(KEYS)},
+        "models": [{"name": "thinker", "path": str(model), "workers": ["cpu"], "max_model_len": 512,
+                    "tool_call_parser": "hermes", "reasoning_parser": "qwen3"}],
+    }
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    server = start_server(["--config", str(path)])
+    server.wait_ready()
+    server.model_dir = model
+    return server
