@@ -22,7 +22,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py

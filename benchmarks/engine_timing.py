@@ -19,6 +19,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engines.outputs import StepResult
 
 ROOT = Path(__file__).resolve().parents[1]
 # The 5M-parameter Llama of ../shared/PEERS.md; its context is 2048
@@ -31,7 +35,7 @@ class StepClock:
     def __init__(self, engine) -> None:
         self.engine, self.seconds, self.steps = engine, 0.0, 0
 
-    def step(self) -> list:
+    def step(self) -> "StepResult":
         start = time.perf_counter()
         outputs = self.engine.step()
         self.seconds += time.perf_counter() - start

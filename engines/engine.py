@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from engines.config import EngineConfig
 from engines.kv_cache import BlockManager
-from engines.outputs import EngineStats, StepOutput
+from engines.outputs import EngineStats, FinishReason, RequestFailure, StepResult
 from engines.platforms import get_platform
 from engines.sampling_params import SamplingParams
 from engines.scheduler import SampledTokens, ScheduledSeq, Scheduler
@@ -142,20 +142,23 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
 
-    def step(self) -> list[StepOutput]:
-        outputs = self._admit_compiled() if self._compiling else []
+    def step(self) -> StepResult:
+        failures = self._admit_compiled() if self._compiling else []
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return outputs
+            return StepResult([], failures)
         sampled, scheduled, failed = self._execute(scheduled)
-        new = self.scheduler.update(scheduled, sampled)
+        result = self.scheduler.update(scheduled, sampled)
+        for failure in result.failures:  # one choice broke its grammar: the request fails whole
+            self.abort_request(failure.request_id)
         self._forget_finished([s.seq for s in sampled])
-        self.generation_tokens_total += sum(len(out.new_token_ids) for out in new)
-        return outputs + failed + new
+        self.generation_tokens_total += sum(len(out.new_token_ids) for out in result.outputs)
+        result.failures[:0] = failures + failed
+        return result
 
     def _execute(
         self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[SampledTokens], list[ScheduledSeq], list[StepOutput]]:
+    ) -> tuple[list[SampledTokens], list[ScheduledSeq], list[RequestFailure]]:
         """Run the step; when it fails, run its sequences one by one (``_execute_one_by_one``)."""
         try:
             return self.runner.execute(scheduled), scheduled, []
@@ -163,13 +166,13 @@ class LLMEngine:
             logger.exception("step of %d sequences failed; running them one by one", len(scheduled))
             return self._execute_one_by_one(scheduled)
 
-    def _admit_compiled(self) -> list[StepOutput]:
+    def _admit_compiled(self) -> list[RequestFailure]:
         """Hand requests whose grammar is compiled to the scheduler, each sequence with its own matcher.
-        Returns an error output per sequence whose grammar failed to compile."""
+        Returns a failure per request whose grammar failed to compile."""
         if not self.scheduler.has_unfinished():
             # Nothing else to run: wait a little for a compile instead of spinning the worker loop.
             wait([p.future for p, _ in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
-        failed: list[StepOutput] = []
+        failed: list[RequestFailure] = []
         now = time.monotonic()
         timeout_s = self.grammars.limits.compile_timeout_s
         for request_id, (pending, seqs) in list(self._compiling.items()):
@@ -181,8 +184,8 @@ class LLMEngine:
             if pending.future.exception() is not None:
                 error = f"the JSON schema could not be compiled: {pending.future.exception()}"
                 for seq in list(seqs):  # the last one's _finish drops the request from _compiling
-                    self._finish(seq, "error")
-                    failed.append(StepOutput(request_id, seq.index, [], True, "error", error=error, bad_request=True))
+                    self._finish(seq, "abort")
+                failed.append(RequestFailure(request_id, error, bad_request=True))
                 continue
             del self._compiling[request_id]
             self.grammars.account(pending)
@@ -197,10 +200,10 @@ class LLMEngine:
 
     def _execute_one_by_one(
         self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[SampledTokens], list[ScheduledSeq], list[StepOutput]]:
+    ) -> tuple[list[SampledTokens], list[ScheduledSeq], list[RequestFailure]]:
         """After a failed step, run each sequence alone, so that a request the failure can be
-        traced to fails by itself (every choice of it, finish reason "error") and the others go on.
-        Returns the sampled tokens and the sequences that ran, and one output per failed sequence."""
+        traced to fails by itself (every choice of it ends with "abort") and the others go on.
+        Returns the sampled tokens and the sequences that ran, and one failure per failed request."""
         sampled: list[SampledTokens] = []
         ran: list[ScheduledSeq] = []
         failed_requests: dict[str, str] = {}
@@ -213,17 +216,14 @@ class LLMEngine:
             except Exception as exc:
                 logger.exception("request %s fails the step on its own; failing it", s.seq.request_id)
                 failed_requests[s.seq.request_id] = f"{type(exc).__name__}: {exc}"
-        failed: list[StepOutput] = []
-        for request_id, error in failed_requests.items():
-            for seq in self.requests.get(request_id, []):
-                if not seq.is_finished:
-                    self._finish(seq, "error")
-                    failed.append(StepOutput(request_id, seq.index, [], True, "error", error=error))
+        for request_id in failed_requests:
+            self.abort_request(request_id)
         ran = [s for s in ran if s.seq.request_id not in failed_requests]
         sampled = [t for t in sampled if t.seq.request_id not in failed_requests]
+        failed = [RequestFailure(request_id, error) for request_id, error in failed_requests.items()]
         return sampled, ran, failed
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.request_id in self._compiling:  # never handed to the scheduler: nothing to free
             self._compiling[seq.request_id][1].remove(seq)
             if not self._compiling[seq.request_id][1]:

@@ -65,7 +65,8 @@ class LLM:
                     include_stop_str_in_output=p.include_stop_str_in_output,
                 )
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            step = self.engine.step()
+            for out in step.outputs:
                 choice = results[out.request_id].outputs[out.index]
                 choice.token_ids.extend(out.new_token_ids)
                 if out.logprobs is not None:
@@ -81,4 +82,18 @@ class LLM:
                     choice.finish_reason = "stop" if stopped else out.finish_reason
                     detok.flush()  # e.g. the bytes of a character the output ended in the middle of
                     choice.text = detok.text
+            for failure in step.failures:  # the engine ended every choice of it
+                self._fail(results[failure.request_id], failure.message, detokenizers)
         return list(results.values())
+
+    @staticmethod
+    def _fail(result: RequestOutput, message: str,
+              detokenizers: dict[tuple[str, int], IncrementalDetokenizer]) -> None:
+        """A failed request: its message on the result, its open choices ended with "abort"."""
+        result.error = message
+        for choice in result.outputs:
+            if choice.finish_reason is None:
+                choice.finish_reason = "abort"
+                detok = detokenizers[result.request_id, choice.index]
+                detok.flush()
+                choice.text = detok.text

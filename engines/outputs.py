@@ -6,8 +6,13 @@ field order (no field names on the wire).
 """
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
+
+# Why a sequence ended: a stop token, its length budget, or an abort (the client's, a stop string's,
+# or the engine's when the request failed: that travels beside the outputs as a ``RequestFailure``).
+FinishReason = Literal["stop", "length", "abort"]
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -25,12 +30,29 @@ class StepOutput(msgspec.Struct, array_like=True):
     index: int
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
-    error: str | None = None  # why the request failed (finish reason "error")
     # With the first token of a request that asked for them: one entry per prompt token, None first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    bad_request: bool = False  # the request's own fault (a schema that failed to compile): a 400, not a 500
+
+
+@dataclass(slots=True)
+class RequestFailure:
+    """A request the engine ended because it failed (every choice of it is finished, its KV blocks
+    freed). ``bad_request``: the request's own fault (a schema that failed to compile), a 400 rather
+    than a 500."""
+
+    request_id: str
+    message: str
+    bad_request: bool = False
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one engine step returns: the sequences' new tokens, and the requests that failed in it."""
+
+    outputs: list[StepOutput] = field(default_factory=list)
+    failures: list[RequestFailure] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -40,7 +62,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None = None
 
 
@@ -52,6 +74,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for, one per prompt token
+    error: str | None = None  # why the request failed (its choices then end with "abort")
 
     @property
     def token_ids(self) -> list[int]:
@@ -62,7 +85,7 @@ class RequestOutput:
         return self.outputs[0].text
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return self.outputs[0].finish_reason
 
 

@@ -1,7 +1,8 @@
 """Per-request sampling settings, validated once when the request is created."""
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Self
 
 # Temperatures this small are greedy, as in vLLM: dividing logits by 1e-40 overflows to inf and NaN.
 GREEDY_BELOW = 1e-5
@@ -97,6 +98,22 @@ class SamplingParams:
             raise ValueError("json_schema must be a JSON Schema (its JSON text or a dict)")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
+
+    @classmethod
+    def trusted(cls, **values: Any) -> Self:
+        """Params validated where they were made (``SamplingParams(...)`` at the HTTP edge), rebuilt
+        without ``__post_init__`` (the worker, from its ``Add`` message): nothing is validated again.
+        A field not given takes its default."""
+        params = object.__new__(cls)
+        for f in fields(cls):
+            if f.name in values:
+                value = values.pop(f.name)
+            else:
+                value = f.default_factory() if f.default is MISSING else f.default
+            setattr(params, f.name, value)
+        if values:
+            raise TypeError(f"unknown sampling fields: {sorted(values)}")
+        return params
 
     @property
     def greedy(self) -> bool:

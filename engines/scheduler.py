@@ -15,7 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from engines.kv_cache import BlockManager
-from engines.outputs import StepOutput, TokenLogprob
+from engines.outputs import FinishReason, RequestFailure, StepOutput, StepResult, TokenLogprob
 from engines.sequence import Sequence, SequenceStatus, needs_prompt_logits
 
 logger = logging.getLogger(__name__)
@@ -118,17 +118,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, scheduled: list[ScheduledSeq], sampled: list[SampledTokens]) -> list[StepOutput]:
+    def update(self, scheduled: list[ScheduledSeq], sampled: list[SampledTokens]) -> StepResult:
         """After the model ran ``scheduled``: their tokens are computed (full blocks enter the prefix
         cache), each sequence in ``sampled`` takes its new tokens up to the first that stops it, and a
-        stopped one is finished. Returns one output per sampled sequence."""
+        stopped one is finished. Returns one output per sampled sequence, or a failure for a sequence
+        whose token broke its grammar (that sequence ends with "abort")."""
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(s.seq)
-        return [self._append(s) for s in sampled]
+        result = StepResult()
+        for s in sampled:
+            self._append(s, result)
+        return result
 
-    def _append(self, sampled: SampledTokens) -> StepOutput:
-        seq, accepted, reason, error = sampled.seq, 0, None, None
+    def _append(self, sampled: SampledTokens, result: StepResult) -> None:
+        seq, accepted, reason = sampled.seq, 0, None
         for token in sampled.token_ids:
             seq.token_ids.append(token)
             accepted += 1
@@ -136,24 +140,26 @@ class Scheduler:
                 # The mask allows only tokens the grammar accepts: this is a bug, not a bad request.
                 error = f"token {token} is outside the output's grammar"
                 logger.error("request %s: %s", seq.request_id, error)
+                self.finish(seq, "abort")
+                result.failures.append(RequestFailure(seq.request_id, error))
+                return
             if seq.waiting_grammar is not None and token == seq.params.json_schema_after_token:
                 seq.grammar, seq.waiting_grammar = seq.waiting_grammar, None
-            reason = "error" if error else self._stop_reason(seq, token)
+            reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
                 break
-        return StepOutput(
+        result.outputs.append(StepOutput(
             request_id=seq.request_id,
             index=seq.index,
             new_token_ids=sampled.token_ids[:accepted],
             finished=reason is not None,
             finish_reason=reason,
             logprobs=None if sampled.logprobs is None else sampled.logprobs[:accepted],
-            error=error,
             prompt_logprobs=sampled.prompt_logprobs,
-        )
+        ))
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
@@ -165,7 +171,7 @@ class Scheduler:
             return "length"
         return None
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Retire a sequence (finished or aborted) wherever it is, freeing its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)

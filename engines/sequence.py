@@ -3,6 +3,7 @@
 from enum import Enum, auto
 from typing import Any
 
+from engines.outputs import FinishReason
 from engines.sampling_params import SamplingParams
 
 
@@ -60,7 +61,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.parent = parent
         self.grammar: Any = None
         self.waiting_grammar: Any = None

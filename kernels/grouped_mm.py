@@ -19,19 +19,14 @@ if not hasattr(torch, "_grouped_mm"):
     raise ImportError(f"torch {torch.__version__} has no torch._grouped_mm")
 
 
+# torch.compile cannot trace bincount (its output's length depends on the ids): it would break the
+# compiled decode's graph in every MoE layer. As an opaque op the graph calls it whole.
+@reference.opaque_moe_op("fused_moe_grouped_mm")
 def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
     """hidden: [T, Hd]; w13: [E, 2I, Hd]; w2: [E, Hd, I]; topk_weights: [T, K] float32; topk_ids:
     [T, K]. Returns [T, Hd]."""
-    if torch.compiler.is_compiling():  # traced (engines/graphs.py): the opaque op below
-        return _grouped_fused_moe_op(hidden, w13, w2, topk_weights, topk_ids)
-    return _grouped_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
-
-
-def _grouped_fused_moe(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-) -> torch.Tensor:
     order, tokens, rows = reference.sort_by_expert(hidden, topk_ids)  # rows: [T * K, Hd]
     # offsets: [E] int32, the end of each expert's rows in the sorted batch
     offsets = torch.bincount(topk_ids.reshape(-1), minlength=w13.shape[0]).cumsum(0).to(torch.int32)
@@ -39,11 +34,6 @@ def _grouped_fused_moe(
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)  # [T * K, 2I]
     down = torch._grouped_mm(reference.silu_and_mul(gate_up), w2.transpose(1, 2), offs=offsets)  # [T * K, Hd]
     return reference.add_back_to_tokens(down, topk_weights, order, tokens, hidden)
-
-
-# torch.compile cannot trace bincount (its output's length depends on the ids): it would break the
-# compiled decode's graph in every MoE layer. As an opaque op the graph calls it whole.
-_grouped_fused_moe_op = reference.opaque_moe_op("fused_moe_grouped_mm", _grouped_fused_moe)
 
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:

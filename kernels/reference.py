@@ -15,6 +15,7 @@ as transformers defines the window. The model passes the keyword only on windowe
 implementation without windows need not accept it (its ``unsupported`` declines windowed models).
 """
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -272,6 +273,35 @@ def select_experts(
     return weights * routing.scaling_factor, ids
 
 
+# torch.compile cannot trace the per-expert loop: reading the counts on the host breaks the graph, and
+# dynamo guards on every expert's count, so each new routing recompiled until the recompile limit left
+# the decode eager. As an opaque op the compiled decode calls it as it is; the fake says the shape.
+def opaque_moe_op(name: str) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
+    """Decorates a fused_moe implementation (its signature): called eagerly it runs as it is; traced by
+    torch.compile (engines/graphs.py) it is the opaque torch op ``xinserve::<name>``, whose fake tells
+    the compiler the output's shape without running it."""
+
+    def wrap(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        @torch.library.custom_op(f"xinserve::{name}", mutates_args=())
+        def op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> torch.Tensor:
+            return function(hidden, w13, w2, topk_weights, topk_ids)
+
+        op.register_fake(lambda hidden, *weights_and_routing: torch.empty_like(hidden))
+
+        @functools.wraps(function)
+        def dispatch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_compiling():
+                return op(hidden, w13, w2, topk_weights, topk_ids)
+            return function(hidden, w13, w2, topk_weights, topk_ids)
+
+        return dispatch
+
+    return wrap
+
+
+@opaque_moe_op("fused_moe")
 def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
@@ -285,14 +315,6 @@ def fused_moe(
     as one matmul pair; the weighted results are added back to their tokens (in float32). The
     per-expert row counts are read on the host once (to slice, and to skip experts without a row).
     """
-    if torch.compiler.is_compiling():  # traced (engines/graphs.py): the opaque op below
-        return _fused_moe_op(hidden, w13, w2, topk_weights, topk_ids)
-    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids)
-
-
-def _fused_moe(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-) -> torch.Tensor:
     order, tokens, rows = sort_by_expert(hidden, topk_ids)
     counts = torch.bincount(topk_ids.reshape(-1), minlength=w13.shape[0]).tolist()
     outputs, start = [], 0
@@ -319,25 +341,6 @@ def add_back_to_tokens(down: torch.Tensor, topk_weights: torch.Tensor, order: to
     weighted = down.float() * topk_weights.reshape(-1).index_select(0, order)[:, None]
     out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
-
-
-# torch.compile cannot trace the per-expert loop: reading the counts on the host breaks the graph, and
-# dynamo guards on every expert's count, so each new routing recompiled until the recompile limit left
-# the decode eager. As an opaque op the compiled decode calls it as it is; the fake says the shape.
-def opaque_moe_op(name: str, function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``function`` (a fused_moe body, its signature) as the opaque torch op ``xinserve::<name>``,
-    whose fake tells the compiler the output's shape without running it."""
-
-    @torch.library.custom_op(f"xinserve::{name}", mutates_args=())
-    def op(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> torch.Tensor:
-        return function(hidden, w13, w2, topk_weights, topk_ids)
-
-    op.register_fake(lambda hidden, *weights_and_routing: torch.empty_like(hidden))
-    return op
-
-
-_fused_moe_op = opaque_moe_op("fused_moe", _fused_moe)
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.detokenizer import IncrementalDetokenizer
-from engines.outputs import StepOutput, TokenLogprob
+from engines.outputs import FinishReason, StepOutput, TokenLogprob
 from engines.sampling_params import SamplingParams
 from server.errors import APIError
 from server.fanout import RequestStream
@@ -37,7 +37,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 @dataclass(slots=True)
@@ -46,7 +46,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 class Generation:

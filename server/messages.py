@@ -100,6 +100,11 @@ decode_from_worker = msgspec.msgpack.Decoder(FromWorker).decode
 
 # The detokenizer's fields (stop strings, special tokens in the text) stay in the HTTP process.
 _ENGINE_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in DETOKENIZER_FIELDS)
+# The same fields as one positional record, typed as the dataclass types them: converting ``Add.params``
+# to it is the worker's structural check (count and types, in msgspec's C code).
+_EngineFields = msgspec.defstruct(
+    "EngineFields", [(f.name, f.type) for f in fields(SamplingParams) if f.name in _ENGINE_FIELDS], array_like=True
+)
 
 
 def add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Add:
@@ -107,8 +112,11 @@ def add_request(request_id: str, prompt_token_ids: list[int], params: SamplingPa
 
 
 def engine_params(message: Add) -> SamplingParams:
-    """The engine's ``SamplingParams`` of an ``Add``; raises ValueError on a value the HTTP edge
-    would have refused (the socket is open to any local process)."""
-    if len(message.params) != len(_ENGINE_FIELDS):
-        raise ValueError(f"expected {len(_ENGINE_FIELDS)} sampling fields, got {len(message.params)}")
-    return SamplingParams(**dict(zip(_ENGINE_FIELDS, message.params)))
+    """The engine's ``SamplingParams`` of an ``Add``. Their values were validated once, where the
+    ``SamplingParams`` was made (the HTTP edge): here only their shape is checked, and a wrong count
+    or type of a field raises ValueError."""
+    try:
+        values = msgspec.convert(message.params, _EngineFields)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"malformed sampling fields: {exc}") from None
+    return SamplingParams.trusted(**msgspec.structs.asdict(values))

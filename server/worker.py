@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from engines.outputs import EngineStats, StepOutput
+from engines.outputs import EngineStats, StepOutput, StepResult
 from server import messages
 from server.messages import Add, Failed, Outputs, RequestError, Stats
 
@@ -104,7 +104,7 @@ class WorkerLoop:
     def _step(self) -> None:
         started = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            result = self.engine.step()
         except Exception:
             # The engine's state for the running requests is suspect: fail them all, keep serving.
             failed = list(self.engine.requests)
@@ -118,7 +118,7 @@ class WorkerLoop:
             for request_id in failed:
                 self._emit(Failed(request_id, RequestError("internal error in the engine worker")))
             return
-        outputs = self._report_failed(outputs)
+        outputs = self._report_failed(result)
         queue_times: dict[str, float] = {}
         finished = False  # a request started or finished: the gauges moved, send them now
         for out in outputs:
@@ -129,15 +129,15 @@ class WorkerLoop:
         force = finished or bool(queue_times) or not self.engine.has_unfinished_requests()
         self._emit(Outputs(outputs, self._stats_if_due(force), queue_times))
 
-    def _report_failed(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        """Send one ``Failed`` per request the engine ended with an error; the other outputs."""
-        failed = {out.request_id: out for out in outputs if out.finish_reason == "error"}
-        for request_id, out in failed.items():
+    def _report_failed(self, result: StepResult) -> list[StepOutput]:
+        """Send one ``Failed`` per request the engine ended as failed; the other requests' outputs."""
+        failed = {failure.request_id: failure for failure in result.failures}
+        for request_id, failure in failed.items():
             # The engine traced a failed step to this request and ended it alone.
             self.arrived.pop(request_id, None)
-            message = out.error if out.bad_request else f"the engine failed on this request ({out.error})"
-            self._emit(Failed(request_id, RequestError(message, client_fault=out.bad_request)))
-        return [out for out in outputs if out.request_id not in failed] if failed else outputs
+            message = failure.message if failure.bad_request else f"the engine failed on this request ({failure.message})"
+            self._emit(Failed(request_id, RequestError(message, client_fault=failure.bad_request)))
+        return [out for out in result.outputs if out.request_id not in failed] if failed else result.outputs
 
     def _stats_if_due(self, force: bool = False) -> EngineStats | None:
         now = time.perf_counter()

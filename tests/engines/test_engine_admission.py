@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from engines import LLM, SamplingParams
+from engines.outputs import RequestFailure
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -73,14 +74,32 @@ def test_a_step_that_fails_is_retried_without_the_request_behind_it(llm, monkeyp
     for request_id, prompt in (("a", "The little fox ran"), ("poison", "Once upon"), ("b", "A cat and a dog")):
         engine.add_request(request_id, tok.encode(prompt), GREEDY if request_id != "poison"
                            else SamplingParams(n=2, temperature=0, max_tokens=6))
+    poison = engine.requests["poison"]
     tokens: dict[str, list[int]] = {"a": [], "b": []}
-    errors = []
+    failures = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finish_reason == "error":
-                errors.append((out.request_id, out.index, out.error))
-            else:
-                tokens[out.request_id].extend(out.new_token_ids)
-    assert errors == [("poison", 0, "RuntimeError: kernel fault"), ("poison", 1, "RuntimeError: kernel fault")]
+        step = engine.step()
+        failures += step.failures
+        for out in step.outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert failures == [RequestFailure("poison", "RuntimeError: kernel fault")]
+    assert [seq.finish_reason for seq in poison] == ["abort", "abort"]  # every choice of it ended
     assert [tokens["a"], tokens["b"]] == [o.token_ids for o in expected]
+    assert_idle(llm)
+
+
+def test_generate_reports_a_failed_request_on_its_result(llm, monkeypatch, assert_idle):
+    poison = llm.tokenizer.encode("Once upon")
+    execute = llm.engine.runner.execute
+
+    def fails_with_poison(scheduled):
+        if any(s.seq.prompt_token_ids == poison for s in scheduled):
+            raise RuntimeError("kernel fault")
+        return execute(scheduled)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", fails_with_poison)
+    good, failed = llm.generate(["The little fox ran", poison], [GREEDY, SamplingParams(n=2, temperature=0)])
+    assert good.error is None and good.finish_reason == "length" and good.token_ids
+    assert failed.error == "RuntimeError: kernel fault"
+    assert [(c.finish_reason, c.token_ids) for c in failed.outputs] == [("abort", []), ("abort", [])]
     assert_idle(llm)

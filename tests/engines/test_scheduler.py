@@ -2,7 +2,7 @@
 sequence that reaches its end gets token 7."""
 
 from engines.kv_cache import BlockManager
-from engines.outputs import TokenLogprob
+from engines.outputs import RequestFailure, StepResult, TokenLogprob
 from engines.sampling_params import SamplingParams
 from engines.scheduler import SampledTokens, Scheduler
 from engines.sequence import Sequence, SequenceStatus
@@ -134,11 +134,11 @@ def test_update_computes_the_scheduled_tokens_and_caches_their_full_blocks():
     sched = make(block_size=4, budget=6)
     seq = add(sched, 1, 10, max_tokens=3)
     scheduled = sched.schedule()  # a chunk of 6: no token sampled yet
-    assert sched.update(scheduled, []) == []
+    assert sched.update(scheduled, []) == StepResult()
     assert seq.num_computed_tokens == 6 and seq.num_output_tokens == 0
     assert sched.block_manager.computed_blocks(Sequence(2, "r2", seq.prompt_token_ids, seq.params)) != []
     scheduled = sched.schedule()
-    [out] = sched.update(scheduled, [SampledTokens(seq, [5])])
+    [out] = sched.update(scheduled, [SampledTokens(seq, [5])]).outputs
     assert seq.num_computed_tokens == 10 and seq.token_ids[-1] == 5
     assert (out.request_id, out.index, out.new_token_ids, out.finished) == ("r1", 0, [5], False)
 
@@ -158,7 +158,7 @@ def test_update_stops_on_eos_stop_tokens_and_length():
         sched.add(seqs[name])
     scheduled = sched.schedule()
     tokens = {"eos": 2, "ignore": 2, "stop_id": 9, "max_tokens": 6, "context": 6}
-    outs = sched.update(scheduled, [SampledTokens(seqs[n], [t]) for n, t in tokens.items()])
+    outs = sched.update(scheduled, [SampledTokens(seqs[n], [t]) for n, t in tokens.items()]).outputs
     assert {o.request_id: o.finish_reason for o in outs} == {
         "eos": "stop", "ignore": None, "stop_id": "stop", "max_tokens": "length", "context": "length"}
     assert sched.running == [seqs["ignore"]]
@@ -171,7 +171,7 @@ def test_update_takes_several_tokens_up_to_the_first_that_stops():
     seq = add(sched, 1, 4, max_tokens=10)
     lps = [TokenLogprob(-0.1 * i, [], []) for i in range(4)]
     scheduled = sched.schedule()
-    [out] = sched.update(scheduled, [SampledTokens(seq, [5, 6, 2, 8], lps)])
+    [out] = sched.update(scheduled, [SampledTokens(seq, [5, 6, 2, 8], lps)]).outputs
     assert out.new_token_ids == [5, 6, 2] and out.logprobs == lps[:3]
     assert (out.finished, out.finish_reason) == (True, "stop")
     assert seq.output_token_ids == [5, 6, 2] and seq.is_finished
@@ -202,8 +202,9 @@ def test_update_advances_the_grammar_and_fails_a_token_outside_it():
     ends.params = SamplingParams(max_tokens=10, ignore_eos=True)
     ends.grammar = _Grammar({2})
     scheduled = sched.schedule()
-    outs = sched.update(scheduled, [SampledTokens(waits, [5, 6]), SampledTokens(bad, [4]), SampledTokens(ends, [2])])
+    result = sched.update(scheduled, [SampledTokens(waits, [5, 6]), SampledTokens(bad, [4]), SampledTokens(ends, [2])])
     assert waits.grammar is not None and waits.waiting_grammar is None and waits.grammar.matcher.accepted == []
-    assert [(o.finish_reason, o.error) for o in outs] == [
-        (None, None), ("error", "token 4 is outside the output's grammar"), ("stop", None)]
+    assert [(o.request_id, o.finish_reason) for o in result.outputs] == [("r1", None), ("r3", "stop")]
+    assert result.failures == [RequestFailure("r2", "token 4 is outside the output's grammar")]
+    assert (bad.is_finished, bad.finish_reason, bad.block_table) == (True, "abort", [])
     assert ends.grammar.matcher.accepted == [2]

@@ -172,7 +172,7 @@ class _BlockingCompiles:
 def _step_until(engine, request_id: str, limit: int = 3000) -> list:
     outs = []
     for _ in range(limit):
-        outs += [o for o in engine.step() if o.request_id == request_id]
+        outs += [o for o in engine.step().outputs if o.request_id == request_id]
         if outs and outs[-1].finished:
             return outs
     raise AssertionError(f"{request_id} did not finish in {limit} steps")
@@ -203,13 +203,14 @@ def _cheap_runs_then_slow_fails(engine, grammars, blocking, ids, slow, monkeypat
 
     # Past its deadline (0 s: it started already) the slow request fails alone, as the client's fault.
     monkeypatch.setattr(grammars, "limits", replace(grammars.limits, compile_timeout_s=0.0))
-    (failed,) = [o for o in engine.step() if o.request_id == "slow"]
-    assert failed.finish_reason == "error" and failed.bad_request
-    assert "took more than 0s to compile" in failed.error
+    step = engine.step()
+    (failed,) = [f for f in step.failures if f.request_id == "slow"]
+    assert failed.bad_request and not [o for o in step.outputs if o.request_id == "slow"]
+    assert "took more than 0s to compile" in failed.message
     # The same schema now fails at once, without another compile.
     engine.add_request("again", ids, SamplingParams(temperature=0, max_tokens=20, json_schema=slow))
-    (again,) = [o for o in engine.step() if o.request_id == "again"]
-    assert again.bad_request and "took more than" in again.error
+    (again,) = [f for f in engine.step().failures if f.request_id == "again"]
+    assert again.bad_request and "took more than" in again.message
 
 
 def test_compiled_grammars_are_cached_by_digest_within_a_byte_budget(llm):

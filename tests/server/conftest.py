@@ -153,12 +153,18 @@ def serve_config(start_server: Callable[..., ServerProcess], directory: Path, co
     return srv
 
 
-def short_tiny_config(model_dir: Path, max_tokens: int) -> dict[str, Any]:
-    """One model "tiny" on one CPU worker whose generations stay short (``limits.max_tokens``)."""
-    return {
-        "models": [{"name": "tiny", "path": str(model_dir), "workers": ["cpu"], "max_model_len": 512}],
-        "limits": {"max_tokens": max_tokens, "max_prompt_chars": 20_000},
+SHORT_MAX_TOKENS = 4  # limits.max_tokens of ``short_tiny_server``: every generation stays short
+
+
+@pytest.fixture(scope="session")
+def short_tiny_server(start_server: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One model "tiny" on one CPU worker whose generations stay short (``SHORT_MAX_TOKENS``), shared
+    by the fuzz modules (OpenAI's and Anthropic's APIs): one server start instead of one per module."""
+    config = {
+        "models": [{"name": "tiny", "path": str(tiny_model_dir), "workers": ["cpu"], "max_model_len": 512}],
+        "limits": {"max_tokens": SHORT_MAX_TOKENS, "max_prompt_chars": 20_000},
     }
+    return serve_config(start_server, tmp_path_factory.mktemp("short-tiny"), config)
 
 
 def wait_for(check: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
@@ -263,3 +269,25 @@ def tiny_tokenizer() -> Any:
     from server.embedded_model.tokenizer import build_tokenizer
 
     return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def thinking_server(start_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A server of the thinking model (tests/server/thinking_model.py) as "thinker" (qwen3 reasoning,
+    hermes tool calls), two API keys. Here, not in thinking_model.py: a fixture imported into several
+    modules is one fixture per module, and each started its own server."""
+    from tests.server.thinking_model import KEYS, make_thinking_model
+
+    directory = tmp_path_factory.mktemp("thinker")
+    model = make_thinking_model(directory / "model")
+    config = {
+        "server": {"api_keys": list(KEYS)},
+        "models": [{"name": "thinker", "path": str(model), "workers": ["cpu"], "max_model_len": 512,
+                    "tool_call_parser": "hermes", "reasoning_parser": "qwen3"}],
+    }
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    server = start_server(["--config", str(path)])
+    server.wait_ready()
+    server.model_dir = model
+    return server

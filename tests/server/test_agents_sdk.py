@@ -8,11 +8,11 @@ from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disa
 from agents.models.openai_responses import OpenAIResponsesModel
 from openai import AsyncOpenAI
 
-from tests.server.thinking_model import ANSWER, CALL, KEYS, thinking_server  # noqa: F401  (fixture)
+from tests.server.thinking_model import ANSWER, CALL, KEYS
 
 
 @pytest.fixture
-def model(thinking_server):  # noqa: F811  (the imported fixture)
+def model(thinking_server):
     """A model on a fresh client: an httpx client is bound to the event loop of its first request."""
     set_tracing_disabled(True)  # tracing would post to api.openai.com
     client = AsyncOpenAI(base_url=f"{thinking_server.url}/v1", api_key=KEYS[0], max_retries=0, timeout=120)

@@ -20,21 +20,18 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import serve_config, short_tiny_config
+from tests.server.conftest import SHORT_MAX_TOKENS
 
 MODEL = "tiny"
-MAX_TOKENS = 4  # the server's limits.max_tokens: every generation stays short
+MAX_TOKENS = SHORT_MAX_TOKENS  # the server's limits.max_tokens: every generation stays short
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model_dir, tmp_path_factory):
-    config = short_tiny_config(tiny_model_dir, MAX_TOKENS)
-    srv = serve_config(start_server, tmp_path_factory.mktemp("fuzz"), config)
-    yield srv
-    srv.stop()
+def server(short_tiny_server):
+    return short_tiny_server
 
 
 # ---------------------------------------------------------------- strategies

@@ -45,6 +45,17 @@ def test_the_detokenizer_fields_stay_in_the_http_process():
     assert (sent.n, sent.temperature, sent.max_tokens, sent.min_tokens, sent.logit_bias) == (2, 0, 7, 2, {3: 1.5})
 
 
+def test_the_worker_checks_the_fields_shape_not_their_values_again(monkeypatch):
+    """Validated once where they were made (the HTTP edge); the worker only checks count and types."""
+    add = messages.decode_to_worker(messages.encode(messages.add_request("r", [1], SamplingParams(n=2, seed=7))))
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: pytest.fail("validated again in the worker"))
+    sent = messages.engine_params(add)
+    assert (sent.n, sent.seed, sent.temperature, sent.stop) == (2, 7, 1.0, [])
+    for bad in (["two"] + add.params[1:], add.params[:-1]):
+        with pytest.raises(ValueError, match="malformed sampling fields"):
+            messages.engine_params(messages.Add("r", [1], bad))
+
+
 def test_an_error_is_the_clients_or_ours():
     assert RequestError("bad schema", client_fault=True).status == 400
     assert RequestError("the engine failed").status == 500

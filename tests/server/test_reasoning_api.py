@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 
-from tests.server.thinking_model import ANSWER, KEYS, REASONING, thinking_server  # noqa: F401  (fixture)
+from tests.server.thinking_model import ANSWER, KEYS, REASONING
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -14,7 +14,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 @pytest.fixture(scope="module")
-def http(thinking_server):  # noqa: F811  (the imported fixture)
+def http(thinking_server):
     with httpx.Client(base_url=thinking_server.url, timeout=120,
                       headers={"Authorization": f"Bearer {KEYS[0]}"}) as client:
         yield client

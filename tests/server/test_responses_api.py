@@ -10,7 +10,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tests.server.thinking_model import ANSWER, KEYS, REASONING, thinking_server  # noqa: F401  (fixture)
+from tests.server.thinking_model import ANSWER, KEYS, REASONING
 
 MODEL = "thinker"
 QUESTION = "What is the weather in Paris?"
@@ -21,12 +21,12 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
 @pytest.fixture(scope="module")
-def client(thinking_server) -> openai.OpenAI:  # noqa: F811  (the imported fixture)
+def client(thinking_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key=KEYS[0], max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def http(thinking_server):  # noqa: F811
+def http(thinking_server):
     with httpx.Client(base_url=thinking_server.url, timeout=120,
                       headers={"Authorization": f"Bearer {KEYS[0]}"}) as c:
         yield c
@@ -143,7 +143,7 @@ def test_reasoning_effort_reaches_the_template(client):
     assert effort.usage.input_tokens > plain.usage.input_tokens  # the test template writes "effort high"
 
 
-def test_a_response_belongs_to_its_key(client, thinking_server):  # noqa: F811
+def test_a_response_belongs_to_its_key(client, thinking_server):
     first = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2)
     other = openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key=KEYS[1], max_retries=0, timeout=120)
     with pytest.raises(openai.NotFoundError):

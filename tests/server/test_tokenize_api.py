@@ -4,19 +4,19 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server.thinking_model import KEYS, thinking_server  # noqa: F401  (fixture)
+from tests.server.thinking_model import KEYS
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The river <think> café"}]
 
 
 @pytest.fixture(scope="module")
-def http(thinking_server):  # noqa: F811  (the imported fixture)
+def http(thinking_server):
     with httpx.Client(base_url=thinking_server.url, timeout=60, headers={"Authorization": f"Bearer {KEYS[0]}"}) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def hf(thinking_server):  # noqa: F811
+def hf(thinking_server):
     return AutoTokenizer.from_pretrained(thinking_server.model_dir)
 
 
@@ -71,5 +71,5 @@ def test_bad_requests_get_the_error_envelope(http, path, body, status, param):
     assert r.json()["error"]["param"] == param
 
 
-def test_needs_a_key(thinking_server):  # noqa: F811
+def test_needs_a_key(thinking_server):
     assert httpx.post(f"{thinking_server.url}/tokenize", json={"prompt": "x"}).status_code == 401

@@ -11,7 +11,7 @@ import time
 import pytest
 import zmq
 
-from engines.outputs import EngineStats, StepOutput
+from engines.outputs import EngineStats, RequestFailure, StepOutput, StepResult
 from engines.sampling_params import SamplingParams
 from server import messages
 from server.messages import Abort, Add, Failed, Outputs, Shutdown, Stats
@@ -42,7 +42,7 @@ class ScriptedEngine:
     def requests(self) -> set[str]:
         return {rid for rid, _ in self.seqs}
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> StepResult:
         time.sleep(0.001)  # a step takes time; without it a long request floods the socket at once
         if self.fail_next_step:
             self.fail_next_step = False
@@ -54,7 +54,7 @@ class ScriptedEngine:
             outs.append(StepOutput(rid, i, [100 + state[0]], done, "length" if done else None))
             if done:
                 del self.seqs[rid, i]
-        return outs
+        return StepResult(outs)
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.seqs), 0, 0.0, 0, 0, 0, 0, 0)
@@ -138,7 +138,7 @@ def test_bad_request_is_an_error_and_the_loop_lives_on(loop_io):
     err = until(failed)[-1]
     assert (err.request_id, err.error.status) == ("bad", 400) and "empty" in err.error.message
     bad = add("bad-params", [1])
-    bad.params[0] = 0  # n, the first field: what a client of the wire format could send
+    bad.params[0] = "two"  # n, the first field, of the wrong type: what a client of the wire format could send
     post(bad)
     err = until(failed)[-1]
     assert (err.request_id, err.error.status) == ("bad-params", 400)
@@ -188,12 +188,11 @@ def test_a_schema_that_failed_to_compile_is_a_400_not_a_500(loop_io):
     engine, post, until, thread = loop_io
     scripted = engine.step
 
-    def step_once_failing_the_schema() -> list[StepOutput]:
+    def step_once_failing_the_schema() -> StepResult:
         engine.step = scripted
         for key in [k for k in engine.seqs if k[0] == "s"]:
             del engine.seqs[key]
-        return [StepOutput("s", 0, [], True, "error", error="the JSON schema took more than 10s to compile",
-                           bad_request=True)]
+        return StepResult([], [RequestFailure("s", "the JSON schema took more than 10s to compile", bad_request=True)])
 
     engine.step = step_once_failing_the_schema
     post(add("s", [1], max_tokens=50))

@@ -13,9 +13,7 @@ start, and follows ``enable_thinking: false`` (an empty ``<think></think>``) and
 import itertools
 from pathlib import Path
 
-import pytest
 import torch
-import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from server.embedded_model.factory import make_tiny_model
@@ -72,21 +70,3 @@ def _one_id(tokenizer, text: str) -> int:
 
 
 KEYS = ("key-a", "key-b")
-
-
-@pytest.fixture(scope="session")
-def thinking_server(start_server, tmp_path_factory):
-    """A server of the thinking model as "thinker" (qwen3 reasoning, hermes tool calls), two API keys."""
-    directory = tmp_path_factory.mktemp("thinker")
-    model = make_thinking_model(directory / "model")
-    config = {
-        "server": {"api_keys": list(KEYS)},
-        "models": [{"name": "thinker", "path": str(model), "workers": ["cpu"], "max_model_len": 512,
-                    "tool_call_parser": "hermes", "reasoning_parser": "qwen3"}],
-    }
-    path = directory / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    server = start_server(["--config", str(path)])
-    server.wait_ready()
-    server.model_dir = model
-    return server

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import serve_config, short_tiny_config
+from tests.server.conftest import SHORT_MAX_TOKENS
 
 MODEL = "tiny"
-MAX_TOKENS = 4  # the server's limits.max_tokens: every generation stays short
+MAX_TOKENS = SHORT_MAX_TOKENS  # the server's limits.max_tokens: every generation stays short
 ERROR_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
                "request_too_large", "rate_limit_error", "api_error", "overloaded_error"}
 
@@ -27,11 +27,8 @@ FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model_dir, tmp_path_factory):
-    config = short_tiny_config(tiny_model_dir, MAX_TOKENS)
-    srv = serve_config(start_server, tmp_path_factory.mktemp("anthropic-fuzz"), config)
-    yield srv
-    srv.stop()
+def server(short_tiny_server):
+    return short_tiny_server
 
 
 texts = st.one_of(st.text(max_size=20), st.builds(lambda c, k: c * k, st.sampled_from("a \u00e9\U0001f600\x00"),
