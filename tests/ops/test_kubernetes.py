@@ -89,8 +89,13 @@ def test_adapter_rules_serve_the_metrics_the_hpa_reads(rendered):
     kubernetes_validate.validate(adapter, VERSIONS[-1], strict=True)
     served = set()
     for rule in yaml.safe_load(adapter["data"]["config.yaml"])["rules"]:
-        series = re.match(r"[\w:]+", rule["seriesQuery"]).group(0)
-        served.add(re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), series))
+        # Either metric prefix (monitoring.metric_prefix) gives the HPA the same metric name.
+        prefixes, metric = re.match(r'\{__name__=~"\(([\w|]+)\):(\w+)"', rule["seriesQuery"]).groups()
+        assert set(prefixes.split("|")) == {"xinserve", "vllm"}
+        names = {re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), f"{p}:{metric}")
+                 for p in prefixes.split("|")}
+        assert len(names) == 1, names
+        served |= names
         assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}  # per-pod metrics
     assert {m["pods"]["metric"]["name"] for m in objs["HorizontalPodAutoscaler"]["spec"]["metrics"]} <= served
 
