@@ -58,8 +58,10 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def replicas(start_server, tiny_model_dir) -> list[ServerProcess]:
-    servers = [start_server(["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--cpu-threads", "1"])
-               for _ in range(2)]
+    # A small fixed KV pool: no memory profiling at start.
+    args = ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--cpu-threads", "1", "--num-kv-blocks", "64",
+            "--max-model-len", "256"]
+    servers = [start_server(args) for _ in range(2)]
     for srv in servers:  # both load at the same time
         srv.wait_ready()
     return servers
