@@ -41,7 +41,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, help="this machine's index; 0 serves HTTP, the others only run ranks")
     p.add_argument("--master-addr", help="node 0's address, reachable from every node")
     p.add_argument("--master-port", type=int, help="first rendezvous port on node 0 (one per group from it)")
-    p.add_argument("--metric-prefix", help="engine metrics' prefix: xinserve (default) or vllm, as vLLM names them")
+    p.add_argument("--metric-prefix", help="the engine metrics' prefix: xinserve (default), or vllm as vLLM's")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

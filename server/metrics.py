@@ -39,7 +39,7 @@ ENGINE_COUNTERS = (
 
 # vLLM's older names, still read by routers and dashboards written for vLLM 0.6 (same value).
 LEGACY_GAUGES = (
-    ("gpu_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1); vLLM 0.6's name."),
+    ("gpu_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1), as vLLM 0.6."),
 )
 # vLLM's LoRA info gauge: its labels name the adapters in use; xinserve serves none (max_lora 0).
 LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
@@ -58,30 +58,31 @@ class EngineStatsCollector:
         self.prefix = prefix + ":"
 
     def collect(self) -> Iterator[Metric]:
+        prefix = self.prefix
         workers = [w for pool in self.pools.values() for w in pool.workers]
         for name, field, doc in ENGINE_GAUGES + LEGACY_GAUGES:
-            family = GaugeMetricFamily(self.prefix + name, doc, labels=LABELS)
+            family = GaugeMetricFamily(prefix + name, doc, labels=LABELS)
             for w in workers:
                 # A worker that is not serving has no running or waiting requests.
                 value = getattr(w.stats, field) if w.ready and w.stats is not None else 0.0
                 family.add_metric([w.model_name, w.label], float(value))
             yield family
         for name, field, doc in ENGINE_COUNTERS:
-            family = CounterMetricFamily(self.prefix + name, doc, labels=LABELS)
+            family = CounterMetricFamily(prefix + name, doc, labels=LABELS)
             for w in workers:
                 family.add_metric([w.model_name, w.label], float(0.0 if w.stats is None else getattr(w.stats, field)))
             yield family
-        ready = GaugeMetricFamily(self.prefix + "worker_ready", "1 when the worker serves requests.", labels=LABELS)
+        ready = GaugeMetricFamily(prefix + "worker_ready", "1 when the worker serves requests.", labels=LABELS)
         for w in workers:
             ready.add_metric([w.model_name, w.label], 1.0 if w.ready else 0.0)
         yield ready
-        restarts = CounterMetricFamily(self.prefix + "worker_restarts", "Times the worker process was started again "
+        restarts = CounterMetricFamily(prefix + "worker_restarts", "Times the worker process was started again "
                                        "after it died.", labels=LABELS)
         for w in workers:
             restarts.add_metric([w.model_name, w.label], float(w.restarts))
         yield restarts
         # Its value is when it was last updated (as vLLM's); the adapter labels are empty.
-        lora = GaugeMetricFamily(self.prefix + "lora_requests_info", "Running stats on LoRA requests.",
+        lora = GaugeMetricFamily(prefix + "lora_requests_info", "Running stats on LoRA requests.",
                                  labels=[*LABELS, *LORA_LABELS])
         for w in workers:
             lora.add_metric([w.model_name, w.label, "0", "", ""], time.time())
