@@ -37,9 +37,13 @@ ENGINE_COUNTERS = (
     ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
 )
 
-# vLLM's older names, still read by routers and dashboards written for vLLM 0.6 (same value).
+# vLLM's older names, still read by vLLM's production-stack router and dashboards (same values).
 LEGACY_GAUGES = (
     ("gpu_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1), as vLLM 0.6."),
+)
+LEGACY_COUNTERS = (
+    ("gpu_prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up, as vLLM 0.6."),
+    ("gpu_prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the cache, as vLLM 0.6."),
 )
 # vLLM's LoRA info gauge: its labels name the adapters in use; xinserve serves none (max_lora 0).
 LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
@@ -67,11 +71,18 @@ class EngineStatsCollector:
                 value = getattr(w.stats, field) if w.ready and w.stats is not None else 0.0
                 family.add_metric([w.model_name, w.label], float(value))
             yield family
-        for name, field, doc in ENGINE_COUNTERS:
+        for name, field, doc in ENGINE_COUNTERS + LEGACY_COUNTERS:
             family = CounterMetricFamily(prefix + name, doc, labels=LABELS)
             for w in workers:
                 family.add_metric([w.model_name, w.label], float(0.0 if w.stats is None else getattr(w.stats, field)))
             yield family
+        hit_rate = GaugeMetricFamily(prefix + "gpu_prefix_cache_hit_rate", "Prefix-cache hits per prompt "
+                                     "token looked up since start (0 to 1), as vLLM 0.6.", labels=LABELS)
+        for w in workers:
+            queries = 0 if w.stats is None else w.stats.prefix_cache_queries_total
+            rate = w.stats.prefix_cache_hits_total / queries if queries else 0.0
+            hit_rate.add_metric([w.model_name, w.label], rate)
+        yield hit_rate
         ready = GaugeMetricFamily(prefix + "worker_ready", "1 when the worker serves requests.", labels=LABELS)
         for w in workers:
             ready.add_metric([w.model_name, w.label], 1.0 if w.ready else 0.0)

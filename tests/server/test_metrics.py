@@ -87,6 +87,10 @@ def test_the_vllm_prefix_names_every_metric_as_vllm_does():
     # vLLM 0.6's KV-usage name, and its per-token latency histogram (the inter-token observations).
     assert samples["vllm:gpu_cache_usage_perc"][key] == samples["vllm:kv_cache_usage_perc"][key] == 0.5
     assert samples["vllm:time_per_output_token_seconds_count"][key] == 2
+    # ... and the prefix-cache names vLLM's production-stack router reads.
+    assert samples["vllm:gpu_prefix_cache_queries_total"][key] == 10
+    assert samples["vllm:gpu_prefix_cache_hits_total"][key] == 4
+    assert samples["vllm:gpu_prefix_cache_hit_rate"][key] == 0.4
     assert samples["vllm:api_key_requests_total"][("glm", None, None, None)] == 1
 
 

@@ -34,13 +34,14 @@ PREFIX = "vllm"
 # Grafana's variables, as Grafana would fill them in for "All" and a short range.
 GRAFANA_VARIABLES = {"${prefix}": PREFIX, "$__rate_interval": "1m", "$model": ".*", "$worker": ".*"}
 METRIC_NAME = re.compile(r"(?<![\w:])((?:vllm:|xinserve:|http_)[A-Za-z0-9_:]+)")
-# What vLLM's production stack (routers, autoscalers, dashboards) reads from a vLLM server.
+# What vLLM's production stack (router, autoscalers, dashboards) reads from a vLLM server.
 VLLM_SERIES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc",
                "prompt_tokens_total", "generation_tokens_total", "request_success_total",
                "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
                "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
                "request_queue_time_seconds_bucket", "num_preemptions_total", "prefix_cache_queries_total",
-               "prefix_cache_hits_total", "lora_requests_info")
+               "prefix_cache_hits_total", "lora_requests_info", "gpu_prefix_cache_hit_rate",
+               "gpu_prefix_cache_hits_total", "gpu_prefix_cache_queries_total")
 
 
 @pytest.fixture(scope="module")
