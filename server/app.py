@@ -32,7 +32,7 @@ from server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, Req
 from server.pool import ModelPool, default_cpu_threads, local_cpu_ranks
 from server.request_log import RequestLogMiddleware
 from server.router import Router
-from server.routes import chat, completions, health, models, responses_api, tokenize
+from server.routes import chat, completions, health, models, responses_api, sglang_worker, tokenize
 from server.startup import stop_if_nothing_loads
 
 logger = logging.getLogger("xinserve.server")
@@ -74,8 +74,9 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.state.api_keys = config.server.named_keys()
     app.state.created = int(time.time())
     registry = CollectorRegistry()
-    registry.register(EngineStatsCollector(pools))
-    app.state.metrics = RequestMetrics(registry)
+    prefix = config.monitoring.metric_prefix
+    registry.register(EngineStatsCollector(pools, prefix))
+    app.state.metrics = RequestMetrics(registry, prefix)
     app.state.registry = registry
 
     install_error_handlers(app)
@@ -87,6 +88,7 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.include_router(anthropic.router, dependencies=guarded)
     app.include_router(tokenize.router, dependencies=guarded)
     app.include_router(responses_api.router, dependencies=guarded)
+    app.include_router(sglang_worker.router, dependencies=guarded)
     app.include_router(health.router, dependencies=[] if "/health" in exempt else guarded)
     add_docs(app, lambda path: [] if path in exempt else guarded)
     if config.monitoring.metrics:
@@ -106,7 +108,7 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes)
     # Inside the request log too (a refusal is logged), outside the rest (a refused body is not read).
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
-    app.add_middleware(KeyUsageMiddleware, metrics=KeyMetrics(registry))
+    app.add_middleware(KeyUsageMiddleware, metrics=KeyMetrics(registry, prefix))
     app.add_middleware(RequestLogMiddleware)
     # Outermost: every error on /v1/messages paths, whichever layer raised it, in Anthropic's shape.
     app.add_middleware(anthropic.AnthropicErrorMiddleware)

@@ -41,6 +41,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, help="this machine's index; 0 serves HTTP, the others only run ranks")
     p.add_argument("--master-addr", help="node 0's address, reachable from every node")
     p.add_argument("--master-port", type=int, help="first rendezvous port on node 0 (one per group from it)")
+    p.add_argument("--metric-prefix", help="the engine metrics' prefix: xinserve (default), or vllm as vLLM's")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -107,6 +108,8 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         server["request_timeout_s"] = args.request_timeout
     if args.trust_request_chat_template:
         server["trust_request_chat_template"] = True
+    if args.metric_prefix is not None:
+        data["monitoring"] = {**(data.get("monitoring") or {}), "metric_prefix": args.metric_prefix}
     keys = list(server.get("api_keys") or []) + list(args.api_key or [])
     if env.get("XINSERVE_API_KEY"):
         keys.append(env["XINSERVE_API_KEY"])

@@ -120,6 +120,9 @@ class DistributedSettings(_Section):
 
 class MonitoringSettings(_Section):
     metrics: bool = True
+    # The engine metrics' namespace: "vllm" names them as vLLM does (vllm:num_requests_waiting ...), so
+    # routers, autoscalers and dashboards configured for vLLM read them unchanged.
+    metric_prefix: str = Field("xinserve", pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
 class LimitsSettings(_Section):

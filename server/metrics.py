@@ -1,4 +1,5 @@
-"""Prometheus metrics: vLLM's engine metric names under ``xinserve:``, labelled model_name and worker.
+"""Prometheus metrics: vLLM's engine metric names under ``xinserve:`` (or another prefix, such as
+``vllm:`` for routers and autoscalers configured for vLLM), labelled model_name and worker.
 
 Engine gauges and counters are read at scrape time from each worker's last reported stats (a
 custom collector), so a slow or dead worker never blocks /metrics. Latency histograms and
@@ -10,6 +11,7 @@ counters are named ``api_key_*`` and labelled ``key_name``.
 key): the series of the other models, and the other keys' counters, are left out.
 """
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from server.generation import Generation
 
-PREFIX = "xinserve:"
+DEFAULT_PREFIX = "xinserve"
 LABELS = ("model_name", "worker")
 
 # (metric name, EngineStats field, help); counters are exported with the "_total" suffix.
@@ -35,6 +37,17 @@ ENGINE_COUNTERS = (
     ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
 )
 
+# vLLM's older names, still read by vLLM's production-stack router and dashboards (same values).
+LEGACY_GAUGES = (
+    ("gpu_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1), as vLLM 0.6."),
+)
+LEGACY_COUNTERS = (
+    ("gpu_prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up, as vLLM 0.6."),
+    ("gpu_prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the cache, as vLLM 0.6."),
+)
+# vLLM's LoRA info gauge: its labels name the adapters in use; xinserve serves none (max_lora 0).
+LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -44,56 +57,76 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 class EngineStatsCollector:
     """Yields the engine gauges and counters from the router's workers when scraped."""
 
-    def __init__(self, pools: dict[str, Any]) -> None:
+    def __init__(self, pools: dict[str, Any], prefix: str = DEFAULT_PREFIX) -> None:
         self.pools = pools
+        self.prefix = prefix + ":"
 
     def collect(self) -> Iterator[Metric]:
+        prefix = self.prefix
         workers = [w for pool in self.pools.values() for w in pool.workers]
-        for name, field, doc in ENGINE_GAUGES:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+        for name, field, doc in ENGINE_GAUGES + LEGACY_GAUGES:
+            family = GaugeMetricFamily(prefix + name, doc, labels=LABELS)
             for w in workers:
                 # A worker that is not serving has no running or waiting requests.
                 value = getattr(w.stats, field) if w.ready and w.stats is not None else 0.0
                 family.add_metric([w.model_name, w.label], float(value))
             yield family
-        for name, field, doc in ENGINE_COUNTERS:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+        for name, field, doc in ENGINE_COUNTERS + LEGACY_COUNTERS:
+            family = CounterMetricFamily(prefix + name, doc, labels=LABELS)
             for w in workers:
                 family.add_metric([w.model_name, w.label], float(0.0 if w.stats is None else getattr(w.stats, field)))
             yield family
-        ready = GaugeMetricFamily(PREFIX + "worker_ready", "1 when the worker serves requests.", labels=LABELS)
+        hit_rate = GaugeMetricFamily(prefix + "gpu_prefix_cache_hit_rate", "Prefix-cache hits per prompt "
+                                     "token looked up since start (0 to 1), as vLLM 0.6.", labels=LABELS)
+        for w in workers:
+            queries = 0 if w.stats is None else w.stats.prefix_cache_queries_total
+            rate = w.stats.prefix_cache_hits_total / queries if queries else 0.0
+            hit_rate.add_metric([w.model_name, w.label], rate)
+        yield hit_rate
+        ready = GaugeMetricFamily(prefix + "worker_ready", "1 when the worker serves requests.", labels=LABELS)
         for w in workers:
             ready.add_metric([w.model_name, w.label], 1.0 if w.ready else 0.0)
         yield ready
-        restarts = CounterMetricFamily(PREFIX + "worker_restarts", "Times the worker process was started again "
+        restarts = CounterMetricFamily(prefix + "worker_restarts", "Times the worker process was started again "
                                        "after it died.", labels=LABELS)
         for w in workers:
             restarts.add_metric([w.model_name, w.label], float(w.restarts))
         yield restarts
+        # Its value is when it was last updated (as vLLM's); the adapter labels are empty.
+        lora = GaugeMetricFamily(prefix + "lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=[*LABELS, *LORA_LABELS])
+        for w in workers:
+            lora.add_metric([w.model_name, w.label, "0", "", ""], time.time())
+        yield lora
 
 
 class RequestMetrics:
     """Per-request histograms and the success counter, observed when a request ends."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, prefix: str = DEFAULT_PREFIX) -> None:
         self.success = Counter(
-            PREFIX + "request_success", "Finished choices by finish reason.",
+            f"{prefix}:request_success", "Finished choices by finish reason.",
             [*LABELS, "finished_reason"], registry=registry,
         )
         self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time to first token.", LABELS,
+            f"{prefix}:time_to_first_token_seconds", "Time to first token.", LABELS,
             buckets=_LATENCY_BUCKETS, registry=registry,
         )
         self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between successive outputs of a request.", LABELS,
+            f"{prefix}:inter_token_latency_seconds", "Time between successive outputs of a request.", LABELS,
             buckets=_ITL_BUCKETS, registry=registry,
         )
+        # vLLM's earlier name for the same observations, still read by its production stack's dashboards.
+        self.tpot = Histogram(
+            f"{prefix}:time_per_output_token_seconds", "Time per output token (as inter_token_latency_seconds).",
+            LABELS, buckets=_ITL_BUCKETS, registry=registry,
+        )
         self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token.", LABELS,
+            f"{prefix}:e2e_request_latency_seconds", "Request latency, arrival to last token.", LABELS,
             buckets=_LATENCY_BUCKETS, registry=registry,
         )
         self.queue = Histogram(
-            PREFIX + "request_queue_time_seconds", "Time a request waited in the engine before it ran.",
+            f"{prefix}:request_queue_time_seconds", "Time a request waited in the engine before it ran.",
             LABELS, buckets=_LATENCY_BUCKETS, registry=registry,
         )
 
@@ -101,9 +134,10 @@ class RequestMetrics:
         labels = (gen.worker.model_name, gen.worker.label)
         if gen.first_token_at is not None:
             self.ttft.labels(*labels).observe(gen.first_token_at - gen.arrival)
-        itl = self.itl.labels(*labels)
+        itl, tpot = self.itl.labels(*labels), self.tpot.labels(*labels)
         for value in gen.inter_token_latencies:
             itl.observe(value)
+            tpot.observe(value)
         if gen.queue_time is not None:
             self.queue.labels(*labels).observe(gen.queue_time)
         if gen.done:
@@ -115,13 +149,13 @@ class RequestMetrics:
 class KeyMetrics:
     """Generation requests and their tokens per API key, labelled by the key's name (never the key)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, prefix: str = DEFAULT_PREFIX) -> None:
         labels = ("key_name", "model_name")
-        self.requests = Counter(PREFIX + "api_key_requests", "Generation requests made with the key.", labels,
+        self.requests = Counter(f"{prefix}:api_key_requests", "Generation requests made with the key.", labels,
                                 registry=registry)
-        self.prompt_tokens = Counter(PREFIX + "api_key_prompt_tokens", "Prompt tokens of the key's requests.",
+        self.prompt_tokens = Counter(f"{prefix}:api_key_prompt_tokens", "Prompt tokens of the key's requests.",
                                      labels, registry=registry)
-        self.generation_tokens = Counter(PREFIX + "api_key_generation_tokens",
+        self.generation_tokens = Counter(f"{prefix}:api_key_generation_tokens",
                                          "Tokens generated for the key's requests.", labels, registry=registry)
 
     def observe(self, key_name: str, model: str, prompt_tokens: int, generation_tokens: int) -> None:

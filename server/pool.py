@@ -91,6 +91,9 @@ class ModelPool:
         groups = settings.groups
         self.groups = {}
         self.workers = []
+        # Local directories of the weights and the tokenizer, once start() has resolved them.
+        self.model_path: str | None = None
+        self.tokenizer_path: str | None = None
         for label, group in zip(worker_labels(["+".join(g) for g in groups]), groups, strict=True):
             self.workers.append(WorkerClient(settings.name, label, group[0], settings.max_num_seqs,
                                              settings.max_waiting_requests, devices=group,
@@ -112,6 +115,7 @@ class ModelPool:
         except Exception as exc:  # noqa: BLE001  any failure is this model's, reported on /health
             self._fail(f"cannot prepare model {self.name}: {type(exc).__name__}: {exc}")
             return
+        self.model_path, self.tokenizer_path = path, tokenizer_path
         if not os.path.isdir(os.path.expanduser(path)):
             # Spawning workers only to have each fail on a typo'd path would take seconds each.
             self._fail(f"model {self.name}: directory {path} does not exist")

@@ -185,6 +185,7 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         "load_seconds": round(load_s, 3),
         "eos_token_id": getattr(tokenizer, "eos_token_id", None),
         "vocab_size": int(engine.vocab_size),
+        "kv_cache_tokens": engine.block_manager.num_blocks * engine.block_manager.block_size,
         "kernels": engine.runner.kernels.report(),
         # a tensor-parallel replica's ranks (engines/tp_runner.py); a single device is rank 0
         "ranks": getattr(engine.runner, "ranks", lambda: [

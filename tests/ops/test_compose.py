@@ -13,7 +13,9 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILES = ((), ("ascend",), ("musa",), ("ascend", "musa"))
+PROFILES = ((), ("ascend",), ("musa",), ("ascend", "musa"), ("gateway",))
+PROFILE_OF = {"xinserve-ascend": "ascend", "xinserve-musa": "musa", "xinserve-replica-1": "gateway",
+              "xinserve-replica-2": "gateway", "sglang-router": "gateway"}
 
 
 def compose_config(*profiles: str) -> dict[str, Any]:
@@ -33,7 +35,7 @@ def test_compose_file_is_valid_with_each_profile(profiles):
     services = compose_config(*profiles)["services"]
     assert {"xinserve", "prometheus", "grafana"} <= set(services)
     for name, service in services.items():
-        wanted = {"xinserve-ascend": "ascend", "xinserve-musa": "musa"}.get(name)
+        wanted = PROFILE_OF.get(name)
         assert service.get("profiles", []) == ([wanted] if wanted else []), name
 
 
@@ -62,6 +64,34 @@ def test_vendor_services_get_devices_drivers_and_runtime():
         assert (REPO / "config" / config).is_file()
 
 
+def volume(v: str | dict[str, Any]) -> tuple[str, str, bool]:
+    """(source, target, read-only) of a volume in either of docker-compose's spellings."""
+    if isinstance(v, dict):
+        return v["source"], v["target"], bool(v.get("read_only"))
+    source, target, *mode = v.split(":")
+    return source, target, mode == ["ro"]
+
+
+def test_gateway_profile_puts_the_sglang_router_in_front_of_two_replicas():
+    services = compose_config("gateway")["services"]
+    router = services["sglang-router"]
+    command = router["command"]
+    urls = command[command.index("--worker-urls") + 1 : command.index("--policy")]
+    replicas = [u.removeprefix("http://").split(":")[0] for u in urls]
+    assert replicas == ["xinserve-replica-1", "xinserve-replica-2"]
+    for name in replicas:
+        # The same server as the default service, and the cache volume the gateway reads the tokenizer from.
+        assert services[name]["image"] == services["xinserve"]["image"]
+        assert services[name]["command"] == services["xinserve"]["command"]
+        assert [volume(v) for v in services[name]["volumes"]] == [("xinserve-cache", "/cache", False)]
+        assert "ports" not in services[name]  # reached through the gateway only
+    assert command[command.index("--policy") + 1] == "cache_aware"
+    assert [volume(v) for v in router["volumes"]] == [("xinserve-cache", "/cache", True)]
+    assert [(p["published"], p["target"]) for p in router["ports"]] == [(8010, 30000)]
+    dockerfile = (Path(router["build"]["context"]) / "Dockerfile").read_text()
+    assert "sglang-router==" in dockerfile and "EXPOSE 30000" in dockerfile
+
+
 def mounts(service: dict[str, Any]) -> dict[str, Path]:
     """container path -> host path, for bind mounts of files in this repository."""
     out = {}
@@ -79,7 +109,8 @@ def test_prometheus_and_grafana_are_provisioned_from_this_repo():
     prom_config = prometheus[config_path]
     targets = [t for job in yaml.safe_load(prom_config.read_text())["scrape_configs"]
                for group in job["static_configs"] for t in group["targets"]]
-    assert {"xinserve:8000", "xinserve-ascend:8000", "xinserve-musa:8000"} == set(targets)
+    assert {"xinserve:8000", "xinserve-ascend:8000", "xinserve-musa:8000", "xinserve-replica-1:8000",
+            "xinserve-replica-2:8000"} == set(targets)
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: apt-get install prometheus (.ci/run does it)"
     checked = subprocess.run([promtool, "check", "config", str(prom_config)], capture_output=True, text=True,

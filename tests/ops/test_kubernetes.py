@@ -89,8 +89,13 @@ def test_adapter_rules_serve_the_metrics_the_hpa_reads(rendered):
     kubernetes_validate.validate(adapter, VERSIONS[-1], strict=True)
     served = set()
     for rule in yaml.safe_load(adapter["data"]["config.yaml"])["rules"]:
-        series = re.match(r"[\w:]+", rule["seriesQuery"]).group(0)
-        served.add(re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), series))
+        # Either metric prefix (monitoring.metric_prefix) gives the HPA the same metric name.
+        prefixes, metric = re.match(r'\{__name__=~"\(([\w|]+)\):(\w+)"', rule["seriesQuery"]).groups()
+        assert set(prefixes.split("|")) == {"xinserve", "vllm"}
+        names = {re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), f"{p}:{metric}")
+                 for p in prefixes.split("|")}
+        assert len(names) == 1, names
+        served |= names
         assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}  # per-pod metrics
     assert {m["pods"]["metric"]["name"] for m in objs["HorizontalPodAutoscaler"]["spec"]["metrics"]} <= served
 
@@ -150,3 +155,48 @@ def test_service_and_service_monitor_select_the_pods_metrics(rendered):
     assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout"}  # fields of the CRD's Endpoint
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
     assert endpoint["path"] == "/metrics" and re.fullmatch(r"\d+s", endpoint["interval"])
+
+
+def matches(selector: str, labels: dict[str, str]) -> bool:
+    """Whether a ``k=v,k2=v2`` label selector selects ``labels``."""
+    return all(labels.get(k) == v for k, v in (pair.split("=", 1) for pair in selector.split(",")))
+
+
+def test_gateway_overlay_puts_the_sglang_router_in_front_of_the_scaled_pods():
+    docs = render("gateway")
+    named = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    for (kind, _), obj in named.items():
+        if kind != "ServiceMonitor":
+            for version in VERSIONS:
+                kubernetes_validate.validate(obj, version, strict=True)
+    server, router = named[("Deployment", "xinserve")], named[("Deployment", "sglang-router")]
+    # The HPA still scales the servers, not the gateway.
+    hpa = named[("HorizontalPodAutoscaler", "xinserve")]["spec"]
+    assert hpa["scaleTargetRef"]["name"] == "xinserve" and (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 4)
+    # The gateway discovers exactly the server pods, on their serving port, in its own namespace.
+    (c,) = router["spec"]["template"]["spec"]["containers"]
+    args = c["args"]
+    value = {flag: args[args.index(flag) + 1] for flag in ("--selector", "--service-discovery-port", "--policy",
+                                                             "--service-discovery-namespace")}
+    server_labels = server["spec"]["template"]["metadata"]["labels"]
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    assert "--service-discovery" in args and value["--policy"] == "cache_aware"
+    assert matches(value["--selector"], server_labels) and not matches(value["--selector"], router_labels)
+    (server_container,) = server["spec"]["template"]["spec"]["containers"]
+    assert int(value["--service-discovery-port"]) == server_container["ports"][0]["containerPort"]
+    env = {e["name"]: e for e in c["env"]}
+    assert value["--service-discovery-namespace"] == "$(POD_NAMESPACE)"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    # ... with the right to watch pods there and nothing more, through its own service account.
+    account = router["spec"]["template"]["spec"]["serviceAccountName"]
+    binding = named[("RoleBinding", "sglang-router")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert ("ServiceAccount", account) in named
+    (rule,) = named[("Role", binding["roleRef"]["name"])]["rules"]
+    assert (rule["resources"], sorted(rule["verbs"])) == (["pods"], ["get", "list", "watch"])
+    # Clients reach the gateway; the server Service does not select the gateway's pods.
+    gateway_service = named[("Service", "sglang-router")]["spec"]
+    assert gateway_service["selector"].items() <= router_labels.items()
+    assert not named[("Service", "xinserve")]["spec"]["selector"].items() <= router_labels.items()
+    assert gateway_service["ports"][0]["targetPort"] in {p["name"] for p in c["ports"]}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readiness"

@@ -73,6 +73,38 @@ def test_every_design_metric_is_exported_with_model_and_worker_labels():
     assert restarts[("glm", "musa:0", None, None)] == 2 and restarts[("glm", "npu:0", None, None)] == 0
 
 
+def test_the_vllm_prefix_names_every_metric_as_vllm_does():
+    stats = EngineStats(2, 1, 0.5, 0, 10, 4, 7, 9)
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector({"glm": Pool([Worker("glm", "npu:0", True, stats)])}, "vllm"))
+    RequestMetrics(registry, "vllm").observe(Gen(Worker("glm", "npu:0", True, stats)), end=11.0)
+    KeyMetrics(registry, "vllm").observe("team-a", "glm", 3, 4)
+    samples = scrape(registry)
+    assert not [name for name in samples if name.startswith("xinserve:")]
+    for name in DESIGN_NAMES:
+        assert any(s.startswith(f"vllm:{name}") for s in samples), name
+    key = ("glm", "npu:0", None, None)
+    # vLLM 0.6's KV-usage name, and its per-token latency histogram (the inter-token observations).
+    assert samples["vllm:gpu_cache_usage_perc"][key] == samples["vllm:kv_cache_usage_perc"][key] == 0.5
+    assert samples["vllm:time_per_output_token_seconds_count"][key] == 2
+    # ... and the prefix-cache names vLLM's production-stack router reads.
+    assert samples["vllm:gpu_prefix_cache_queries_total"][key] == 10
+    assert samples["vllm:gpu_prefix_cache_hits_total"][key] == 4
+    assert samples["vllm:gpu_prefix_cache_hit_rate"][key] == 0.4
+    assert samples["vllm:api_key_requests_total"][("glm", None, None, None)] == 1
+
+
+def test_the_lora_info_gauge_has_vllms_labels_and_no_adapters():
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector({"glm": Pool([Worker("glm", "npu:0", True, None)])}, "vllm"))
+    (family,) = [f for f in text_string_to_metric_families(generate_latest(registry).decode())
+                 if f.name == "vllm:lora_requests_info"]
+    (sample,) = family.samples
+    assert sample.labels == {"model_name": "glm", "worker": "npu:0", "max_lora": "0", "running_lora_adapters": "",
+                             "waiting_lora_adapters": ""}
+    assert sample.value > 1.7e9  # when it was reported, as vLLM's
+
+
 def test_a_limited_key_sees_only_its_models_series_and_its_own_key_counters():
     stats = EngineStats(1, 0, 0.5, 0, 0, 0, 3, 4)
     registry = CollectorRegistry()

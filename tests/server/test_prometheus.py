@@ -2,6 +2,11 @@
 queryable through Prometheus' HTTP API, and every expression of the Grafana dashboard parses, names
 only metrics the server exports, and returns data.
 
+The server names its metrics as vLLM does (``--metric-prefix vllm``): every series vLLM's production
+stack reads is there under vLLM's name, and the dashboard (its ``prefix`` variable set to vllm) and the
+autoscaling rules read them. The default ``xinserve:`` names are the same code with another prefix
+(tests/server/test_metrics.py).
+
 Prometheus is Debian's ``prometheus`` package (``.ci/run`` installs it); without it these tests fail.
 """
 
@@ -25,15 +30,24 @@ REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "config" / "grafana" / "dashboards" / "xinserve.json"
 ADAPTER_RULES = REPO / "deploy" / "kubernetes" / "prometheus-adapter" / "config.yaml"
 KEY = "sk-prometheus-test"
+PREFIX = "vllm"
 # Grafana's variables, as Grafana would fill them in for "All" and a short range.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model": ".*", "$worker": ".*"}
-METRIC_NAME = re.compile(r"(?<![\w:])((?:xinserve:|http_)[A-Za-z0-9_:]+)")
+GRAFANA_VARIABLES = {"${prefix}": PREFIX, "$__rate_interval": "1m", "$model": ".*", "$worker": ".*"}
+METRIC_NAME = re.compile(r"(?<![\w:])((?:vllm:|xinserve:|http_)[A-Za-z0-9_:]+)")
+# What vLLM's production stack (router, autoscalers, dashboards) reads from a vLLM server.
+VLLM_SERIES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "gpu_cache_usage_perc",
+               "prompt_tokens_total", "generation_tokens_total", "request_success_total",
+               "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
+               "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+               "request_queue_time_seconds_bucket", "num_preemptions_total", "prefix_cache_queries_total",
+               "prefix_cache_hits_total", "lora_requests_info", "gpu_prefix_cache_hit_rate",
+               "gpu_prefix_cache_hits_total", "gpu_prefix_cache_queries_total")
 
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_model_dir):
     srv = start_server(["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--cpu-threads", "1",
-                        "--api-key", KEY])
+                        "--api-key", KEY, "--metric-prefix", PREFIX])
     srv.wait_ready()
     return srv
 
@@ -100,7 +114,7 @@ def prometheus(server, tmp_path_factory):
         # Labelled series appear with their first request; rate() needs a scrape of them before more
         # traffic to see them increase, so the traffic comes in two rounds with a scrape between.
         send_traffic(server)
-        prom.wait(lambda: prom.value("sum(xinserve:time_to_first_token_seconds_count)") > 0, "first round scraped")
+        prom.wait(lambda: prom.value(f"sum({PREFIX}:time_to_first_token_seconds_count)") > 0, "first round scraped")
         send_traffic(server)
         yield prom
     finally:
@@ -122,13 +136,13 @@ def send_traffic(server) -> None:
 
 def test_prometheus_scrapes_tokens_and_ttft_quantiles(prometheus):
     # Two rounds of three 8-token chats and an 8-token stream.
-    prometheus.wait(lambda: prometheus.value("sum(xinserve:generation_tokens_total)") >= 64,
+    prometheus.wait(lambda: prometheus.value(f"sum({PREFIX}:generation_tokens_total)") >= 64,
                     "every generated token scraped")
     (up,) = prometheus.query('up{job="xinserve"}')
     assert up["value"][1] == "1"
-    (series,) = prometheus.query('xinserve:generation_tokens_total{model_name="tiny"}')
+    (series,) = prometheus.query(f'{PREFIX}:generation_tokens_total{{model_name="tiny"}}')
     assert series["metric"]["worker"] == "cpu"
-    ttft_p50 = ("histogram_quantile(0.5, sum by (le) (rate(xinserve:time_to_first_token_seconds_bucket[1m])))")
+    ttft_p50 = f"histogram_quantile(0.5, sum by (le) (rate({PREFIX}:time_to_first_token_seconds_bucket[1m])))"
     prometheus.wait(lambda: not math.isnan(prometheus.value(ttft_p50)), "a TTFT quantile")
     assert 0 < prometheus.value(ttft_p50) < 60
 
@@ -161,15 +175,31 @@ def test_every_dashboard_expression_returns_data(prometheus):
         pytest.fail(f"dashboard expressions without data: {[e for e in exprs if not prometheus.query(e)]}")
 
 
+def adapter_series(query: str) -> str:
+    """An adapter rule's series query as the server's prefix makes it: ``(xinserve|vllm):name`` -> vllm:name."""
+    return re.sub(r"\((?:\w+\|)+\w+\):", f"{PREFIX}:", query)
+
+
 def test_dashboard_and_autoscaling_name_only_exported_metrics(server, prometheus):
     exported = exported_names(server)
-    dashboard = DASHBOARD.read_text()
+    dashboard = DASHBOARD.read_text().replace("${prefix}", PREFIX)
     adapter = yaml.safe_load(yaml.safe_load(ADAPTER_RULES.read_text())["data"]["config.yaml"])
-    adapter_queries = [rule["seriesQuery"] for rule in adapter["rules"]]
+    adapter_queries = [adapter_series(rule["seriesQuery"]) for rule in adapter["rules"]]
     referenced = set(METRIC_NAME.findall(dashboard)) | {n for q in adapter_queries for n in METRIC_NAME.findall(q)}
-    assert {"xinserve:num_requests_waiting", "xinserve:kv_cache_usage_perc", "http_requests_total"} <= referenced
+    assert {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "http_requests_total"} <= referenced
     assert referenced - exported == set()
     # Those the adapter turns into the HPA's metrics exist in Prometheus too (in a cluster the
     # ServiceMonitor adds the namespace and pod labels the adapter's series queries also ask for).
     for name in {n for q in adapter_queries for n in METRIC_NAME.findall(q)}:
         assert prometheus.query(name), name
+
+
+def test_vllm_named_series_are_scraped_and_no_xinserve_engine_series_remain(server, prometheus):
+    for name in VLLM_SERIES:
+        prometheus.wait(lambda name=name: bool(prometheus.query(f"{PREFIX}:{name}")), name, timeout=30)
+    (success,) = prometheus.query(f'sum by (finished_reason) ({PREFIX}:request_success_total{{model_name="tiny"}})')
+    assert success["metric"]["finished_reason"] == "length" and float(success["value"][1]) >= 8
+    (lora,) = prometheus.query(f"{PREFIX}:lora_requests_info")
+    # No adapters: Prometheus stores the empty adapter lists as absent labels, as it does vLLM's.
+    assert lora["metric"]["max_lora"] == "0" and lora["metric"].get("running_lora_adapters", "") == ""
+    assert not [n for n in exported_names(server) if n.startswith("xinserve:")]
