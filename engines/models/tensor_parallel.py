@@ -166,7 +166,8 @@ def check_tensor_parallel(config: Any, tp: int, model: str) -> None:
     problems = []
     if heads % tp:
         problems.append(f"{heads} attention heads do not divide by {tp}")
-    if kv_heads % tp and tp % kv_heads:
+    # MLA (a kv_lora_rank) caches one latent that every rank replicates: its KV heads are not split
+    if kv_heads % tp and tp % kv_heads and getattr(config, "kv_lora_rank", None) is None:
         problems.append(f"{kv_heads} KV heads neither divide by {tp} nor divide it")
     if config.intermediate_size % tp:
         problems.append(f"intermediate_size {config.intermediate_size} does not divide by {tp}")
@@ -186,8 +187,8 @@ def check_model_splits(path: str, tp: int) -> None:
     name = f"{architecture} at {path!r}"
     model_cls = MODEL_REGISTRY.get(architecture)
     if model_cls is not None and not model_cls.TENSOR_PARALLEL:
-        raise ValueError(f"model {name}: tensor parallelism is not implemented for {architecture} "
-                         f"(multi-head latent attention); run it with tensor_parallel_size 1")
+        raise ValueError(f"model {name}: tensor parallelism is not implemented for {architecture}; "
+                         f"run it with tensor_parallel_size 1")
     check_tensor_parallel(config, tp, name)
     moe = model_cls.spec(config).moe if model_cls is not None and model_cls.spec(config).moe_layers else None
     if moe is not None and (moe.intermediate_size % tp or moe.shared_intermediate_size % tp):
@@ -199,16 +200,23 @@ def check_model_splits(path: str, tp: int) -> None:
 def shard_model(model: nn.Module, group: Collectives, name: str) -> None:
     """Replace ``model``'s layers with this rank's tensor-parallel shards, in place (on the meta
     device, before the loader allocates it). Sets the model's ``num_kv_heads`` to the local count,
-    which sizes the KV pool. Raises ValueError naming ``name`` for a model that cannot be split."""
+    which sizes the KV pool (MLA: engines/models/mla_tensor_parallel.py, its latent replicated). Raises
+    ValueError naming ``name`` for a model that cannot be split."""
     config, tp, rank = model.config, group.world_size, group.rank  # load_model checked the split
     split = HeadSplit.of(config.num_attention_heads, config.num_key_value_heads, rank, tp)
+    from engines.models.mla_tensor_parallel import shard_mla_attention  # it builds on this module's layers
+
     for layer in model.model.layers:
-        _shard_attention(layer.self_attn, split, group)
+        if isinstance(layer.self_attn, Attention):
+            _shard_attention(layer.self_attn, split, group)
+        else:  # multi-head latent attention: its heads split, its latent (model.num_kv_heads = 1) replicated
+            shard_mla_attention(layer.self_attn, rank, tp, group)
         if isinstance(layer.mlp, GatedMLP):
             _shard_mlp(layer.mlp, rank, tp, group)
         elif isinstance(layer.mlp, SparseMoeBlock):
             _shard_moe(layer.mlp, rank, tp, group, name)
-    model.num_kv_heads = split.num_kv_heads
+    if isinstance(model.model.layers[0].self_attn, Attention):  # MLA keeps its one latent "head" whole
+        model.num_kv_heads = split.num_kv_heads
     vocab, hidden = config.vocab_size, config.hidden_size
     rows = -(-vocab // tp)
     model.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, rank * rows, rows, group)
