@@ -116,16 +116,20 @@ def read_config(path: str) -> tuple[Any, type[nn.Module], str]:
     return config, MODEL_REGISTRY[architecture], f"{architecture} at {path!r}"
 
 
-def meta_model(config: Any, model_cls: type[nn.Module], dtype: torch.dtype, tp: int, name: str) -> nn.Module:
-    """The model in ``dtype`` on the meta device (its float32 parameters kept so), as rank 0 of ``tp``
-    holds it when ``tp`` > 1: exactly what the loader allocates before reading weights."""
+def meta_model(config: Any, model_cls: type[nn.Module], dtype: torch.dtype, tp: int,
+               name: str) -> tuple[nn.Module, int, dict[str, torch.Size]]:
+    """(the model in ``dtype`` on the meta device as rank 0 of ``tp`` holds it, with its float32 parameters
+    kept so: exactly what the loader allocates before reading weights; the whole model's parameter
+    count; the whole routed experts' shapes by name). Built once: the init on meta takes seconds."""
     with torch.device("meta"):
         model = model_cls(config)
+        parameters = sum(p.numel() for p in model.parameters())
+        experts = {key: p.shape for key, p in model.named_parameters() if ".mlp.experts." in key}
         if tp > 1:
             shard_model(model, _MetaRank(tp), name)
     model = model.to(dtype=dtype)
     model.keep_float32_parameters()
-    return model
+    return model, parameters, experts
 
 
 def _is_quantized(name: str, param: nn.Parameter, model_cls: type[nn.Module]) -> bool:
@@ -149,17 +153,16 @@ def _stage_of(name: str, num_layers: int, pp: int, tied: bool) -> list[int]:
     return [pp - 1]
 
 
-def weight_bytes_per_stage(model: nn.Module, full: nn.Module, model_cls: type[nn.Module], layout: Layout,
-                           scheme: str) -> list[int]:
-    """Bytes one device of each stage holds. ``model`` is rank 0's TP shard, ``full`` the unsharded
-    model (expert parallel: E / tp whole experts of it per rank instead of every expert's slice)."""
+def weight_bytes_per_stage(model: nn.Module, experts: dict[str, torch.Size], model_cls: type[nn.Module],
+                           layout: Layout, scheme: str) -> list[int]:
+    """Bytes one device of each stage holds. ``model`` is rank 0's TP shard, ``experts`` the whole routed
+    experts' shapes (expert parallel: E / tp whole experts per rank instead of every expert's slice)."""
     stages = [0] * layout.pp
-    full_params = dict(full.named_parameters())
     tied = bool(getattr(model, "tie_word_embeddings", False))
     for name, param in model.named_parameters():
         shape = param.shape
         if layout.ep and ".mlp.experts." in name:
-            whole = full_params[name].shape
+            whole = experts[name]
             shape = torch.Size([whole[0] // layout.tp, *whole[1:]])
         if scheme != "none" and _is_quantized(name, param, model_cls):
             size = quantized_bytes(shape, scheme)
@@ -202,21 +205,21 @@ def plan(path: str, *, devices: int | None = None, device_memory_gib: float = 64
     dtype = dtype or _config_dtype(config)
     devices = devices or layout.devices
     max_model_len = max_model_len or config.max_position_embeddings
-    full = meta_model(config, model_cls, dtype, 1, name)
     problems = layout_problems(config, model_cls, path, name, layout)
     if devices % layout.devices:
         problems.append(f"{devices} devices do not make whole replicas of {layout.tp} x {layout.pp}")
     if max_model_len > config.max_position_embeddings:
         problems.append(f"max_model_len {max_model_len} is more than max_position_embeddings "
                         f"{config.max_position_embeddings}")
-    result = Plan(name, sum(p.numel() for p in full.parameters()), 0, 0, 0, False, None, layout,
+    # a layout that does not split the model is counted whole (a shard would fail or be wrong)
+    model, parameters, experts = meta_model(config, model_cls, dtype, 1 if problems else layout.tp, name)
+    result = Plan(name, parameters, 0, 0, 0, False, None, layout,
                   max(1, devices // layout.devices), int(device_memory_gib * GIB), max_model_len, quantization,
                   kv_cache_dtype)
     if problems:
         result.reason = f"model {name}: " + "; ".join(problems)
         return result
-    model = meta_model(config, model_cls, dtype, layout.tp, name) if layout.tp > 1 else full
-    weights = weight_bytes_per_stage(model, full, model_cls, layout, quantization)
+    weights = weight_bytes_per_stage(model, experts, model_cls, layout, quantization)
     kv_token = model.kv_bytes_per_token(KV_CACHE_DTYPES[kv_cache_dtype] or dtype)  # the worker's cache spec
     layers = config.num_hidden_layers
     stage_layers = [(s + 1) * layers // layout.pp - s * layers // layout.pp for s in range(layout.pp)]
