@@ -1,4 +1,4 @@
-"""Multi-head latent attention under tensor parallelism (engines/models/mla_tensor_parallel.py): greedy
+"""Multi-head latent attention under tensor parallelism (engines/models/tensor_parallel.py): greedy
 tokens equal transformers' at TP 2 and TP 4 on CPU ranks with batching, preemption, prefix hits and
 chunked prefill in one engine each (starting ranks costs seconds); each rank loads exactly its heads
 of q / kv_b / o_proj, the latent projections and the DSA indexer whole; its pool keeps the whole
@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig
 
 from engines import LLM, SamplingParams
+from engines.capacity import Layout, plan
 from engines.models import loader
 from engines.models.loader import load_model
 from tests.engines.test_llm_vs_transformers import MAX_TOKENS, Reference, assert_all_blocks_free
@@ -37,6 +38,10 @@ def test_ranks_match_transformers_with_preemption_prefix_caching_and_chunks(tiny
         assert llm.engine.runner.model.num_kv_heads == 1
         assert llm.engine.runner.kv_cache.shape[-1] == llm.engine.runner.model.model.values_per_token
         assert llm.engine.runner.model.model.layers[0].self_attn.num_heads == config.num_attention_heads // tp
+        assert [r["role"]["tp_rank"] for r in llm.engine.runner.ranks()] == list(range(tp))
+        # the plan's KV bytes per token per device are the pool's (the same cache spec, sharded alike)
+        planned = plan(str(path), layout=Layout(tp=tp), dtype=torch.float32)
+        assert planned.kv_bytes_per_token_per_device * 4 == llm.engine.runner.bytes_per_block()
     for prompt, result in zip(prompts, results):
         assert result.token_ids == reference.generate(prompt), f"prompt of {len(prompt)} tokens diverged"
     assert stats.num_preemptions_total > 0
