@@ -8,6 +8,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from engines.capacity import pool_blocks
 from engines.config import EngineConfig
 from engines.graphs import DecodeGraphs, build_decode_graphs, capture_memory_probe, effective_mode
 from engines.models.loader import load_model
@@ -181,7 +182,7 @@ class ModelRunner:
         self.platform.synchronize()
         free = self.platform.free_memory()
         self.kv_cache = torch.empty(0)
-        return int(free * fraction) // self.bytes_per_block() - 1
+        return pool_blocks(free, fraction, self.bytes_per_block())  # the rule `xinserve plan` sizes by
 
     def decode_graphs_report(self) -> dict:
         """For /health: the compile mode and which decode buckets run compiled or captured."""

@@ -22,6 +22,7 @@ from engines.distributed import GroupFailure, ParallelGroup, open_store
 from engines.models.tensor_parallel import check_model_splits
 from engines.parallel_config import ParallelConfig
 from engines.platforms import Platform
+from engines.rank_role import RankRole
 from engines.runner import ModelRunner, StepBatch
 from engines.sequence import needs_prompt_logits
 from engines.step_message import ALLOCATE, PROFILE, STOP, encode_command, encode_step
@@ -119,10 +120,11 @@ class TensorParallelRunner(ModelRunner):
         self._release = weakref.finalize(self, _release_group, group, followers, previous_threads)
 
     def ranks(self) -> list[dict]:
-        """Each rank's device, node and (on this node) pid, for /health."""
+        """Each rank's device, node, (on this node) pid and role, for /health."""
         local = {0: os.getpid(), **{rank: proc.pid for rank, proc in self.followers.items()}}
         per_node = self.parallel.world_size // self.parallel.nnodes
-        return [{"rank": rank, "device": device, "pid": local.get(rank), "node": rank // per_node}
+        return [{"rank": rank, "device": device, "pid": local.get(rank), "node": rank // per_node,
+                 "role": RankRole(tp_rank=rank).as_dict()}
                 for rank, device in enumerate(self.parallel.devices)]
 
     def broadcast(self, batch: StepBatch) -> None:

@@ -1,4 +1,4 @@
-"""The ``xinserve`` command: ``serve``, ``bench`` and ``doctor``.
+"""The ``xinserve`` command: ``serve``, ``bench``, ``doctor`` and ``plan``.
 
 ``xinserve serve`` with no arguments serves the embedded tiny model from ``config/default.yaml``;
 ``--config FILE`` serves a YAML config; ``--model PATH --device SPEC`` serves one model from flags.
@@ -165,10 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xinserve", description="OpenAI-compatible LLM inference server")
     sub = parser.add_subparsers(dest="command")
     _add_serve_args(sub.add_parser("serve", help="run the server (no arguments: the embedded tiny model)"))
-    from server import bench, doctor
+    from server import bench, doctor, plan
 
     bench.add_args(sub.add_parser("bench", help="load-test any OpenAI-compatible server"))
     doctor.add_args(sub.add_parser("doctor", help="which devices and kernels this machine offers"))
+    plan.add_args(sub.add_parser("plan", help="whether a model fits N cards, from its config.json alone"))
     args = parser.parse_args(argv)
     if args.command is None:
         # Bare "xinserve" behaves like "xinserve serve": the README's first command.
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "bench":
         return bench.run(args)
+    if args.command == "plan":
+        return plan.run(args)
     return doctor.run(args)
 
 

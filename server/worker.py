@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from engines.outputs import EngineStats, StepOutput, StepResult
+from engines.rank_role import RankRole
 from server import messages
 from server.messages import Add, Failed, Outputs, RequestError, Stats
 
@@ -189,7 +190,7 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         "kernels": engine.runner.kernels.report(),
         # a tensor-parallel replica's ranks (engines/tp_runner.py); a single device is rank 0
         "ranks": getattr(engine.runner, "ranks", lambda: [
-            {"rank": 0, "device": spec.device, "pid": os.getpid(), "node": 0}])(),
+            {"rank": 0, "device": spec.device, "pid": os.getpid(), "node": 0, "role": RankRole(0).as_dict()}])(),
         "decode_graphs": engine.runner.decode_graphs_report(),
     }
 

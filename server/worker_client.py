@@ -359,7 +359,9 @@ class WorkerClient:
         for rank, device in enumerate(self.devices):
             pid = known.get(rank, {}).get("pid") if rank else (self._proc.pid if self._proc else None)
             state = "dead" if rank == dead else self.state
-            ranks.append({"rank": rank, "device": device, "pid": pid, "state": state})
+            # tp rank, pp stage, expert range (engines/rank_role.py); None until the replica is ready
+            ranks.append({"rank": rank, "device": device, "pid": pid, "state": state,
+                          "role": known.get(rank, {}).get("role")})
         return ranks
 
     async def close(self, timeout_s: float = 10.0) -> None:

@@ -82,7 +82,6 @@ class MLACausalLM(CausalLM):
 
     FLOAT32_PARAMETERS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
     INDEXER_ROPE_IS_NEOX: ClassVar[bool] = False
-    TENSOR_PARALLEL = False  # the latent projections and the indexer have no tensor-parallel split yet
 
     def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
         nn.Module.__init__(self)
@@ -97,7 +96,7 @@ class MLACausalLM(CausalLM):
             config.hidden_size, config.vocab_size, bias=False
         )
         self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
-        self.logits_gather = None  # never tensor parallel (TENSOR_PARALLEL is False): logits stay whole
+        self.logits_gather = None  # tensor parallel: engines/models/tensor_parallel.py sets the gather
 
     @staticmethod
     def spec(config: Any) -> DecoderSpec:

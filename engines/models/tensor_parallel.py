@@ -7,7 +7,8 @@ all-reduce of the masked lookups; the logits gathered on rank 0 only). KV heads 
 the ranks, or replicated when there are fewer KV heads than ranks (rank r then holds KV head
 ``r * kv_heads // tp``, the one its query heads attend with). Routed experts are split along their
 intermediate dim like a dense MLP, their block's output all-reduced once; shared experts are a dense
-MLP with its own all-reduce.
+MLP with its own all-reduce. Multi-head latent attention splits its heads and keeps its latent cache and
+DSA indexer whole on every rank (``_shard_mla_attention`` says why).
 
 Each sharded module knows which part of a checkpoint tensor it holds: ``read_shard(piece, leaf,
 shard)`` reads exactly that from a safetensors slice (``safe_open(...).get_slice``), so no rank ever
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from engines.models.layers import Attention, GatedMLP, MergedLinear
+from engines.models.mla import MLAAttention
 from engines.models.moe import Experts, SparseMoeBlock
 
 
@@ -166,7 +168,8 @@ def check_tensor_parallel(config: Any, tp: int, model: str) -> None:
     problems = []
     if heads % tp:
         problems.append(f"{heads} attention heads do not divide by {tp}")
-    if kv_heads % tp and tp % kv_heads:
+    # MLA (a kv_lora_rank) caches one latent that every rank replicates: its KV heads are not split
+    if kv_heads % tp and tp % kv_heads and getattr(config, "kv_lora_rank", None) is None:
         problems.append(f"{kv_heads} KV heads neither divide by {tp} nor divide it")
     if config.intermediate_size % tp:
         problems.append(f"intermediate_size {config.intermediate_size} does not divide by {tp}")
@@ -186,8 +189,8 @@ def check_model_splits(path: str, tp: int) -> None:
     name = f"{architecture} at {path!r}"
     model_cls = MODEL_REGISTRY.get(architecture)
     if model_cls is not None and not model_cls.TENSOR_PARALLEL:
-        raise ValueError(f"model {name}: tensor parallelism is not implemented for {architecture} "
-                         f"(multi-head latent attention); run it with tensor_parallel_size 1")
+        raise ValueError(f"model {name}: tensor parallelism is not implemented for {architecture}; "
+                         f"run it with tensor_parallel_size 1")
     check_tensor_parallel(config, tp, name)
     moe = model_cls.spec(config).moe if model_cls is not None and model_cls.spec(config).moe_layers else None
     if moe is not None and (moe.intermediate_size % tp or moe.shared_intermediate_size % tp):
@@ -199,16 +202,21 @@ def check_model_splits(path: str, tp: int) -> None:
 def shard_model(model: nn.Module, group: Collectives, name: str) -> None:
     """Replace ``model``'s layers with this rank's tensor-parallel shards, in place (on the meta
     device, before the loader allocates it). Sets the model's ``num_kv_heads`` to the local count,
-    which sizes the KV pool. Raises ValueError naming ``name`` for a model that cannot be split."""
+    which sizes the KV pool (MLA: its one latent, replicated: ``_shard_mla_attention``). Raises
+    ValueError naming ``name`` for a model that cannot be split."""
     config, tp, rank = model.config, group.world_size, group.rank  # load_model checked the split
     split = HeadSplit.of(config.num_attention_heads, config.num_key_value_heads, rank, tp)
     for layer in model.model.layers:
-        _shard_attention(layer.self_attn, split, group)
+        if isinstance(layer.self_attn, Attention):
+            _shard_attention(layer.self_attn, split, group)
+        else:  # multi-head latent attention: its heads split, its latent (model.num_kv_heads = 1) replicated
+            _shard_mla_attention(layer.self_attn, rank, tp, group)
         if isinstance(layer.mlp, GatedMLP):
             _shard_mlp(layer.mlp, rank, tp, group)
         elif isinstance(layer.mlp, SparseMoeBlock):
             _shard_moe(layer.mlp, rank, tp, group, name)
-    model.num_kv_heads = split.num_kv_heads
+    if isinstance(model.model.layers[0].self_attn, Attention):  # MLA keeps its one latent "head" whole
+        model.num_kv_heads = split.num_kv_heads
     vocab, hidden = config.vocab_size, config.hidden_size
     rows = -(-vocab // tp)
     model.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, rank * rows, rows, group)
@@ -229,6 +237,39 @@ def _shard_attention(attn: Attention, split: HeadSplit, group: Collectives) -> N
         bias=qkv.bias is not None,
     )
     attn.o_proj = RowParallelLinear(attn.q_size, o.out_features, o.bias is not None, split.q_start * d, group)
+
+
+def _head_rows(linear: nn.Linear, first_head: int, heads: int, per_head: int) -> ColumnParallelMerged:
+    """Rows ``[first_head * per_head, (first_head + heads) * per_head)`` of ``linear`` ([H * per_head, in])."""
+    return ColumnParallelMerged(linear.in_features, [linear.out_features], [(first_head * per_head, heads * per_head)],
+                                bias=linear.bias is not None)
+
+
+def _shard_mla_attention(attn: MLAAttention, rank: int, tp: int, group: Collectives) -> None:
+    """Multi-head latent attention (DeepSeek-V3/V3.2, GLM-5): H / tp consecutive heads per rank.
+
+    ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` are column-parallel per head (the checkpoint's per-head
+    row blocks of dn + dr and dn + dv rows), so prefill's up-projection and decode's absorbed ``W_UK`` /
+    ``W_UV`` cover exactly this rank's heads; ``o_proj`` is row-parallel (one all-reduce). The query and
+    KV down-projections and their norms stay whole: their outputs are what every head reads. So does
+    the latent cache: a cached latent has no head dimension (every head attends over all R + dr values),
+    so each rank writes and keeps the same latents, as vLLM does; the KV bytes per token per device do
+    not shrink with TP. The DSA indexer stays whole too, with its key cache: it sums its heads' scores
+    before the top-k, so a head split would need an all-reduce of a [tokens, context] score matrix per
+    indexer layer and a different summation order could pick other positions at a tie; replicated, every
+    rank selects the same positions from the same all-reduced inputs, for its small weights (GLM-5:
+    about 9M parameters per layer of 9.5B)."""
+    heads = attn.num_heads // tp
+    first = rank * heads
+    qk_dim = attn.nope_dim + attn.rope_dim
+    if attn.q_lora_rank is None:
+        attn.q_proj = _head_rows(attn.q_proj, first, heads, qk_dim)
+    else:
+        attn.q_b_proj = _head_rows(attn.q_b_proj, first, heads, qk_dim)
+    attn.kv_b_proj = _head_rows(attn.kv_b_proj, first, heads, attn.nope_dim + attn.v_dim)
+    o = attn.o_proj
+    attn.o_proj = RowParallelLinear(heads * attn.v_dim, o.out_features, o.bias is not None, first * attn.v_dim, group)
+    attn.num_heads = heads
 
 
 def _shard_mlp(mlp: GatedMLP, rank: int, tp: int, group: Collectives) -> None:
