@@ -5,10 +5,12 @@ per-model YAML keys (``server/engine_settings.py``), the ``serve`` flags (``serv
 checks below are all derived from these fields, so they cannot drift apart.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engines.parallel_config import ParallelConfig
+from engines.speculative.config import parse_speculative_config
 
 COMPILE_MODES = ("auto", "off", "on")
 COMPILE_ENV_VAR = "XINSERVE_COMPILE"  # the mode when a config leaves ``compile`` unset
@@ -16,12 +18,13 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")  # "auto" (or None): the che
 
 
 def setting(help: str, *, ge: int | None = None, gt: float | None = None, le: float | None = None,
-            choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+            choices: tuple[str, ...] | None = None, check: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """A field's metadata: its help text, and the bounds or choices a value other than None must meet
-    (``gt`` and ``le`` together: a half-open range)."""
+    (``gt`` and ``le`` together: a half-open range); ``check``: a parser that raises ValueError on a
+    bad value (for a structured one, such as ``speculative_config``)."""
     if (gt is None) != (le is None):
         raise TypeError("gt and le go together")
-    checks = {"ge": ge, "gt": gt, "le": le, "choices": choices}
+    checks = {"ge": ge, "gt": gt, "le": le, "choices": choices, "check": check}
     return {"help": help, **{k: v for k, v in checks.items() if v is not None}}
 
 
@@ -60,6 +63,11 @@ class EngineConfig:
         choices=COMPILE_MODES))
     enforce_eager: bool = field(default=False, metadata=setting(
         "never compile or graph-capture decode steps (vLLM's name for compile off; wins over it)"))
+    speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
+        "speculative decoding, as vLLM spells it (JSON on the command line): "
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
+        "disable_by_batch_size: no drafts while more sequences run (engines/speculative/)",
+        check=parse_speculative_config))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -76,3 +84,5 @@ def check_setting(name: str, value: Any, meta: dict[str, Any]) -> None:
         raise ValueError(f"{name} must be in ({meta['gt']}, {meta['le']}], got {value}")
     if "ge" in meta and value < meta["ge"]:
         raise ValueError(f"{name} must be at least {meta['ge']}, got {value}")
+    if "check" in meta:
+        meta["check"](value)

@@ -9,11 +9,13 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from engines.config import EngineConfig
 from engines.kv_cache import BlockManager
-from engines.outputs import EngineStats, FinishReason, RequestFailure, StepResult
+from engines.outputs import EngineStats, FinishReason, RequestFailure, StepResult, spec_decode_stats
 from engines.platforms import get_platform
 from engines.sampling_params import SamplingParams
 from engines.scheduler import SampledTokens, ScheduledSeq, Scheduler
 from engines.sequence import Sequence, SequenceStatus
+from engines.speculative.config import parse_speculative_config
+from engines.speculative.ngram import NgramProposer
 from engines.structured.compiler import GrammarCompiler, PendingGrammar
 from engines.structured.schema import check_json_schema
 from engines.tp_runner import make_runner
@@ -38,6 +40,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.eos_token_ids, self.max_model_len)
+        self.speculative = None if config.speculative_config is None else parse_speculative_config(
+            config.speculative_config)
+        self.proposer = None if self.speculative is None else NgramProposer(self.speculative)
         self.requests: dict[str, list[Sequence]] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         # request_id -> (its grammar being compiled, its sequences): held back from the scheduler
@@ -144,6 +149,8 @@ class LLMEngine:
 
     def step(self) -> StepResult:
         failures = self._admit_compiled() if self._compiling else []
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return StepResult([], failures)
@@ -254,4 +261,6 @@ class LLMEngine:
             prefix_cache_hits_total=bm.prefix_cache_hits,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            spec_decode=None if self.speculative is None else spec_decode_stats(
+                self.speculative.method, self.scheduler.spec_stats),
         )

@@ -139,6 +139,17 @@ class BlockManager:
             self.hash_to_block.setdefault(block.hash, block.block_id)
             prev_hash = block.hash
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the sequence's tail blocks that hold no computed token (the slots of rejected draft
+        tokens); a block with any verified token stays."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:  # it caches nothing: handed out before any cached block
+                self.free_blocks[block.block_id] = None
+                self.free_blocks.move_to_end(block.block_id, last=False)
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so the tail is evicted before the prefix."""
         for block_id in reversed(seq.block_table):

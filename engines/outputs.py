@@ -10,6 +10,8 @@ from typing import Literal
 
 import msgspec
 
+from engines.speculative.stats import SpecDecodeStats
+
 # Why a sequence ended: a stop token, its length budget, or an abort (the client's, a stop string's,
 # or the engine's when the request failed: that travels beside the outputs as a ``RequestFailure``).
 FinishReason = Literal["stop", "length", "abort"]
@@ -89,6 +91,25 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+class SpecDecodeCounters(msgspec.Struct, array_like=True):
+    """Speculative decoding's acceptance so far (vLLM's ``spec_decode_*`` counters)."""
+
+    method: str
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]  # [k] drafts whose token at position i was accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+
+def spec_decode_stats(method: str, stats: SpecDecodeStats) -> SpecDecodeCounters:
+    return SpecDecodeCounters(method, stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                              list(stats.accepted_per_position))
+
+
 class EngineStats(msgspec.Struct, array_like=True):
     """A worker's engine counters and gauges, sent with its outputs and read by /metrics and /health."""
 
@@ -100,3 +121,4 @@ class EngineStats(msgspec.Struct, array_like=True):
     prefix_cache_hits_total: int  # prompt tokens found in the cache
     prompt_tokens_total: int
     generation_tokens_total: int
+    spec_decode: SpecDecodeCounters | None = None  # with speculative decoding on

@@ -19,6 +19,7 @@ from engines.sampler import Sampler, SamplingRow, choice_seed
 from engines.sampling_params import SamplingParams
 from engines.scheduler import SampledTokens, ScheduledSeq
 from engines.sequence import Sequence, needs_prompt_logits
+from engines.speculative.verify import draft_logits_indices, verify_drafts
 from engines.structured.bitmask import apply_grammars
 from kernels.attention_metadata import AttentionMetadata, build_decode_gather
 from kernels.model_shapes import ModelShapes
@@ -61,6 +62,8 @@ class StepBatch:
     seqs: list[Sequence] = field(default_factory=list)  # S, in row order
     starts: list[int] = field(default_factory=list)  # [S] the position of each one's first row
     num_new: list[int] = field(default_factory=list)  # [S] its row count
+    # [N] each sampled sequence's draft tokens (its last 1 + k rows all have logits); empty without drafts
+    drafts: list[list[int]] = field(default_factory=list)
 
     def spans(self) -> Iterator[tuple[Sequence, int, int, int]]:
         """(sequence, its first position, its first row, its row count), in row order."""
@@ -219,6 +222,9 @@ class ModelRunner:
     def _sample(self, batch: StepBatch, logits: torch.Tensor | None) -> list[SampledTokens]:
         if logits is None:
             return []
+        if batch.drafts:
+            rows = [self._sampling_row(seq) for seq in batch.sampled]
+            return verify_drafts(logits, batch.sampled, batch.drafts, rows, self.sampler.top_k_top_p)
         if all(_plain_greedy(seq) for seq in batch.sampled):
             # The all-greedy fast path: one argmax (over the grammar masks of constrained rows), no
             # per-row sampling settings, one copy back.
@@ -306,8 +312,10 @@ class ModelRunner:
         decode_blocks = np.array([seq.block_table[n // bs] for seq, n in zip(decodes, starts)], np.int64)
         pos_parts, slot_parts = [decode_pos], [decode_blocks * bs + decode_pos % bs]
         query_start_loc = [0]
-        for seq, start, n in zip(seqs[num_decode:], starts[num_decode:], num_new[num_decode:]):
-            ids.extend(seq.token_ids[start : start + n])
+        for s, start, n in zip(prefills, starts[num_decode:], num_new[num_decode:]):
+            seq = s.seq
+            ids.extend(seq.token_ids[start : start + n])  # a drafted sequence's last token, then its drafts
+            ids.extend(s.draft_token_ids)
             pos = np.arange(start, start + n, dtype=np.int64)
             pos_parts.append(pos)
             slot_parts.append(np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
@@ -334,10 +342,12 @@ class ModelRunner:
             prefill_prompt_lens=[s.seq.num_prompt_tokens for s in prefills],
         )
         # A sequence gets a token when this step's tokens reach its end (not mid-prompt chunks).
-        is_sampled = [n == seq.num_tokens for n, seq in zip(seq_lens, seqs)]
+        drafts = [[]] * num_decode + [s.draft_token_ids for s in prefills]
+        num_drafts = [len(d) for d in drafts]
+        is_sampled = [n == seq.num_tokens + k for n, seq, k in zip(seq_lens, seqs, num_drafts)]
         logits_indices = None  # None: every token is sampled, in order, so no gather is needed
         if prefills or not all(is_sampled):
-            logits_indices = (np.cumsum(num_new) - 1)[is_sampled]
+            logits_indices = draft_logits_indices(num_new, num_drafts, is_sampled)
         host = HostInputs(np.array(ids, dtype=np.int64), np.concatenate(pos_parts), slot_mapping, block_tables,
                           seq_lens_np, logits_indices)
         return StepBatch(
@@ -350,6 +360,7 @@ class ModelRunner:
             seqs=seqs,
             starts=starts,
             num_new=num_new,
+            drafts=[d for d, yes in zip(drafts, is_sampled) if yes] if any(num_drafts) else [],
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

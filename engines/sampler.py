@@ -63,15 +63,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         raw = logits.float()  # [N, V]
-        logits = raw
-        if any(row.params.has_penalties for row in rows):
-            logits = apply_penalties(logits, rows)
-        if any(row.suppress_token_ids for row in rows):
-            logits = suppress_tokens(logits, rows)
-        if any(row.params.logit_bias for row in rows):
-            logits = apply_logit_bias(logits, rows)
-        if any(row.grammar is not None for row in rows):
-            logits = apply_grammars(logits, [row.grammar for row in rows])
+        logits = adjusted_logits(raw, rows)
         greedy = [row.params.greedy for row in rows]
         if all(greedy):
             token_ids = logits.argmax(dim=-1)
@@ -83,6 +75,20 @@ class Sampler:
             return SamplerOutput(token_ids, None, None)
         logprobs, logprob_token_ids = gather_logprobs(raw, token_ids, max(asked))
         return SamplerOutput(token_ids, logprobs, logprob_token_ids)
+
+
+def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """``logits`` ([N, V] float32) after each row's penalties, suppressed tokens, logit bias and
+    grammar mask: what greedy takes the argmax of, before temperature and filters."""
+    if any(row.params.has_penalties for row in rows):
+        logits = apply_penalties(logits, rows)
+    if any(row.suppress_token_ids for row in rows):
+        logits = suppress_tokens(logits, rows)
+    if any(row.params.logit_bias for row in rows):
+        logits = apply_logit_bias(logits, rows)
+    if any(row.grammar is not None for row in rows):
+        logits = apply_grammars(logits, [row.grammar for row in rows])
+    return logits
 
 
 def _row_values(values: list, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -190,9 +196,26 @@ def _sample(
     logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool], top_k_top_p: Callable[..., torch.Tensor]
 ) -> torch.Tensor:
     """Tokens for a batch with at least one sampled (temperature > 0) row; [N] int64."""
+    token_ids = sample_from_probs(filtered_probs(logits, rows, greedy, top_k_top_p), row_generators(rows, greedy))
+    if any(greedy):
+        is_greedy = torch.tensor(greedy, device=logits.device)
+        token_ids = torch.where(is_greedy, logits.argmax(dim=-1), token_ids)
+    return token_ids
+
+
+def row_generators(rows: list[SamplingRow], greedy: list[bool]) -> dict[int, torch.Generator]:
+    """Row -> generator of each seeded sampled row."""
+    return {i: row.generator for i, (row, g) in enumerate(zip(rows, greedy)) if row.generator is not None and not g}
+
+
+def filtered_probs(
+    logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool], top_k_top_p: Callable[..., torch.Tensor]
+) -> torch.Tensor:
+    """[N, V] float32: each row's sampling distribution (temperature, top-k / top-p, min-p applied to
+    the adjusted ``logits``); greedy rows get neutral settings (their token is the argmax anyway)."""
     vocab_size = logits.shape[1]
     params = [row.params for row in rows]
-    # Greedy rows ride along with neutral settings; their token is replaced by the argmax below.
+    # Greedy rows ride along with neutral settings; their token is the argmax, taken by the caller.
     temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
     top_k = [0 if g or p.top_k >= vocab_size else p.top_k for p, g in zip(params, greedy)]
     top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
@@ -207,17 +230,7 @@ def _sample(
         scaled = apply_top_k(scaled, _row_values(top_k, logits, torch.int64), max(top_k))
     if any(min_p):
         scaled = apply_min_p(scaled, _row_values(min_p, logits))
-
-    generators = {
-        i: row.generator
-        for i, (row, g) in enumerate(zip(rows, greedy))
-        if row.generator is not None and not g
-    }
-    token_ids = sample_from_probs(scaled.softmax(dim=-1), generators)
-    if any(greedy):
-        is_greedy = torch.tensor(greedy, device=logits.device)
-        token_ids = torch.where(is_greedy, logits.argmax(dim=-1), token_ids)
-    return token_ids
+    return scaled.softmax(dim=-1)
 
 
 def gather_logprobs(

@@ -5,18 +5,22 @@ catches up with its ``num_tokens`` within the step's token budget, so a long pro
 chunks while other sequences keep decoding in the same step. Running sequences go first (oldest
 first); waiting ones are admitted FCFS while budget, sequence slots and blocks last. When blocks
 run out the newest running sequence is preempted (its KV is dropped and recomputed later).
+A decoding sequence with draft tokens (speculative decoding) takes 1 + k rows, the drafts counted in
+the budget; when its blocks do not fit it runs without them rather than preempt another.
 After the model ran, ``update`` does the step's bookkeeping: computed tokens, cached blocks, the
-sampled tokens appended, stops detected.
+sampled tokens appended, stops detected; of a drafted sequence only the accepted drafts count as
+computed (the rejected ones' slots are rolled back and never reach the prefix cache).
 """
 
 import logging
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engines.kv_cache import BlockManager
 from engines.outputs import FinishReason, RequestFailure, StepOutput, StepResult, TokenLogprob
 from engines.sequence import Sequence, SequenceStatus, needs_prompt_logits
+from engines.speculative.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +28,8 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # rows this step: the drafts included
+    draft_token_ids: list[int] = field(default_factory=list)  # run after the sequence's last token
 
 
 @dataclass(slots=True)
@@ -51,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,16 +78,33 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(seq, num_new):
-                self._preempt(self.running.pop())
-                preempted = True
-                if i == len(self.running):  # the sequence preempted itself: nothing left to run
-                    return preempted
-            scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
+            k = self._num_drafts(seq, budget)
+            if k and self.block_manager.allocate_slots(seq, 1 + k):
+                step = ScheduledSeq(seq, 1 + k, seq.draft_token_ids[:k])
+            else:
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                while not self.block_manager.allocate_slots(seq, num_new):
+                    self._preempt(self.running.pop())
+                    preempted = True
+                    if i == len(self.running):  # the sequence preempted itself: nothing left to run
+                        return preempted
+                step = ScheduledSeq(seq, num_new)
+            scheduled.append(step)
+            budget -= step.num_new_tokens
             i += 1
         return preempted
+
+    def _num_drafts(self, seq: Sequence, budget: int) -> int:
+        """How many of a decoding sequence's draft tokens fit this step: within the budget (its own
+        token first), the context (a draft's position must exist) and what ``max_tokens`` leaves."""
+        if not seq.draft_token_ids or seq.num_tokens - seq.num_computed_tokens != 1:
+            return 0
+        room = min(len(seq.draft_token_ids), budget - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return max(room, 0)
 
     def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -124,15 +147,21 @@ class Scheduler:
         stopped one is finished. Returns one output per sampled sequence, or a failure for a sequence
         whose token broke its grammar (that sequence ends with "abort")."""
         for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            # Drafts count as computed once accepted (``_append``): not before their tokens are the sequence's.
+            s.seq.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids)
             self.block_manager.cache_full_blocks(s.seq)
+        drafted = {id(s.seq): len(s.draft_token_ids) for s in scheduled if s.draft_token_ids}
         result = StepResult()
         for s in sampled:
-            self._append(s, result)
+            self._append(s, result, drafted.get(id(s.seq), 0))
         return result
 
-    def _append(self, sampled: SampledTokens, result: StepResult) -> None:
+    def _append(self, sampled: SampledTokens, result: StepResult, num_drafts: int = 0) -> None:
+        """``sampled.token_ids``: the accepted drafts (of ``num_drafts``) and one token after them."""
         seq, accepted, reason = sampled.seq, 0, None
+        seq.draft_token_ids = []  # used up: the proposer drafts again for the next step
+        if num_drafts:
+            self.spec_stats.observe(num_drafts, len(sampled.token_ids) - 1)
         for token in sampled.token_ids:
             seq.token_ids.append(token)
             accepted += 1
@@ -149,6 +178,12 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
                 break
+        if num_drafts and reason is None:
+            # The accepted drafts' KV is verified; the last token's is computed next step. The rest
+            # of the drafts' slots are rolled back: blocks holding none of the verified tokens are freed.
+            seq.num_computed_tokens += accepted - 1
+            self.block_manager.trim(seq)
+            self.block_manager.cache_full_blocks(seq)
         result.outputs.append(StepOutput(
             request_id=seq.request_id,
             index=seq.index,

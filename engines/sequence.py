@@ -22,11 +22,14 @@ class Sequence:
     ``grammar`` is the matcher of a constrained output, advanced by each accepted token; it stays with
     the sequence through preemption (recomputing the KV accepts no token again). ``waiting_grammar``
     holds it while the output has not yet reached ``params.json_schema_after_token``.
+    ``draft_token_ids``: the speculative tokens proposed for the next step (engines/speculative/), not
+    yet part of ``token_ids``; the scheduler runs them with the sequence's next token.
     """
 
     __slots__ = (
         "arrival_time",
         "block_table",
+        "draft_token_ids",
         "finish_reason",
         "grammar",
         "index",
@@ -65,6 +68,7 @@ class Sequence:
         self.parent = parent
         self.grammar: Any = None
         self.waiting_grammar: Any = None
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

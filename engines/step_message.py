@@ -32,7 +32,8 @@ def encode_step(batch: StepBatch, prompt_rows: list[tuple[int, int]] | None) -> 
     num_seqs, width = host.block_tables.shape
     rows = prompt_rows or []
     header = [STEP, 0, len(host.input_ids), num_seqs, width, m.num_decode_seqs, m.num_prefill_seqs,
-              len(batch.sampled), host.logits_indices is not None, prompt_rows is not None, len(rows)]
+              len(batch.sampled) if host.logits_indices is None else len(host.logits_indices),
+              host.logits_indices is not None, prompt_rows is not None, len(rows)]
     parts = [np.array(header, dtype=np.int64), host.input_ids, host.positions, host.slot_mapping,
              host.block_tables.reshape(-1), host.seq_lens, np.array(m.prefill_query_start_loc, dtype=np.int64),
              np.array(m.prefill_prompt_lens or m.prefill_seq_lens, dtype=np.int64)]

@@ -8,9 +8,9 @@ or equal to 1``). ``server.config.ModelSettings`` adds the server's own keys on 
 
 from dataclasses import Field as DataclassField
 from dataclasses import fields
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
 from engines.config import EngineConfig
 
@@ -36,7 +36,17 @@ def _pydantic_field(field: DataclassField) -> tuple[Any, Any]:
     if "choices" in meta:
         annotation = Literal[meta["choices"]] | None if field.default is None else Literal[meta["choices"]]
     bounds = {key: meta[key] for key in ("ge", "gt", "le") if key in meta}
+    if "check" in meta:  # a structured value: its parser's ValueError becomes the key's validation error
+        annotation = Annotated[annotation, AfterValidator(_checked(meta["check"]))]
     return annotation, Field(field.default, description=meta["help"], **bounds)
+
+
+def _checked(check: Any) -> Any:
+    def validate(value: Any) -> Any:
+        if value is not None:
+            check(value)
+        return value
+    return validate
 
 
 ENGINE_KEYS = tuple(f.name for f in fields(EngineConfig) if f.name not in PLACED)
