@@ -77,3 +77,5 @@ class EngineStats(msgspec.Struct, array_like=True):
     prefix_cache_hits_total: int  # prompt tokens found in the cache
     prompt_tokens_total: int
     generation_tokens_total: int
+    external_prefix_cache_queries_total: int = 0  # prompt tokens looked up in the host KV tier
+    external_prefix_cache_hits_total: int = 0  # of those, tokens it held past the pool's own hits

@@ -6,6 +6,7 @@ Engine flags (``--max-model-len``, ...) given next to a config apply to every mo
 """
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -55,8 +56,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, **options)
         elif get_origin(kind) is Literal:
             p.add_argument(flag, choices=get_args(kind), **options)
-        elif get_origin(kind) is dict:
+        elif get_origin(kind) is dict and get_args(kind) == (str, str):
             p.add_argument(flag, type=_op_impl_pairs, metavar="OP=IMPL,...", **options)
+        elif get_origin(kind) is dict:
+            p.add_argument(flag, type=_json_object, metavar="JSON", **options)
         else:
             p.add_argument(flag, type=kind, **options)
 
@@ -67,6 +70,17 @@ def _op_impl_pairs(text: str) -> dict[str, str]:
     if not pairs or any(not sep or not op.strip() or not impl.strip() for op, sep, impl in pairs):
         raise argparse.ArgumentTypeError(f"expected op=impl[,op=impl...], got {text!r}")
     return {op.strip(): impl.strip() for op, _, impl in pairs}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag (``--kv-events-config '{"enable_kv_cache_events": true, ...}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) -> AppConfig:

@@ -33,6 +33,10 @@ ENGINE_COUNTERS = (
     ("num_preemptions", "num_preemptions_total", "Sequences preempted for lack of KV blocks."),
     ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+    ("external_prefix_cache_queries", "external_prefix_cache_queries_total",
+     "Prompt tokens looked up in the external (host) KV tier."),
+    ("external_prefix_cache_hits", "external_prefix_cache_hits_total",
+     "Prompt tokens found in the external (host) KV tier."),
 )
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
