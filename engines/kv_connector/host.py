@@ -1,12 +1,13 @@
 """A host-memory KV tier: the blocks the device pool evicts are copied to a host buffer of the same
 layout, LRU within it, and copied back when a later prompt's prefix hits them.
 
-The buffer is ``model.kv_cache_shape(capacity)`` (dense: [2, layers, slots, block_size, kv_heads,
-head_dim]; MLA: [slots, block_size, latent values]), so any cache layout the model declares works:
-a block is one index along the axis where the pool's shape grows with its block count. Pinned where
-the device supports it; copies are issued ``non_blocking`` on the device's stream in step order (a
-store before a load into the same pool block), so the host never waits for them. On the CPU they
-are plain memory copies.
+The buffer is ``model.kv_cache_shape(capacity)`` and is read through the model's own per-layer views
+(``layer_caches``: dense [N, BS, kv_heads, head_dim] keys and values; MLA [N, BS, latent] segments, which
+are not slices of the pool's first axis), so a block is index N of every view of the pool and of the
+buffer, whatever layout the model uses. Pinned where the device supports it; on a device, the copies
+are issued ``non_blocking`` on its stream in step order (every store before any load, since a pool
+block being reused is saved before it is overwritten), so the host never waits for them. On the CPU
+they are one gather and scatter per view.
 """
 
 from collections import OrderedDict
@@ -17,10 +18,23 @@ import torch
 GIB = 1 << 30
 
 
-def block_axis(kv_cache_shape: Any, block_size: int) -> int:
-    """The axis of the model's KV tensor that counts blocks (the one that grows with their number)."""
-    one, two = kv_cache_shape(1, block_size), kv_cache_shape(2, block_size)
-    return next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+def block_views(model: Any, kv_cache: torch.Tensor) -> list[torch.Tensor]:
+    """Every per-layer view of a KV tensor of ``model``'s layout, each with blocks on its first axis."""
+    return [view for caches in model.model.layer_caches(kv_cache) for view in caches if view is not None]
+
+
+def copy_blocks(dst: list[torch.Tensor], dst_ids: list[int], src: list[torch.Tensor], src_ids: list[int]) -> None:
+    """Block ``src_ids[i]`` of every view of ``src`` into block ``dst_ids[i]`` of ``dst``'s."""
+    if not dst_ids:
+        return
+    if dst[0].device == src[0].device:  # a CPU pool: one gather and scatter per view
+        dst_index, src_index = torch.tensor(dst_ids), torch.tensor(src_ids)
+        for d, s in zip(dst, src):
+            d.index_copy_(0, dst_index, s.index_select(0, src_index))
+        return
+    for d, s in zip(dst, src):
+        for i, j in zip(dst_ids, src_ids):
+            d[i].copy_(s[j], non_blocking=True)
 
 
 class HostKVConnector:
@@ -29,10 +43,11 @@ class HostKVConnector:
         self.capacity = int(size_gib * GIB) // bytes_per_block
         if self.capacity < 1:
             raise ValueError(f"kv_offloading_size {size_gib} GiB holds no KV block of {bytes_per_block} bytes")
-        self.axis = block_axis(model.kv_cache_shape, block_size)
+        self.model = model
         self.pinned = pin_memory
         self.buffer = torch.empty(model.kv_cache_shape(self.capacity, block_size), dtype=dtype,
                                   pin_memory=pin_memory)
+        self.views = block_views(model, self.buffer)
         # block hash -> (slot, the block's token ids); least recently used first
         self.index: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()
         self.free_slots = list(range(self.capacity - 1, -1, -1))
@@ -51,7 +66,11 @@ class HostKVConnector:
                  kv_cache: torch.Tensor) -> None:
         """Copy evicted pool blocks (hash, block id, tokens) in, then looked-up blocks (hash, block id)
         out to the pool. Slots about to be loaded are never reused by this call's stores."""
+        if not stores and not loads:
+            return
+        pool = block_views(self.model, kv_cache)
         loading = {self.index[h][0] for h, _ in loads}
+        slots, blocks = [], []
         for block_hash, block_id, token_ids in stores:
             if block_hash in self.index:
                 self.index.move_to_end(block_hash)
@@ -59,13 +78,13 @@ class HostKVConnector:
             slot = self._take_slot(loading)
             if slot is None:  # every slot is being loaded from: this block is dropped
                 continue
-            self.buffer.select(self.axis, slot).copy_(kv_cache.select(self.axis, block_id), non_blocking=True)
             self.index[block_hash] = (slot, token_ids)
-            self.stored_blocks += 1
-        for block_hash, block_id in loads:
-            slot = self.index[block_hash][0]
-            kv_cache.select(self.axis, block_id).copy_(self.buffer.select(self.axis, slot), non_blocking=True)
-            self.loaded_blocks += 1
+            slots.append(slot)
+            blocks.append(block_id)
+        copy_blocks(self.views, slots, pool, blocks)
+        copy_blocks(pool, [block_id for _, block_id in loads], self.views, [self.index[h][0] for h, _ in loads])
+        self.stored_blocks += len(slots)
+        self.loaded_blocks += len(loads)
 
     def _take_slot(self, keep: set[int]) -> int | None:
         if self.free_slots:
