@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from engines.kv_events import KVEventsConfig
 from engines.parallel_config import ParallelConfig
 from engines.speculative.config import parse_speculative_config
 
@@ -68,10 +69,25 @@ class EngineConfig:
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
         "disable_by_batch_size: no drafts while more sequences run (engines/speculative/)",
         check=parse_speculative_config))
+    kv_events_config: dict[str, Any] | None = field(default=None, metadata=setting(
+        "publish KV-cache events for prefix-aware routers, vLLM's JSON: enable_kv_cache_events, publisher "
+        "(zmq), endpoint, replay_endpoint, topic, buffer_steps, hwm, max_queue_size (engines/kv_events.py)"))
+    kv_offloading_size: float | None = field(default=None, metadata=setting(
+        "GiB of host memory that keeps the prefix-cache blocks the device pool evicts, reloaded on a later "
+        "hit instead of recomputed (engines/kv_connector/host.py)", gt=0, le=1 << 20))
+    # Which replica of its model this engine is (the worker's index in the pool; KV events carry it).
+    data_parallel_rank: int = field(default=0, metadata=setting("this replica's index among its model's", ge=0))
 
     def __post_init__(self) -> None:
         for f in fields(self):
             check_setting(f.name, getattr(self, f.name), f.metadata)
+        if self.kv_events_config is not None:
+            KVEventsConfig.parse(self.kv_events_config)
+        if self.kv_offloading_size is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_size is not supported with tensor_parallel_size > 1 yet "
+                             "(each rank holds a shard of the KV cache)")
+        if self.kv_offloading_size is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs enable_prefix_caching: the tier is keyed by its block hashes")
 
 
 def check_setting(name: str, value: Any, meta: dict[str, Any]) -> None:

@@ -9,6 +9,9 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from engines.config import EngineConfig
 from engines.kv_cache import BlockManager
+from engines.kv_connector.host import make_host_tier
+from engines.kv_event_publisher import make_publisher
+from engines.kv_events import EventBatch
 from engines.outputs import EngineStats, FinishReason, RequestFailure, StepResult, spec_decode_stats
 from engines.platforms import get_platform
 from engines.sampling_params import SamplingParams
@@ -37,7 +40,11 @@ class LLMEngine:
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.init_decode_graphs(config.max_num_seqs, self.max_model_len)
-        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        # A host tier below the pool (kv_offloading_size) and KV events for routers (kv_events_config).
+        self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size, self.platform.kind)
+        self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching,
+                                          record_events=self.kv_events is not None, external=self.kv_tier)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.eos_token_ids, self.max_model_len)
         self.speculative = None if config.speculative_config is None else parse_speculative_config(
@@ -92,8 +99,23 @@ class LLMEngine:
         return num_blocks
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel engine; a single-device engine holds nothing."""
+        """Stop the other ranks of a tensor-parallel engine and the KV-event publisher."""
         self.runner.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, in the pool and in the host tier (vLLM's reset_prefix_cache)."""
+        self.block_manager.reset_prefix_cache()
+        if self.kv_tier is not None:
+            self.kv_tier.clear()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """The step's KV events as one batch (none published for a step without any)."""
+        events = self.block_manager.take_events()
+        if events and self.kv_events is not None:
+            self.kv_events.publish(EventBatch(time.time(), events))
 
     @property
     def vocab_size(self) -> int:
@@ -152,12 +174,16 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
+        if self.kv_tier is not None:
+            # Before the forward: evicted blocks out of the pool, then tier hits into it.
+            self.kv_tier.transfer(*self.block_manager.take_transfers(), self.runner.kv_cache)
         if not scheduled:
             return StepResult([], failures)
         sampled, scheduled, failed = self._execute(scheduled)
         result = self.scheduler.update(scheduled, sampled)
         for failure in result.failures:  # one choice broke its grammar: the request fails whole
             self.abort_request(failure.request_id)
+        self._publish_kv_events()
         self._forget_finished([s.seq for s in sampled])
         self.generation_tokens_total += sum(len(out.new_token_ids) for out in result.outputs)
         result.failures[:0] = failures + failed
@@ -263,4 +289,6 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             spec_decode=None if self.speculative is None else spec_decode_stats(
                 self.speculative.method, self.scheduler.spec_stats),
+            external_prefix_cache_queries_total=bm.external_queries,
+            external_prefix_cache_hits_total=bm.external_hits,
         )

@@ -4,14 +4,23 @@ A block holds the KV of ``block_size`` consecutive tokens of one or more sequenc
 ref count). Once a block is full and computed it gets a hash chained over every token before it,
 so a later prompt with the same prefix can reuse it. Freed blocks keep their hash and stay
 reusable until they are handed out again, least recently freed first (LRU eviction).
+
+Two optional observers of the cache: ``record_events`` keeps vLLM-style KV events (engines/kv_events.py)
+for the engine to publish each step, and ``external`` is a second, larger tier (engines/kv_connector/)
+that takes the blocks this pool evicts and is looked up for the blocks past the pool's own hits.
 """
 
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
+from typing import Any
 
+from engines.kv_events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from engines.sequence import Sequence
 
 NO_HASH = None
+# The hash "before" a prompt's first block: a constant, so a prefix hashes the same in every process
+# (hash(None) is not stable across processes before Python 3.12) and replicas agree in KV events.
+ROOT_HASH = 0
 
 
 class Block:
@@ -26,11 +35,12 @@ class Block:
 
 def chain_hash(prev_hash: int | None, token_ids: Seq[int]) -> int:
     """Hash of a full block given the hash of the block before it (None for the first)."""
-    return hash((prev_hash, tuple(token_ids)))
+    return hash((ROOT_HASH if prev_hash is None else prev_hash, tuple(token_ids)))
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_events: bool = False, external: Any = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks}x{block_size}")
         self.block_size = block_size
@@ -42,6 +52,17 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found
+        # KV events of the current step (None: not recorded); the engine takes them after each step.
+        self.events: list[KVCacheEvent] | None = [] if record_events else None
+        # The external tier: ``contains(block_hash, token_ids) -> bool`` (engines/kv_connector/).
+        self.external = external if enable_prefix_caching else None
+        # Of the current step, for the external tier: (hash, block id, tokens) of each cached block
+        # evicted here (copy it out before the step overwrites it), and (hash, block id) of each block
+        # to fill from the tier (before the step reads it).
+        self.evicted: list[tuple[int, int, tuple[int, ...]]] = []
+        self.loads: list[tuple[int, int]] = []
+        self.external_queries = 0  # prompt tokens looked up in the external tier
+        self.external_hits = 0  # of those, tokens it held past the pool's own hits
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,12 +102,33 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: list[int] | None = None) -> bool:
+    def external_blocks(self, seq: Sequence, computed: list[int]) -> list[int]:
+        """Hashes of the blocks right after ``computed`` that the external tier holds (a prefix this pool
+        evicted): they are loaded instead of recomputed. Like ``computed_blocks`` it leaves at least
+        one token to compute."""
+        if self.external is None or seq.parent is not None:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        prev_hash = self.blocks[computed[-1]].hash if computed else None
+        hashes: list[int] = []
+        for i in range(len(computed), max_blocks):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            prev_hash = chain_hash(prev_hash, tokens)
+            if not self.external.contains(prev_hash, tokens):
+                break
+            hashes.append(prev_hash)
+        return hashes
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: list[int] | None = None,
+                       external: list[int] | None = None) -> bool:
         """Give ``seq`` blocks for ``num_new_tokens`` more tokens (after ``computed`` cached blocks,
-        which are adopted first). Returns False and changes nothing when there are not enough
-        free blocks; the caller then preempts and retries."""
+        which are adopted first, and the blocks of the ``external`` tier hashes, which are loaded).
+        Returns False and changes nothing when there are not enough free blocks; the caller then
+        preempts and retries."""
         computed = computed or []
-        num_tokens = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        external = external or []
+        num_cached = len(computed) + len(external)
+        num_tokens = seq.num_computed_tokens + num_cached * self.block_size + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens) - len(seq.block_table) - len(computed)
         # Cached blocks nobody holds sit in the free queue: adopting them uses up free blocks too.
         num_revived = sum(1 for b in computed if self.blocks[b].ref_count == 0)
@@ -98,16 +140,46 @@ class BlockManager:
                 del self.free_blocks[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-        seq.num_computed_tokens += len(computed) * self.block_size
+        first_new = len(seq.block_table)
         for _ in range(num_new_blocks):
             seq.block_table.append(self._take_free_block())
+        # The loaded blocks count as computed now; they enter the prefix cache after the step, like
+        # blocks computed by it (``cache_full_blocks``).
+        self.loads.extend(zip(external, seq.block_table[first_new:]))
+        seq.num_computed_tokens += num_cached * self.block_size
         return True
 
-    def record_prefix_lookup(self, seq: Sequence, computed: list[int]) -> None:
+    def record_prefix_lookup(self, seq: Sequence, computed: list[int], external: Seq[int] = ()) -> None:
         """Count a lookup once its sequence is admitted (a failed admission retries later)."""
         if self.enable_prefix_caching and seq.parent is None:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += len(computed) * self.block_size
+            if self.external is not None:
+                self.external_queries += seq.num_tokens
+                self.external_hits += len(external) * self.block_size
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events recorded since the last call (none when not recording)."""
+        events = self.events or []
+        if self.events:
+            self.events = []
+        return events
+
+    def take_transfers(self) -> tuple[list[tuple[int, int, tuple[int, ...]]], list[tuple[int, int]]]:
+        """The external tier's work since the last call: (evicted blocks to store, blocks to load)."""
+        transfers = self.evicted, self.loads
+        self.evicted, self.loads = [], []
+        return transfers
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (blocks held by running sequences stay theirs, uncached)."""
+        for block in self.blocks:
+            if block.ref_count == 0:
+                block.hash, block.token_ids = NO_HASH, ()
+        self.hash_to_block.clear()
+        self.evicted.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)
@@ -116,6 +188,10 @@ class BlockManager:
             # Evict: the least recently freed cached block is reused for new tokens.
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved([block.hash], MEDIUM_DEVICE))
+                if self.external is not None:
+                    self.evicted.append((block.hash, block_id, block.token_ids))
             block.hash = NO_HASH
             block.token_ids = ()
         block.ref_count = 1
@@ -131,13 +207,22 @@ class BlockManager:
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash is NO_HASH:
             first -= 1
         prev_hash = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        stored: BlockStored | None = None  # this call's event: one per run of newly cached blocks
         for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent_hash = prev_hash
             block.hash = chain_hash(prev_hash, tokens)
             block.token_ids = tuple(tokens)
-            self.hash_to_block.setdefault(block.hash, block.block_id)
             prev_hash = block.hash
+            if self.hash_to_block.setdefault(block.hash, block.block_id) != block.block_id or self.events is None:
+                stored = None  # already cached in another block: not stored again
+                continue
+            if stored is None:
+                stored = BlockStored([], parent_hash, [], self.block_size, None, MEDIUM_DEVICE)
+                self.events.append(stored)
+            stored.block_hashes.append(block.hash)
+            stored.token_ids.extend(tokens)
 
     def trim(self, seq: Sequence) -> None:
         """Free the sequence's tail blocks that hold no computed token (the slots of rejected draft

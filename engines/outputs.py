@@ -122,3 +122,5 @@ class EngineStats(msgspec.Struct, array_like=True):
     prompt_tokens_total: int
     generation_tokens_total: int
     spec_decode: SpecDecodeCounters | None = None  # with speculative decoding on
+    external_prefix_cache_queries_total: int = 0  # prompt tokens looked up in the host KV tier
+    external_prefix_cache_hits_total: int = 0  # of those, tokens it held past the pool's own hits

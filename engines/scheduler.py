@@ -112,12 +112,16 @@ class Scheduler:
             if self._waits_for_parent(seq):
                 break
             # A prompt whose log-probs are asked for is computed whole: a prefix-cache hit has no logits.
-            computed = [] if needs_prompt_logits(seq) else self.block_manager.computed_blocks(seq)
-            cached_tokens = len(computed) * self.block_manager.block_size
+            computed: list[int] = []
+            external: list[int] = []  # past the pool's own hits, blocks an external tier holds (loaded)
+            if not needs_prompt_logits(seq):
+                computed = self.block_manager.computed_blocks(seq)
+                external = self.block_manager.external_blocks(seq, computed)
+            cached_tokens = (len(computed) + len(external)) * self.block_manager.block_size
             num_new = min(seq.num_tokens - seq.num_computed_tokens - cached_tokens, budget)
-            if not self.block_manager.allocate_slots(seq, num_new, computed):
+            if not self.block_manager.allocate_slots(seq, num_new, computed, external):
                 break
-            self.block_manager.record_prefix_lookup(seq, computed)
+            self.block_manager.record_prefix_lookup(seq, computed, external)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

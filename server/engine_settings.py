@@ -15,8 +15,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from engines.config import EngineConfig
 
 # EngineConfig fields that are no model setting: ``path`` stands for the model, ``workers`` for the
-# device, and each tensor-parallel group of workers for the ranks' placement.
-PLACED = ("model", "device", "parallel")
+# device, each tensor-parallel group of workers for the ranks' placement, and each worker's index for
+# its replica's rank (server/pool.py).
+PLACED = ("model", "device", "parallel", "data_parallel_rank")
 # Settings each worker receives resolved rather than as written: the tokenizer's local path, and its
 # group's size (server/pool.py).
 PER_WORKER = ("tokenizer", "tensor_parallel_size")

@@ -35,6 +35,10 @@ ENGINE_COUNTERS = (
     ("num_preemptions", "num_preemptions_total", "Sequences preempted for lack of KV blocks."),
     ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+    ("external_prefix_cache_queries", "external_prefix_cache_queries_total",
+     "Prompt tokens looked up in the external (host) KV tier."),
+    ("external_prefix_cache_hits", "external_prefix_cache_hits_total",
+     "Prompt tokens found in the external (host) KV tier."),
 )
 
 # vLLM's older names, still read by vLLM's production-stack router and dashboards (same values).

@@ -136,7 +136,8 @@ class ModelPool:
     def _spec(self, worker: WorkerClient, path: str, tokenizer_path: str, ipc_dir: str) -> WorkerSpec:
         slug = f"{self.name}-{worker.label}".replace("/", "_").replace(":", "_").replace("#", "_").replace("+", "_")
         threads = (self.settings.cpu_threads or self.cpu_threads) if worker.device == "cpu" else None
-        engine_kwargs = {**self.settings.engine_kwargs(), "tokenizer": tokenizer_path}
+        engine_kwargs = {**self.settings.engine_kwargs(), "tokenizer": tokenizer_path,
+                         "data_parallel_rank": self.workers.index(worker)}
         group = self.groups[worker.label]
         if len(group) > 1:
             index = self.first_group + list(self.groups).index(worker.label)

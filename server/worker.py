@@ -192,6 +192,10 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         "ranks": getattr(engine.runner, "ranks", lambda: [
             {"rank": 0, "device": spec.device, "pid": os.getpid(), "node": 0, "role": RankRole(0).as_dict()}])(),
         "decode_graphs": engine.runner.decode_graphs_report(),
+        "kv_offloading": engine.kv_tier.report() if engine.kv_tier is not None else None,
+        "kv_events": None if engine.kv_events is None else {
+            "endpoint": engine.kv_events.endpoint, "replay_endpoint": engine.kv_events.replay_endpoint,
+            "data_parallel_rank": engine.kv_events.data_parallel_rank},
     }
 
 

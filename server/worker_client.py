@@ -345,6 +345,7 @@ class WorkerClient:
             "num_requests_running": None if self.stats is None else self.stats.num_running,
             "num_requests_waiting": None if self.stats is None else self.stats.num_waiting,
             "kv_cache_usage": None if self.stats is None else self.stats.kv_cache_usage,
+            "external_prefix_cache_hits_total": None if self.stats is None else self.stats.external_prefix_cache_hits_total,
             # The kernel registry's choice on this worker's device: op -> chosen, rejected with reasons.
             "kernels": self.info.get("kernels"),
             "ranks": self._describe_ranks(),

@@ -2,6 +2,7 @@
 ``serve`` flag with the same default, help text and bounds, and a value round-trips from the flag
 through the YAML config into the engine's config. These tests keep the lists from drifting apart."""
 
+import json
 from dataclasses import fields
 from typing import Any, Literal, get_args, get_origin
 
@@ -31,6 +32,9 @@ def sample(name: str) -> tuple[Any, list[str]]:
         return value, [flag if value else f"--no-{flag[2:]}"]
     if get_origin(kind) is Literal:
         value = get_args(kind)[-1]
+    elif get_origin(kind) is dict and get_args(kind) != (str, str):  # a JSON object (kv_events_config)
+        value = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5599"}
+        return value, [flag, json.dumps(value)]
     elif get_origin(kind) is dict:
         return {"rms_norm": "reference", "decode_attention": "reference"}, [
             flag, "rms_norm=reference,decode_attention=reference"]
