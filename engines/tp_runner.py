@@ -72,7 +72,7 @@ def make_runner(config: EngineConfig, platform: Platform, block_size: int, eos_t
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, platform, block_size, eos_token_ids)
     parallel = parallel_config(config)
-    check_model_splits(config.model, parallel.world_size)
+    check_model_splits(config.model, parallel.world_size, config.enable_expert_parallel)
     if dist.is_initialized():
         # torch.distributed has one default group per process: the engine that holds it must go first.
         raise RuntimeError(f"model {config.model}: this process already holds a tensor-parallel group (another "

@@ -269,6 +269,10 @@ class CausalLM(nn.Module):
             target, expert, shard = self._target(name)
             if target not in params:
                 raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
+            if expert is not None:
+                expert = self.get_submodule(target.rsplit(".", 1)[0]).slot(expert)
+                if expert is None:  # another rank's expert (expert parallel)
+                    continue
             dest, key = params[target].data, target
             if expert is not None:  # one expert's slice of a stacked [E, ...] parameter
                 dest, key = dest[expert], f"{key}#e{expert}"
