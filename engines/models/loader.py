@@ -31,13 +31,15 @@ def load_model(
     choose_ops: Callable[[ModelShapes, torch.dtype], KernelOps] | None = None,
     group: Collectives | None = None,
     expert_parallel: bool = False,
+    pipeline: Any | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Load the model at ``path`` onto ``device`` in ``dtype`` (None: the config's dtype, else
     float32), in eval mode without gradients. ``choose_ops`` picks the kernels for the model's
     shapes and dtype (the worker's kernel registry); None: the reference kernels. Raises
     ValueError for an unsupported architecture, config field or dtype and for missing or mismatched
     weights. ``group``: this rank's tensor-parallel group; ``expert_parallel``: its routed experts are
-    placed whole over the group (engines/models/expert_parallel.py) instead of split."""
+    placed whole over the group (engines/models/expert_parallel.py) instead of split. ``pipeline``: this
+    rank's ``engines.pipeline_parallel.PipelineStage``, which keeps only its layers."""
     config = AutoConfig.from_pretrained(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture not in MODEL_REGISTRY:
@@ -69,10 +71,12 @@ def load_model(
             shard_model(model, group, name, expert_parallel)
         if group is not None and expert_parallel:
             place_experts(model, group, name)
+        if pipeline is not None:
+            pipeline.install(model, name)
     model = model.to(dtype=dtype)
     model.keep_float32_parameters()
     model = model.to_empty(device=torch.device(device))
-    read = None if group is None else partial(read_shard, model)
+    read = None if group is None and pipeline is None else partial(read_shard, model)
     model.load_weights(_iter_safetensors(path, read))
     model.reset_buffers()
     model.eval().requires_grad_(False)
