@@ -55,6 +55,12 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata=setting(
         "ranks per replica (engines/tp_runner.py); the server groups consecutive worker devices by it "
         "(--device cpu: N CPU ranks)", ge=1))
+    pipeline_parallel_size: int = field(default=1, metadata=setting(
+        "pipeline stages per replica, each a contiguous range of layers (engines/pipeline_parallel.py); a "
+        "replica has tensor_parallel_size x pipeline_parallel_size ranks", ge=1))
+    enable_expert_parallel: bool = field(default=False, metadata=setting(
+        "place whole routed experts on the tensor-parallel ranks and exchange tokens all-to-all, instead of "
+        "splitting every expert (engines/models/expert_parallel.py)"))
     # Where the ranks run and meet (None: all on ``device``); the server derives it from a worker group.
     parallel: ParallelConfig | None = field(default=None, metadata=setting("the ranks' devices and rendezvous"))
     compile: str | None = field(default=None, metadata=setting(

@@ -124,6 +124,22 @@ class ParallelGroup:
         self._checked(dist.gather, logits, parts, dst=0, group=self.device_group)
         return torch.cat(parts, dim=-1)[:, :vocab_size] if parts is not None else logits
 
+    def all_to_all(self, output: torch.Tensor, x: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int]) -> torch.Tensor:
+        """Rows ``input_splits[r]`` of ``x`` (in rank order) to rank r; ``output`` receives
+        ``output_splits[r]`` rows from rank r (expert parallel's dispatch and combine); returns it."""
+        self.counts["all_to_all"] += 1
+        self._checked(dist.all_to_all_single, output, x.contiguous(), output_splits, input_splits,
+                      group=self.device_group)
+        return output
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x`` (same shape on all), in rank order."""
+        self.counts["all_gather"] += 1
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._checked(dist.all_gather, parts, x.contiguous(), group=self.device_group)
+        return parts
+
     def min_over_ranks(self, value: int) -> int:
         self.counts["all_reduce"] += 1
         t = torch.tensor([value], dtype=torch.int64)

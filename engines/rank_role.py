@@ -10,7 +10,9 @@ from typing import Any
 class RankRole:
     tp_rank: int
     pp_stage: int = 0
-    expert_range: tuple[int, int] | None = None  # [first, end) of the routed experts held whole; None: a slice of all
+    # The routed experts held whole ("0-3", or "3,6,1,4" when placed out of order); None: a slice of all
+    expert_range: str | None = None
+    layers: str | None = None  # with a pipeline: the stage's decoder layers, "first-last"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

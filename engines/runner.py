@@ -14,6 +14,7 @@ from engines.graphs import DecodeGraphs, build_decode_graphs, capture_memory_pro
 from engines.models.loader import load_model
 from engines.models.tensor_parallel import Collectives
 from engines.outputs import TokenLogprob
+from engines.pipeline_parallel import PipelineStage
 from engines.platforms import Platform
 from engines.sampler import Sampler, SamplingRow, choice_seed
 from engines.sampling_params import SamplingParams
@@ -90,6 +91,7 @@ class ModelRunner:
     def __init__(
         self, config: EngineConfig, platform: Platform, block_size: int, eos_token_ids: list[int],
         group: Collectives | None = None,  # tensor parallel: this rank's group (engines/tp_runner.py)
+        pipeline: PipelineStage | None = None,  # pipeline parallel: this rank's stage
     ) -> None:
         self.platform = platform
         self.device = platform.device
@@ -97,10 +99,12 @@ class ModelRunner:
         self.kernels: KernelSelection | None = None
         self.model, self.hf_config = load_model(
             config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config.kernels),
-            group,
+            group, expert_parallel=config.enable_expert_parallel, pipeline=pipeline,
         )
         self.dtype = next(self.model.parameters()).dtype
-        self.vocab_size = self.model.compute_logits(
+        # Only pipeline stage 0 computes logits (it holds the LM head).
+        self.computes_logits = pipeline is None or pipeline.layout.first
+        self.vocab_size = self.hf_config.vocab_size if not self.computes_logits else self.model.compute_logits(
             torch.zeros(1, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         ).shape[-1]
         self.sampler = Sampler(self.kernels.ops.top_k_top_p)
@@ -112,7 +116,7 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         # Pure-decode steps in padded buckets, compiled or graph-captured (engines/graphs.py).
         self.compile_mode = effective_mode(config.compile, config.enforce_eager)
-        if group is not None and self.compile_mode != "off":
+        if (group is not None or pipeline is not None) and self.compile_mode != "off":
             # Compiling or capturing across the group's collectives is not built or tested yet.
             logger.info("tensor parallel: decode steps run eagerly (compile %r is ignored)", self.compile_mode)
             self.compile_mode = "off"

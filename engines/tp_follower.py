@@ -20,6 +20,7 @@ import torch
 
 from engines.config import EngineConfig
 from engines.distributed import GroupFailure, ParallelGroup, open_store
+from engines.pipeline_parallel import stage_collectives
 from engines.platforms import get_platform
 from engines.runner import ModelRunner, StepBatch
 from engines.step_message import ALLOCATE, PROFILE, STEP, STOP, decode_header, decode_step
@@ -40,7 +41,8 @@ def run_rank(config: EngineConfig, rank: int, master_port: int, threads: int | N
                           parallel.rendezvous_timeout_s, parallel.step_timeout_s)
     try:
         block_size = config.block_size or platform.default_block_size
-        runner = ModelRunner(config, platform, block_size, [], group=group)
+        layers_group, stage = stage_collectives(group, config.tensor_parallel_size, config.pipeline_parallel_size)
+        runner = ModelRunner(config, platform, block_size, [], group=layers_group, pipeline=stage)
         logger.info("rank %d of %d ready on %s", rank, parallel.world_size, platform.device)
         follow(runner, group)
     finally:
@@ -55,7 +57,9 @@ def follow(runner: ModelRunner, group: ParallelGroup) -> None:
         kind, value = decode_header(message)
         if kind == STEP:
             batch, prompt_rows = decode_step(message, runner.device, runner.block_size)
-            if prompt_rows is None:
+            if not runner.computes_logits:  # a later pipeline stage: its layers only
+                runner.model(batch.input_ids, batch.positions, runner.kv_cache, batch.metadata)
+            elif prompt_rows is None:
                 runner.forward(batch)
             else:
                 _prompt_logprobs_step(runner, batch, prompt_rows)

@@ -21,6 +21,7 @@ from engines.config import EngineConfig
 from engines.distributed import GroupFailure, ParallelGroup, open_store
 from engines.models.tensor_parallel import check_model_splits
 from engines.parallel_config import ParallelConfig
+from engines.pipeline_parallel import check_pipeline, rank_role, stage_collectives
 from engines.platforms import Platform
 from engines.rank_role import RankRole
 from engines.runner import ModelRunner, StepBatch
@@ -35,10 +36,12 @@ STOP_WAIT_S = 10.0
 def parallel_config(config: EngineConfig) -> ParallelConfig:
     """The group's layout: the config's, or ``tensor_parallel_size`` ranks on one node: all on the
     CPU for ``device`` cpu, else consecutive cards from ``device``'s (``npu:2`` -> npu:2, npu:3, ...)."""
-    parallel = config.parallel or ParallelConfig(devices=default_devices(config.device, config.tensor_parallel_size))
-    if parallel.world_size != config.tensor_parallel_size:
-        raise ValueError(f"model {config.model}: tensor_parallel_size {config.tensor_parallel_size} but "
-                         f"{parallel.world_size} devices ({', '.join(parallel.devices)})")
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    parallel = config.parallel or ParallelConfig(devices=default_devices(config.device, ranks))
+    if parallel.world_size != ranks:
+        raise ValueError(f"model {config.model}: tensor_parallel_size {config.tensor_parallel_size} x "
+                         f"pipeline_parallel_size {config.pipeline_parallel_size} but {parallel.world_size} "
+                         f"devices ({', '.join(parallel.devices)})")
     parallel.check(config.model)
     return parallel
 
@@ -70,10 +73,11 @@ def spawn_rank(config: EngineConfig, rank: int, master_port: int, threads: int |
 
 def make_runner(config: EngineConfig, platform: Platform, block_size: int, eos_token_ids: list[int]) -> ModelRunner:
     """The runner of an engine: plain on one device, else rank 0 of a tensor-parallel group."""
-    if config.tensor_parallel_size == 1:
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         return ModelRunner(config, platform, block_size, eos_token_ids)
     parallel = parallel_config(config)
-    check_model_splits(config.model, parallel.world_size)
+    check_model_splits(config.model, config.tensor_parallel_size, config.enable_expert_parallel)
+    check_pipeline(config.model, config.pipeline_parallel_size)
     if dist.is_initialized():
         # torch.distributed has one default group per process: the engine that holds it must go first.
         raise RuntimeError(f"model {config.model}: this process already holds a tensor-parallel group (another "
@@ -114,7 +118,10 @@ class TensorParallelRunner(ModelRunner):
         previous_threads: int,
     ) -> None:
         self.group, self.parallel, self.followers = group, parallel, followers
-        super().__init__(config, platform, block_size, eos_token_ids, group=group)  # a failure: make_runner's
+        self.tp = config.tensor_parallel_size
+        layers_group, stage = stage_collectives(group, self.tp, config.pipeline_parallel_size)
+        super().__init__(config, platform, block_size, eos_token_ids, group=layers_group,
+                         pipeline=stage)  # a failure: make_runner's
         # Releases the group when close() is called, when the runner is garbage-collected, or at exit
         # (an engine never closed). It holds the group and the processes, never the runner itself.
         self._release = weakref.finalize(self, _release_group, group, followers, previous_threads)
@@ -124,7 +131,7 @@ class TensorParallelRunner(ModelRunner):
         local = {0: os.getpid(), **{rank: proc.pid for rank, proc in self.followers.items()}}
         per_node = self.parallel.world_size // self.parallel.nnodes
         return [{"rank": rank, "device": device, "pid": local.get(rank), "node": rank // per_node,
-                 "role": RankRole(tp_rank=rank).as_dict()}
+                 "role": rank_role(rank, self.tp, self.parallel.world_size // self.tp, self.model).as_dict()}
                 for rank, device in enumerate(self.parallel.devices)]
 
     def broadcast(self, batch: StepBatch) -> None:

@@ -114,6 +114,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, spec, ops, i, attention(i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.pipeline: Callable | None = None  # a pipeline stage runs the forward (engines/pipeline_parallel.py)
 
     def forward(
         self,
@@ -122,7 +123,9 @@ class DecoderModel(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
+        if self.pipeline is not None:
+            return self.pipeline(self, input_ids, positions, kv_cache, metadata, cos_sin_cache)
         hidden, residual = self.embed_tokens(input_ids), None  # hidden: [T, hidden]
         # Everything that depends only on the step is built here once, not in every layer.
         step_inputs = self.step_inputs(positions, metadata, cos_sin_cache, hidden.dtype)
@@ -179,6 +182,8 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
         # Tensor parallel: gathers each rank's vocabulary slice of the logits (models/tensor_parallel.py)
         self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Pipeline parallel: checkpoint name prefixes another stage holds (engines/pipeline_parallel.py)
+        self.absent_weights: tuple[str, ...] = ()
 
     @staticmethod
     def config_head_dim(config: Any) -> int:
@@ -269,6 +274,10 @@ class CausalLM(nn.Module):
             target, expert, shard = self._target(name)
             if target not in params:
                 raise ValueError(f"checkpoint weight {name!r} has no place in {type(self).__name__}")
+            if expert is not None:
+                expert = self.get_submodule(target.rsplit(".", 1)[0]).slot(expert)
+                if expert is None:  # another rank's expert (expert parallel)
+                    continue
             dest, key = params[target].data, target
             if expert is not None:  # one expert's slice of a stacked [E, ...] parameter
                 dest, key = dest[expert], f"{key}#e{expert}"
@@ -289,7 +298,8 @@ class CausalLM(nn.Module):
 
     def _skipped(self, name: str) -> bool:
         """Checkpoint entries that are not this model's weights (derived tables, a tied lm_head)."""
-        return name.endswith(SKIPPED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight")
+        return (name.endswith(SKIPPED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight")
+                or name.startswith(self.absent_weights))
 
     def _target(self, name: str) -> tuple[str, int | None, int | None]:
         """HF name -> (our parameter name, expert index or None, shard index or None); None: the

@@ -16,6 +16,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from engines.models import MODEL_REGISTRY
 from engines.models.config_check import unsupported_config_fields
+from engines.models.expert_parallel import place_experts
 from engines.models.tensor_parallel import Collectives, check_tensor_parallel, read_shard, shard_model
 from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
@@ -29,12 +30,16 @@ def load_model(
     device: torch.device,
     choose_ops: Callable[[ModelShapes, torch.dtype], KernelOps] | None = None,
     group: Collectives | None = None,
+    expert_parallel: bool = False,
+    pipeline: Any | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Load the model at ``path`` onto ``device`` in ``dtype`` (None: the config's dtype, else
     float32), in eval mode without gradients. ``choose_ops`` picks the kernels for the model's
     shapes and dtype (the worker's kernel registry); None: the reference kernels. Raises
     ValueError for an unsupported architecture, config field or dtype and for missing or mismatched
-    weights."""
+    weights. ``group``: this rank's tensor-parallel group; ``expert_parallel``: its routed experts are
+    placed whole over the group (engines/models/expert_parallel.py) instead of split. ``pipeline``: this
+    rank's ``engines.pipeline_parallel.PipelineStage``, which keeps only its layers."""
     config = AutoConfig.from_pretrained(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture not in MODEL_REGISTRY:
@@ -50,19 +55,28 @@ def load_model(
         raise ValueError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
     model_cls = MODEL_REGISTRY[architecture]
     shapes = model_cls.kernel_shapes(config)
+    name = f"{architecture} at {path!r}"
+    splits_attention = model_cls.TENSOR_PARALLEL
     if group is not None:
-        check_tensor_parallel(config, group.world_size, f"{architecture} at {path!r}")
-        shapes = local_shapes(shapes, group.world_size)
+        if splits_attention:
+            check_tensor_parallel(config, group.world_size, name)
+            shapes = local_shapes(shapes, group.world_size)
+        if expert_parallel:  # whole experts: the routed ones keep their full intermediate size
+            shapes = replace(shapes, moe_intermediate_size=model_cls.kernel_shapes(config).moe_intermediate_size)
     ops = REFERENCE_OPS if choose_ops is None else choose_ops(shapes, dtype)
     # Build on the meta device, then allocate once on the target: no random init, no second copy.
     with torch.device("meta"):
         model = model_cls(config, ops)
-        if group is not None:
-            shard_model(model, group, f"{architecture} at {path!r}")
+        if group is not None and splits_attention:
+            shard_model(model, group, name, expert_parallel)
+        if group is not None and expert_parallel:
+            place_experts(model, group, name)
+        if pipeline is not None:
+            pipeline.install(model, name)
     model = model.to(dtype=dtype)
     model.keep_float32_parameters()
     model = model.to_empty(device=torch.device(device))
-    read = None if group is None else partial(read_shard, model)
+    read = None if group is None and pipeline is None else partial(read_shard, model)
     model.load_weights(_iter_safetensors(path, read))
     model.reset_buffers()
     model.eval().requires_grad_(False)

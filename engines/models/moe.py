@@ -68,6 +68,11 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def slot(self, expert: int) -> int | None:
+        """Where checkpoint expert ``expert`` goes in the stacked weights; None: not on this rank
+        (expert parallel, engines/models/expert_parallel.py)."""
+        return expert
+
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeSpec, ops: KernelOps) -> None:

@@ -177,33 +177,43 @@ def check_tensor_parallel(config: Any, tp: int, model: str) -> None:
         raise ValueError(f"model {model}: tensor_parallel_size {tp} does not fit: {'; '.join(problems)}")
 
 
-def check_model_splits(path: str, tp: int) -> None:
+def check_model_splits(path: str, tp: int, expert_parallel: bool = False) -> None:
     """Before any rank starts: raise ValueError naming the model at ``path`` when it cannot be split
-    over ``tp`` ranks (heads, intermediate size, experts)."""
+    over ``tp`` ranks (heads, intermediate size, experts). With ``expert_parallel`` the routed experts
+    are placed whole (their count must divide by ``tp``), and a model whose attention has no
+    tensor-parallel split runs it replicated on every rank."""
     from transformers import AutoConfig
 
     from engines.models import MODEL_REGISTRY
+    from engines.models.expert_parallel import check_expert_parallel
 
     config = AutoConfig.from_pretrained(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     name = f"{architecture} at {path!r}"
     model_cls = MODEL_REGISTRY.get(architecture)
-    if model_cls is not None and not model_cls.TENSOR_PARALLEL:
-        raise ValueError(f"model {name}: tensor parallelism is not implemented for {architecture}; "
-                         f"run it with tensor_parallel_size 1")
-    check_tensor_parallel(config, tp, name)
     moe = model_cls.spec(config).moe if model_cls is not None and model_cls.spec(config).moe_layers else None
-    if moe is not None and (moe.intermediate_size % tp or moe.shared_intermediate_size % tp):
+    splits_attention = model_cls is None or model_cls.TENSOR_PARALLEL
+    if not splits_attention and not (expert_parallel and moe is not None):
+        raise ValueError(f"model {name}: tensor parallelism is not implemented for {architecture} "
+                         f"(multi-head latent attention); run it with tensor_parallel_size 1")
+    if splits_attention:
+        check_tensor_parallel(config, tp, name)
+    if moe is not None and expert_parallel:
+        check_expert_parallel(moe.num_experts, tp, name)
+        if splits_attention and moe.shared_intermediate_size % tp:
+            raise ValueError(f"model {name}: tensor_parallel_size {tp} does not fit: the shared experts' "
+                             f"intermediate size {moe.shared_intermediate_size} does not divide by {tp}")
+    elif moe is not None and (moe.intermediate_size % tp or moe.shared_intermediate_size % tp):
         raise ValueError(f"model {name}: tensor_parallel_size {tp} does not fit: the experts' intermediate "
                          f"size {moe.intermediate_size} (shared: {moe.shared_intermediate_size}) does not "
                          f"divide by {tp}")
 
 
-def shard_model(model: nn.Module, group: Collectives, name: str) -> None:
+def shard_model(model: nn.Module, group: Collectives, name: str, expert_parallel: bool = False) -> None:
     """Replace ``model``'s layers with this rank's tensor-parallel shards, in place (on the meta
     device, before the loader allocates it). Sets the model's ``num_kv_heads`` to the local count,
-    which sizes the KV pool (MLA: its one latent, replicated: ``_shard_mla_attention``). Raises
-    ValueError naming ``name`` for a model that cannot be split."""
+    which sizes the KV pool. Raises ValueError naming ``name`` for a model that cannot be split.
+    ``expert_parallel``: routed experts are left whole (engines/models/expert_parallel.py places them)."""
     config, tp, rank = model.config, group.world_size, group.rank  # load_model checked the split
     split = HeadSplit.of(config.num_attention_heads, config.num_key_value_heads, rank, tp)
     for layer in model.model.layers:
@@ -213,6 +223,9 @@ def shard_model(model: nn.Module, group: Collectives, name: str) -> None:
             _shard_mla_attention(layer.self_attn, rank, tp, group)
         if isinstance(layer.mlp, GatedMLP):
             _shard_mlp(layer.mlp, rank, tp, group)
+        elif isinstance(layer.mlp, SparseMoeBlock) and expert_parallel:
+            if layer.mlp.shared_experts is not None:
+                _shard_mlp(layer.mlp.shared_experts, rank, tp, group)
         elif isinstance(layer.mlp, SparseMoeBlock):
             _shard_moe(layer.mlp, rank, tp, group, name)
     if isinstance(model.model.layers[0].self_attn, Attention):  # MLA keeps its one latent "head" whole
@@ -300,11 +313,13 @@ def read_shard(model: nn.Module, name: str, piece: Piece) -> torch.Tensor:
     replicated one: norms, biases of row-parallel layers)."""
     if model._skipped(name):
         return torch.empty(0)
-    target, _, shard = model._target(name)
+    target, expert, shard = model._target(name)
     module_name, _, leaf = target.rpartition(".")
     try:
         module = model.get_submodule(module_name)
     except AttributeError:  # not ours: load_weights names it
         return piece[:]
+    if expert is not None and isinstance(module, Experts) and module.slot(expert) is None:
+        return torch.empty(0)  # another rank's whole expert (expert parallel): never read
     reader = getattr(module, "read_shard", None)
     return piece[:] if reader is None else reader(piece, leaf, shard)

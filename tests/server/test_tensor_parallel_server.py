@@ -49,8 +49,8 @@ def test_health_lists_both_ranks(server):
     assert [(r["rank"], r["device"], r["state"]) for r in ranks] == [(0, "cpu", "ready"), (1, "cpu", "ready")]
     assert ranks[0]["pid"] != ranks[1]["pid"] and all(isinstance(r["pid"], int) for r in ranks)
     # each rank's role: its tensor-parallel rank; one pipeline stage; a slice of every expert
-    assert [r["role"] for r in ranks] == [{"tp_rank": 0, "pp_stage": 0, "expert_range": None},
-                                          {"tp_rank": 1, "pp_stage": 0, "expert_range": None}]
+    assert [r["role"] for r in ranks] == [{"tp_rank": 0, "pp_stage": 0, "expert_range": None, "layers": None},
+                                          {"tp_rank": 1, "pp_stage": 0, "expert_range": None, "layers": None}]
 
 
 def test_api_answers_as_one_device(server, offline):
