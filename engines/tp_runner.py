@@ -23,7 +23,6 @@ from engines.models.tensor_parallel import check_model_splits
 from engines.parallel_config import ParallelConfig
 from engines.pipeline_parallel import check_pipeline, rank_role, stage_collectives
 from engines.platforms import Platform
-from engines.rank_role import RankRole
 from engines.runner import ModelRunner, StepBatch
 from engines.sequence import needs_prompt_logits
 from engines.step_message import ALLOCATE, PROFILE, STOP, encode_command, encode_step
