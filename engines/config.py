@@ -16,6 +16,9 @@ from engines.speculative.config import parse_speculative_config
 COMPILE_MODES = ("auto", "off", "on")
 COMPILE_ENV_VAR = "XINSERVE_COMPILE"  # the mode when a config leaves ``compile`` unset
 DTYPES = ("auto", "float32", "float16", "bfloat16")  # "auto" (or None): the checkpoint's dtype
+# vLLM's --quantization names: the checkpoint formats of engines/quantization/formats/, and the schemes a
+# float checkpoint is quantized to on the fly (fp8, w8a8; engines/quantization/online.py)
+QUANTIZATION_METHODS = ("fp8", "w8a8", "compressed-tensors")
 
 
 def setting(help: str, *, ge: int | None = None, gt: float | None = None, le: float | None = None,
@@ -83,6 +86,10 @@ class EngineConfig:
         "hit instead of recomputed (engines/kv_connector/host.py)", gt=0, le=1 << 20))
     # Which replica of its model this engine is (the worker's index in the pool; KV events carry it).
     data_parallel_rank: int = field(default=0, metadata=setting("this replica's index among its model's", ge=0))
+    quantization: str | None = field(default=None, metadata=setting(
+        "the weights' quantization: a quantized checkpoint's format (refused when the checkpoint is in "
+        "another), or fp8 / w8a8 to quantize a float checkpoint at load (per-channel weights, per-token "
+        "activations); default: what the checkpoint says", choices=QUANTIZATION_METHODS))
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -99,7 +99,7 @@ class ModelRunner:
         self.kernels: KernelSelection | None = None
         self.model, self.hf_config = load_model(
             config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config.kernels),
-            group, expert_parallel=config.enable_expert_parallel, pipeline=pipeline,
+            group, expert_parallel=config.enable_expert_parallel, pipeline=pipeline, quantization=config.quantization,
         )
         self.dtype = next(self.model.parameters()).dtype
         # Only pipeline stage 0 computes logits (it holds the LM head).

@@ -18,8 +18,16 @@ from engines.models import MODEL_REGISTRY
 from engines.models.config_check import unsupported_config_fields
 from engines.models.expert_parallel import place_experts
 from engines.models.tensor_parallel import Collectives, check_tensor_parallel, read_shard, shard_model
+from engines.quantization.install import (
+    dequantize_float_weights,
+    load_quantized,
+    quant_shapes,
+    swap_quantized_modules,
+)
+from engines.quantization.reader import checkpoint_reader
 from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
+from kernels.quantized_weight import QuantizedWeight
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -32,14 +40,17 @@ def load_model(
     group: Collectives | None = None,
     expert_parallel: bool = False,
     pipeline: Any | None = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Load the model at ``path`` onto ``device`` in ``dtype`` (None: the config's dtype, else
     float32), in eval mode without gradients. ``choose_ops`` picks the kernels for the model's
     shapes and dtype (the worker's kernel registry); None: the reference kernels. Raises
-    ValueError for an unsupported architecture, config field or dtype and for missing or mismatched
-    weights. ``group``: this rank's tensor-parallel group; ``expert_parallel``: its routed experts are
-    placed whole over the group (engines/models/expert_parallel.py) instead of split. ``pipeline``: this
-    rank's ``engines.pipeline_parallel.PipelineStage``, which keeps only its layers."""
+    ValueError for an unsupported architecture, config field, dtype or quantization scheme and for
+    missing or mismatched weights. ``group``: this rank's tensor-parallel group; ``expert_parallel``:
+    its routed experts are placed whole over the group (engines/models/expert_parallel.py) instead of
+    split. ``pipeline``: this rank's ``engines.pipeline_parallel.PipelineStage``, which keeps only its
+    layers. A quantized checkpoint's weights stay quantized (engines/quantization/); ``quantization``
+    forces a scheme (``EngineConfig.quantization``)."""
     config = AutoConfig.from_pretrained(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture not in MODEL_REGISTRY:
@@ -57,12 +68,24 @@ def load_model(
     shapes = model_cls.kernel_shapes(config)
     name = f"{architecture} at {path!r}"
     splits_attention = model_cls.TENSOR_PARALLEL
+    reader = checkpoint_reader(path, config, quantization, model_cls.FLOAT_WEIGHTS)
+    if reader is not None and (group is not None or pipeline is not None):
+        raise ValueError(f"{name}: tensor, expert or pipeline parallel with {reader[0]} quantized weights is "
+                         "not implemented; serve it with tensor_parallel_size 1 and pipeline_parallel_size 1")
     if group is not None:
         if splits_attention:
             check_tensor_parallel(config, group.world_size, name)
             shapes = local_shapes(shapes, group.world_size)
         if expert_parallel:  # whole experts: the routed ones keep their full intermediate size
             shapes = replace(shapes, moe_intermediate_size=model_cls.kernel_shapes(config).moe_intermediate_size)
+    weights, records = None, []
+    if reader is not None:
+        # The kernels are chosen for the quantized shapes, which only the records say: the checkpoint
+        # is read through its reader first (held on the host once, quantized), then the model built.
+        weights = dequantize_float_weights(model_cls, reader[1](_iter_safetensors(path)))
+        records = [(key, value) for key, value in weights if isinstance(value, QuantizedWeight)]
+        weights = [(key, value) for key, value in weights if not isinstance(value, QuantizedWeight)]
+        shapes = replace(shapes, quant_shapes=quant_shapes(records, shapes.num_experts))
     ops = REFERENCE_OPS if choose_ops is None else choose_ops(shapes, dtype)
     # Build on the meta device, then allocate once on the target: no random init, no second copy.
     with torch.device("meta"):
@@ -73,11 +96,13 @@ def load_model(
             place_experts(model, group, name)
         if pipeline is not None:
             pipeline.install(model, name)
+        swap_quantized_modules(model, (key for key, _ in records), ops)
     model = model.to(dtype=dtype)
     model.keep_float32_parameters()
     model = model.to_empty(device=torch.device(device))
     read = None if group is None and pipeline is None else partial(read_shard, model)
-    model.load_weights(_iter_safetensors(path, read))
+    model.load_weights(weights if weights is not None else _iter_safetensors(path, read))
+    load_quantized(model, records, torch.device(device), dtype)
     model.reset_buffers()
     model.eval().requires_grad_(False)
     return model, config
