@@ -2,8 +2,14 @@
 AutoAWQ's README / packing descriptions), independently of the readers: a float weight with a wide
 spread of per-row magnitudes is quantized per group, asymmetrically, and packed as each format says."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
+
+from tests.engines.quantization.modelslim_checkpoints import copy_model_files
 
 # AutoAWQ GEMM: nibble k of each int32 holds output column AWQ_PACK_ORDER[k] of its group of eight.
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -74,3 +80,28 @@ def awq_tensors(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> dic
         return _words(words)
 
     return {"qweight": pack(q.T.numpy()), "qzeros": pack(zero.T.numpy()), "scales": scale.T.contiguous()}
+
+
+def write_int4_model(model_dir: Path, target: Path, method: str, group_size: int = 32
+                     ) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The float checkpoint at ``model_dir`` with every attention and MLP projection quantized to 4 bits
+    (asymmetric, per group) in GPTQ's or AWQ's layout, with its config's ``quantization_config``.
+    Returns the directory and the float32 weights the stored tensors stand for (the oracle's)."""
+    tensors, dequantized = {}, {}
+    for name, tensor in load_file(str(next(model_dir.glob("*.safetensors")))).items():
+        if tensor.dim() != 2 or "proj" not in name:
+            tensors[name] = tensor
+            continue
+        module = name.removesuffix(".weight")
+        q, zero, scale, dequantized[name] = quantize_groups(tensor.float(), group_size)
+        parts = gptq_tensors(q, zero, scale, group_size) if method == "gptq" else awq_tensors(q, zero, scale)
+        tensors.update({f"{module}.{k}": v for k, v in parts.items()})
+    copy_model_files(model_dir, target)
+    save_file(tensors, str(target / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    settings = {"bits": 4, "group_size": group_size}
+    config["quantization_config"] = (
+        {"quant_method": "gptq", "desc_act": False, "sym": False, **settings} if method == "gptq"
+        else {"quant_method": "awq", "version": "gemm", "zero_point": True, **settings})
+    (target / "config.json").write_text(json.dumps(config))
+    return target, dequantized

@@ -102,3 +102,32 @@ def write_w8a8_dynamic(model_dir: Path, target: Path) -> Path:
     write_checkpoint(target, tensors, description, "W8A8_DYNAMIC")
     copy_model_files(model_dir, target)
     return target
+
+
+def write_w4a8_moe(model_dir: Path, target: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A Qwen3-MoE float checkpoint as msModelSlim writes W4A8_DYNAMIC MoE models: each routed expert's
+    projections 4-bit per output channel (packed by msModelSlim's own packer, with its scale_bias),
+    attention W8A8_DYNAMIC, the routers, the dense first layer's MLP, embeddings and norms FLOAT.
+    Returns the directory and the float32 weights the stored tensors stand for."""
+    tensors, description, dequantized = {}, {}, {}
+    for name, tensor in load_file(str(next(model_dir.glob("*.safetensors")))).items():
+        module = name.removesuffix(".weight")
+        if ".experts." in name:
+            scheme, top = "W4A8_DYNAMIC", 7
+        elif ".self_attn." in name and name.endswith("proj.weight"):
+            scheme, top = "W8A8_DYNAMIC", 127
+        else:
+            tensors[name], description[name] = tensor, "FLOAT"
+            continue
+        scale = tensor.float().abs().amax(1, keepdim=True).clamp(min=1e-8) / top
+        values = torch.round(tensor.float() / scale).clamp(-top - 1, top).to(torch.int8)
+        dequantized[name] = values.float() * scale
+        parts = {"weight": w4a8_pack(values) if top == 7 else values, "weight_scale": scale,
+                 "weight_offset": torch.zeros_like(scale)}
+        if top == 7:
+            parts["scale_bias"] = 8 * dequantized[name].sum(1, keepdim=True)
+        tensors.update({f"{module}.{k}": v for k, v in parts.items()})
+        description.update({f"{module}.{k}": scheme for k in parts})
+    write_checkpoint(target, tensors, description, "W4A8_DYNAMIC")
+    copy_model_files(model_dir, target)
+    return target, dequantized
