@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch_npu
 
-from kernels import npu_mla
+from kernels import npu_mla, npu_quant
 from kernels.model_shapes import ModelShapes
 from kernels.npu_mla import half_precision_only
 from kernels.routing import MoeRouting
@@ -262,7 +262,7 @@ OPS = {
     fn.__name__: fn
     for fn in (write_kv, paged_prefill_attention, paged_decode_attention, rms_norm, rotary_cos_sin,
                rotary_embedding, silu_and_mul, select_experts, fused_moe, top_k_top_p)
-} | npu_mla.OPS  # the MLA / DSA ops
+} | npu_mla.OPS | npu_quant.OPS  # the MLA / DSA ops, the quantized ones
 
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
@@ -337,4 +337,5 @@ _LIMITS = {
     "rotary": _rotary_limits,
     "fused_moe": _fused_moe_limits,
     **npu_mla.LIMITS,
+    **npu_quant.LIMITS,
 }

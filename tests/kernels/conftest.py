@@ -29,12 +29,12 @@ def npu() -> Iterator[ModuleType]:
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(FAKES_DIR))
         mp.delattr(kernels, "npu", raising=False)
-        for name in ("torch_npu", "torch_npu.npu", "kernels.npu", "kernels.npu_mla"):
+        for name in ("torch_npu", "torch_npu.npu", "kernels.npu", "kernels.npu_mla", "kernels.npu_quant"):
             mp.delitem(sys.modules, name, raising=False)
         module = importlib.import_module("kernels.npu")
         assert module.torch_npu.__file__.startswith(str(FAKES_DIR))  # never a real one by accident
         yield module
-        for name in ("torch_npu", "torch_npu.npu", "kernels.npu", "kernels.npu_mla"):
+        for name in ("torch_npu", "torch_npu.npu", "kernels.npu", "kernels.npu_mla", "kernels.npu_quant"):
             sys.modules.pop(name, None)
         if hasattr(torch, "npu"):  # set by the fake's import, as the real torch_npu sets it
             delattr(torch, "npu")

@@ -33,6 +33,15 @@ from .mla import (  # noqa: F401  the MLA / DSA operators, part of this fake mod
     npu_scatter_nd_update_,
     npu_sparse_flash_attention,
 )
+from .quant import (  # noqa: F401  the quantisation operators, part of this fake module's API
+    grouped_matmul_int8,
+    npu_convert_weight_to_int4pack,
+    npu_dynamic_quant,
+    npu_quant_matmul,
+    npu_quantize,
+    npu_trans_quant_param,
+    npu_weight_quant_batchmatmul,
+)
 
 torch.npu = npu
 
@@ -364,6 +373,11 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     op = "aclnnGroupedMatmulV4"
     if not isinstance(x, (list, tuple)) or not isinstance(weight, (list, tuple)):
         raise TypeError("npu_grouped_matmul(): arguments 'x' and 'weight' must be lists of tensors")
+    if scale is not None and per_token_scale is not None:  # int8 x and weights (tests/fakes/torch_npu/quant.py)
+        _check(split_item in (2, 3) and group_type == 0 and len(x) == len(weight) == 1, op,
+               "one output split along M needs split_item 2 / 3, group_type 0")
+        ends = _group_ends(op, group_list, group_list_type, weight[0].shape[0], x[0].shape[0])
+        return [grouped_matmul_int8(x[0], weight[0], scale[0], per_token_scale[0], ends, output_dtype)]
     quantised = (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input)
     if len(x) != 1 or len(weight) != 1 or any(t is not None for t in quantised) or act_type != 0:
         raise NotImplementedError("the fake models one x, one 3-D weight, no bias, no quantisation")
@@ -378,17 +392,23 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     _check(w.is_contiguous() or transposed, op, f"weight strides {w.stride()} are neither ND nor transposed ND")
     _check(a.shape[1] == k, op, f"x {tuple(a.shape)} and weight {tuple(w.shape)} do not multiply")
     _check(output_dtype in (None, a.dtype), op, f"output_dtype {output_dtype} unsupported without quantisation")
+    out, start = torch.empty(a.shape[0], n, dtype=a.dtype), 0
+    for expert, end in enumerate(_group_ends(op, group_list, group_list_type, experts, a.shape[0])):
+        out[start:end] = a[start:end] @ w[expert]
+        start = end
+    return [out]
+
+
+def _group_ends(op: str, group_list: object, group_list_type: int, experts: int, rows: int) -> list[int]:
+    """Where each group's rows end: group_list an [E] int64 tensor of counts (type 1) or their running
+    sum (type 0), which must split all ``rows``."""
     _check(isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64
            and group_list.shape == (experts,), op, f"group_list must be an [{experts}] int64 tensor")
     _check(group_list_type in (0, 1), op, f"group_list_type {group_list_type}")
     ends = group_list.cumsum(0) if group_list_type == 1 else group_list
-    _check(bool((group_list >= 0).all()) and bool((ends[1:] >= ends[:-1]).all()) and int(ends[-1]) == a.shape[0],
-           op, f"group_list {group_list.tolist()} does not split the {a.shape[0]} rows of x")
-    out, start = torch.empty(a.shape[0], n, dtype=a.dtype), 0
-    for expert, end in enumerate(ends.tolist()):
-        out[start:end] = a[start:end] @ w[expert]
-        start = end
-    return [out]
+    _check(bool((group_list >= 0).all()) and bool((ends[1:] >= ends[:-1]).all()) and int(ends[-1]) == rows,
+           op, f"group_list {group_list.tolist()} does not split the {rows} rows of x")
+    return ends.tolist()
 
 
 def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):

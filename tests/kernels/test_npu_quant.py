@@ -1,0 +1,129 @@
+"""The Ascend quantized-op candidates (kernels/npu_quant.py) through the fake torch_npu: each scheme
+equals the reference formula of kernels/quantized_weight.py on the same inputs, within the registry's
+tolerance, and the fake refuses what the real operators' dtype rules refuse."""
+
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from kernels.probes import TOLERANCE, max_error
+from kernels.quantized_weight import QuantizedWeight, dequantize, pack_int4, quantize_activation
+
+HALF = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def quant(npu) -> ModuleType:
+    import kernels.npu_quant
+
+    return kernels.npu_quant
+
+
+def _record(out_features: int, in_features: int, bits: int, activation: str, group: int | None = None,
+            asymmetric: bool = False, seed: int = 0) -> QuantizedWeight:
+    """Seeded values; scales spread over a factor 4 between groups (a mis-applied one shows), sized so
+    x @ W.T stays of order one for x of order one. The static input scale is not a round number: the
+    operator rounds x / s + o where the reference rounds x / s and adds o, so they part at exact ties
+    (x / s = k + 1/2 with an odd offset), which a round scale makes common for float16 x (1.125 / 0.03
+    is 37.5 in float32)."""
+    generator = torch.Generator().manual_seed(seed)
+    bound = 8 if bits == 4 else 128
+    values = torch.randint(-bound, bound, (out_features, in_features), generator=generator)
+    group = group or in_features
+    grid = (out_features, -(-in_features // group))
+    scale = (0.5 + 1.5 * torch.rand(grid, generator=generator)) / (bound / 2 * in_features**0.5)
+    zero = torch.randint(-2, 3, grid, generator=generator).float() if asymmetric else None
+    static = activation == "int8_static"
+    return QuantizedWeight(pack_int4(values) if bits == 4 else values.to(torch.int8), bits, scale, (1, group),
+                           in_features, out_features, zero=zero, activation=activation,
+                           input_scale=torch.tensor(0.0297) if static else None,
+                           input_offset=torch.tensor(3.0) if static else None)
+
+
+def _reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(quantize_activation(x.float(), weight), dequantize(weight), bias)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("scheme", ["w8a8_static", "w8a8_dynamic", "w8a16", "w4a16_groups"])
+def test_quant_linear_equals_the_reference(quant, scheme: str, dtype: torch.dtype) -> None:
+    weight = {
+        "w8a8_static": lambda: _record(48, 72, 8, "int8_static"),
+        "w8a8_dynamic": lambda: _record(48, 72, 8, "int8_per_token"),
+        "w8a16": lambda: _record(40, 72, 8, "none", asymmetric=True),
+        "w4a16_groups": lambda: _record(32, 96, 4, "none", group=32, asymmetric=True),
+    }[scheme]()
+    generator = torch.Generator().manual_seed(1)
+    bias = torch.randn(weight.out_features, generator=generator).to(dtype)
+    prepared = quant.prepare_quant_weight(weight, dtype)
+    for tokens in (1, 7, 33):
+        x = torch.randn(tokens, weight.in_features, generator=generator).to(dtype)
+        got = quant.quant_linear(x, prepared, bias)
+        assert got.dtype == dtype and got.shape == (tokens, weight.out_features)
+        error = max_error(got, _reference(x, weight, bias.float()))
+        assert error <= TOLERANCE[dtype], f"{scheme}: max abs err {error:.2e}"
+
+
+def test_static_offsets_need_the_int32_correction(quant) -> None:
+    """Without the offset's correction in the int32 bias the result is off by o_x * row sums: the test
+    sees a wrong one."""
+    weight = _record(16, 64, 8, "int8_static")
+    x = torch.randn(5, 64).half()
+    prepared = quant.prepare_quant_weight(weight, torch.float16)
+    wrong = type(prepared)(**{**{f: getattr(prepared, f) for f in prepared.__slots__},
+                              "correction": torch.zeros(16, dtype=torch.int32)})
+    assert max_error(quant.quant_linear(x, wrong, None), _reference(x, weight, None)) > 1e-1
+    assert max_error(quant.quant_linear(x, prepared, None), _reference(x, weight, None)) <= TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_int8_experts_equal_the_reference(quant, dtype: torch.dtype) -> None:
+    experts, hidden_size, inter = 4, 64, 32
+    w13 = _record(experts * 2 * inter, hidden_size, 8, "int8_per_token", seed=2)
+    w2 = _record(experts * hidden_size, inter, 8, "int8_per_token", seed=3)
+
+    def stack(w: QuantizedWeight, rows: int) -> QuantizedWeight:
+        return QuantizedWeight(w.qweight.view(experts, rows, -1), 8, w.scale.view(experts, rows, 1),
+                               (1, w.in_features), w.in_features, rows, activation="int8_per_token")
+
+    w13, w2 = stack(w13, 2 * inter), stack(w2, hidden_size)
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(7, hidden_size, generator=generator).to(dtype)
+    ids = torch.tensor([[0, 1], [1, 3], [0, 3], [1, 0], [3, 1], [0, 1], [1, 3]], dtype=torch.int32)  # 2 idle
+    weights = torch.rand(7, 2, generator=generator)
+    got = quant.quant_fused_moe(hidden, quant.prepare_quant_experts(w13, w2, dtype), weights, ids)
+    # reference: each (token, expert) row's input quantized per row, the SwiGLU output likewise; the
+    # roundings to the compute dtype where the operators round (each matmul's output, the SwiGLU, the
+    # routing weights), since a rounding there can move an int8 step of the next quantization
+    want = torch.zeros(7, hidden_size)
+    gate_up_all, down_all = dequantize(w13), dequantize(w2)
+    for token in range(7):
+        for slot in range(2):
+            expert = int(ids[token, slot])
+            gate_up = F.linear(quantize_activation(hidden[token:token + 1].float(), w13), gate_up_all[expert])
+            act = reference.silu_and_mul(gate_up.to(dtype)).float()
+            down = F.linear(quantize_activation(act, w2), down_all[expert]).to(dtype).float()
+            want[token] += weights[token, slot].to(dtype).float() * down[0]
+    assert max_error(got, want) <= TOLERANCE[dtype]
+
+
+def test_the_fake_refuses_what_the_operators_refuse(npu) -> None:
+    fake = npu.torch_npu
+    x1, x2 = torch.ones(2, 8, dtype=torch.int8), torch.ones(8, 4, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="scale dtype"):  # float16 output takes an int64 / float32 scale
+        fake.npu_quant_matmul(x1, x2, torch.ones(4, dtype=torch.bfloat16), output_dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="output_dtype"):
+        fake.npu_quant_matmul(x1, x2, torch.ones(4), output_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="float16 / bfloat16"):
+        fake.npu_dynamic_quant(torch.ones(2, 8))
+    with pytest.raises(RuntimeError, match="antiquant_group_size"):
+        fake.npu_weight_quant_batchmatmul(torch.ones(2, 64).half(), torch.ones(64, 4, dtype=torch.int8),
+                                          torch.ones(4, 4).half(), antiquant_group_size=16)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        fake.npu_convert_weight_to_int4pack(torch.zeros(4, 12, dtype=torch.int32))
+    # the int64 scale of a float16 output is the float32's bits
+    scale = torch.tensor([0.125, 3.0])
+    assert torch.equal(fake.npu_trans_quant_param(scale).to(torch.int32).view(torch.float32), scale)
