@@ -58,7 +58,7 @@ def test_rejected_drafts_are_not_computed_and_their_empty_blocks_are_freed():
     seq.draft_token_ids = [1, 2, 3, 4, 5, 6]  # rows at positions 3..9: three blocks
     scheduled = sched.schedule()
     assert len(seq.block_table) == 3
-    [out] = sched.update(scheduled, [SampledTokens(seq, [1, 9])])  # draft 1 accepted, then 9
+    [out] = sched.update(scheduled, [SampledTokens(seq, [1, 9])]).outputs  # draft 1 accepted, then 9
     assert out.new_token_ids == [1, 9]
     assert seq.token_ids[-3:] == [5, 1, 9]
     assert seq.num_computed_tokens == 5  # the prompt, 5 and the accepted 1; 9 is computed next step
@@ -91,7 +91,7 @@ def test_a_stop_token_among_accepted_drafts_ends_the_sequence_there():
     seq.params.stop_token_ids = [2]
     seq.draft_token_ids = [1, 2, 3]
     scheduled = sched.schedule()
-    [out] = sched.update(scheduled, [SampledTokens(seq, [1, 2, 3, 4])])
+    [out] = sched.update(scheduled, [SampledTokens(seq, [1, 2, 3, 4])]).outputs
     assert (out.new_token_ids, out.finish_reason) == ([1, 2], "stop")
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
