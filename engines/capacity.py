@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoConfig
 
 from engines.models import MODEL_REGISTRY
 from engines.models.loader import _config_dtype
@@ -106,8 +107,6 @@ class _MetaRank:
 
 def read_config(path: str) -> tuple[Any, type[nn.Module], str]:
     """(config, our model class, "Arch at 'path'") from ``path``/config.json alone."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture not in MODEL_REGISTRY:
