@@ -62,8 +62,8 @@ def replicas(start_server, tiny_model_dir) -> list[ServerProcess]:
     args = ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--cpu-threads", "1", "--num-kv-blocks", "64",
             "--max-model-len", "256"]
     servers = [start_server(args) for _ in range(2)]
-    for srv in servers:  # both load at the same time
-        srv.wait_ready()
+    for srv in servers:  # both load at the same time, on the same cores
+        srv.wait_ready(timeout=300)
     return servers
 
 
