@@ -11,10 +11,11 @@ from types import ModuleType
 from typing import Any
 
 from engines.quantization.config import quant_method
-from engines.quantization.formats import fp8
+from engines.quantization.formats import compressed_tensors, fp8
 
 FORMATS: dict[str, ModuleType] = {
     "fp8": fp8,
+    "compressed-tensors": compressed_tensors,
 }
 
 
