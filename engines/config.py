@@ -13,6 +13,9 @@ from engines.parallel_config import ParallelConfig
 COMPILE_MODES = ("auto", "off", "on")
 COMPILE_ENV_VAR = "XINSERVE_COMPILE"  # the mode when a config leaves ``compile`` unset
 DTYPES = ("auto", "float32", "float16", "bfloat16")  # "auto" (or None): the checkpoint's dtype
+# vLLM's --quantization names: the checkpoint formats of engines/quantization/formats/, and the schemes a
+# float checkpoint is quantized to on the fly (fp8, w8a8; engines/quantization/online.py)
+QUANTIZATION_METHODS = ("fp8", "w8a8", "compressed-tensors")
 
 
 def setting(help: str, *, ge: int | None = None, gt: float | None = None, le: float | None = None,
@@ -60,6 +63,10 @@ class EngineConfig:
         choices=COMPILE_MODES))
     enforce_eager: bool = field(default=False, metadata=setting(
         "never compile or graph-capture decode steps (vLLM's name for compile off; wins over it)"))
+    quantization: str | None = field(default=None, metadata=setting(
+        "the weights' quantization: a quantized checkpoint's format (refused when the checkpoint is in "
+        "another), or fp8 / w8a8 to quantize a float checkpoint at load (per-channel weights, per-token "
+        "activations); default: what the checkpoint says", choices=QUANTIZATION_METHODS))
 
     def __post_init__(self) -> None:
         for f in fields(self):

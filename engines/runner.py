@@ -93,7 +93,7 @@ class ModelRunner:
         self.kernels: KernelSelection | None = None
         self.model, self.hf_config = load_model(
             config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config.kernels),
-            group,
+            group, config.quantization,
         )
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = self.model.compute_logits(

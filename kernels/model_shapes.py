@@ -3,6 +3,7 @@ inputs built from it; the runner, the loader and the models fill it from the mod
 
 from dataclasses import dataclass
 
+from kernels.quantized_weight import QuantShape
 from kernels.routing import MoeRouting
 
 
@@ -34,3 +35,5 @@ class ModelShapes:
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
+    # the distinct quantized weights of a quantized checkpoint (kernels/quantized_weight.py); (): none
+    quant_shapes: tuple[QuantShape, ...] = ()

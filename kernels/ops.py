@@ -34,6 +34,9 @@ OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "mla_decode_attention": ("mla_decode_attention",),
     "mla_prefill_attention": ("mla_prefill_attention",),
     "indexer_topk": ("indexer_topk",),
+    # quantized checkpoints (kernels/quant_reference.py); only models with quantized weights call them
+    "quant_linear": ("prepare_quant_weight", "quant_linear"),
+    "quant_fused_moe": ("prepare_quant_experts", "quant_fused_moe"),
 }
 OPS = tuple(OP_FUNCTIONS)
 
@@ -57,6 +60,10 @@ class KernelOps:
     mla_decode_attention: Callable
     mla_prefill_attention: Callable
     indexer_topk: Callable
+    prepare_quant_weight: Callable
+    quant_linear: Callable
+    prepare_quant_experts: Callable
+    quant_fused_moe: Callable
 
     @classmethod
     def from_functions(cls, functions: dict[str, Callable]) -> "KernelOps":

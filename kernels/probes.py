@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kernels import mla_probes, reference
+from kernels import mla_probes, quant_probes, reference
 from kernels.attention_metadata import build_decode_gather
 from kernels.model_shapes import ModelShapes
 from kernels.probe_inputs import ProbeInputs, max_error, pool_size, scrambled_block_tables, to_host32
@@ -34,6 +34,10 @@ def applies(op: str, shapes: ModelShapes) -> bool:
         return shapes.kv_lora_rank > 0
     if op == "indexer_topk":
         return shapes.index_topk > 0
+    if op == "quant_linear":
+        return any(not shape.experts for shape in shapes.quant_shapes)
+    if op == "quant_fused_moe":
+        return any(shape.experts for shape in shapes.quant_shapes)
     return True
 
 
@@ -184,6 +188,7 @@ PROBES: dict[str, Callable[[dict[str, Callable], ModelShapes, ProbeInputs], floa
     "fused_moe": probe_fused_moe,
     "top_k_top_p": probe_top_k_top_p,
     **mla_probes.PROBES,
+    **quant_probes.PROBES,
 }
 
 

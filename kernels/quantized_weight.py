@@ -21,7 +21,7 @@ MoE experts stacked in one record carry a leading experts dimension on ``qweight
 ``zero`` (``[E, ...]``); everything else is shared by the experts.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -127,3 +127,31 @@ def quantize_activation(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tenso
         q = (torch.round(xf / scale) + offset).clamp(*INT8_RANGE)
         return ((q - offset) * scale).to(x.dtype)
     return ((xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantShape:
+    """What a quant kernel sees of one quantized weight (the registry probes and times candidates on
+    these, as ``ModelShapes.quant_shapes``): the stored type, the scale grid's block, the activation
+    scheme, whether there are zero points, the matrix and, for stacked experts, how many."""
+
+    qtype: Literal["int8", "fp8", "int4"]
+    block: tuple[int, int]
+    activation: Activation
+    asymmetric: bool
+    out_features: int
+    in_features: int
+    experts: int = 0  # 0: one linear weight; E: a stacked [E, ...] experts record
+
+
+def quant_shape(weight: QuantizedWeight) -> QuantShape:
+    qtype = "int4" if weight.bits == 4 else ("fp8" if weight.qweight.dtype == torch.float8_e4m3fn else "int8")
+    experts = weight.qweight.shape[0] if weight.qweight.dim() == 3 else 0
+    return QuantShape(qtype, weight.block, weight.activation, weight.zero is not None, weight.out_features,
+                      weight.in_features, experts)
+
+
+def weight_to(weight: QuantizedWeight, device: torch.device | str) -> QuantizedWeight:
+    """The same record with every tensor on ``device``."""
+    moved = {name: getattr(weight, name) for name in ("qweight", "scale", "zero", "input_scale", "input_offset")}
+    return replace(weight, **{name: t.to(device) for name, t in moved.items() if t is not None})

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels import mla_reference
+from kernels import mla_reference, quant_reference
 from kernels.routing import MoeRouting
 
 if TYPE_CHECKING:
@@ -364,4 +364,4 @@ OPS = {
     fn.__name__: fn
     for fn in (write_kv, paged_prefill_attention, paged_decode_attention, rms_norm, rotary_cos_sin,
                rotary_embedding, silu_and_mul, select_experts, fused_moe, top_k_top_p)
-} | mla_reference.OPS
+} | mla_reference.OPS | quant_reference.OPS

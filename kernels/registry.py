@@ -33,13 +33,15 @@ MODULES = {
     "grouped_mm": "kernels.grouped_mm",
     "npu": "kernels.npu",
     "musa": "kernels.musa",
+    "int8mm": "kernels.quant_int8",
+    "dequant": "kernels.quant_dequant",
 }
 # Candidates per platform, most preferred first; "reference" always comes last.
 PREFERENCE = {
-    "cpu": ("cpp", "reference"),
-    "cuda": ("triton", "grouped_mm", "reference"),
-    "npu": ("npu", "reference"),
-    "musa": ("musa", "triton", "reference"),
+    "cpu": ("cpp", "int8mm", "dequant", "reference"),
+    "cuda": ("triton", "grouped_mm", "int8mm", "dequant", "reference"),
+    "npu": ("npu", "dequant", "reference"),
+    "musa": ("musa", "triton", "dequant", "reference"),
 }
 ENV_VAR = "XINSERVE_KERNELS"
 # "off": choose by preference order without timing (fake devices in tests, or a start-up in a hurry)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels import quant_probes
 from kernels.attention_metadata import build_decode_gather
 from kernels.cache_dir import cache_dir
 from kernels.model_shapes import ModelShapes
@@ -79,7 +80,8 @@ def _prefill_workload(fn: dict[str, Callable], shapes: ModelShapes, device: torc
     return lambda: attend(query, key_cache, value_cache, tables, [0, PREFILL_TOKENS], [seq_len], scale)
 
 
-WORKLOADS = {"decode_attention": _decode_workload, "prefill_attention": _prefill_workload}
+WORKLOADS = {"decode_attention": _decode_workload, "prefill_attention": _prefill_workload,
+             **quant_probes.WORKLOADS}
 
 
 def measure(op: str, functions: dict[str, Callable], shapes: ModelShapes, device: torch.device,

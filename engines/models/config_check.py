@@ -8,7 +8,8 @@ What is implemented: SiLU-gated MLPs, "default" / "linear" / "llama3" / "yarn" r
 partial, rotate-half or interleaved), full and sliding-window attention ("full_attention" /
 "sliding_attention" layers), multi-head latent attention with the DSA indexer ("indexed_attention"
 layers of DeepSeek-V3.2 / GLM-5), q/k norm, attention and MLP biases, and the MoE routing of
-Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V3.
+Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V3. A ``quantization_config`` is the quantization
+formats' to judge (engines/quantization/formats/): one no format implements is refused there.
 """
 
 from typing import Any
@@ -26,7 +27,6 @@ UNIMPLEMENTED_FIELDS = {
     "embedding_multiplier": "a multiplier on the input embeddings",
     "residual_multiplier": "a multiplier on the residual branches",
     "attention_multiplier": "an attention scale other than head_dim ** -0.5",
-    "quantization_config": "quantised weights",
 }
 
 

@@ -162,6 +162,9 @@ class CausalLM(nn.Module):
     FLOAT32_PARAMETERS: ClassVar[tuple[str, ...]] = ()
     # False: engines/models/tensor_parallel.py has no sharding for this architecture's layers
     TENSOR_PARALLEL: ClassVar[bool] = True
+    # weights (by name suffix) the model reads directly instead of multiplying through a Linear: a
+    # quantized checkpoint's record for one is dequantized at load (engines/quantization/install.py)
+    FLOAT_WEIGHTS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
         super().__init__()

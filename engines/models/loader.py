@@ -17,8 +17,16 @@ from transformers import AutoConfig, PretrainedConfig
 from engines.models import MODEL_REGISTRY
 from engines.models.config_check import unsupported_config_fields
 from engines.models.tensor_parallel import Collectives, check_tensor_parallel, read_shard, shard_model
+from engines.quantization.install import (
+    dequantize_float_weights,
+    load_quantized,
+    quant_shapes,
+    swap_quantized_modules,
+)
+from engines.quantization.reader import checkpoint_reader
 from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
+from kernels.quantized_weight import QuantizedWeight
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -29,12 +37,14 @@ def load_model(
     device: torch.device,
     choose_ops: Callable[[ModelShapes, torch.dtype], KernelOps] | None = None,
     group: Collectives | None = None,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Load the model at ``path`` onto ``device`` in ``dtype`` (None: the config's dtype, else
     float32), in eval mode without gradients. ``choose_ops`` picks the kernels for the model's
-    shapes and dtype (the worker's kernel registry); None: the reference kernels. Raises
-    ValueError for an unsupported architecture, config field or dtype and for missing or mismatched
-    weights."""
+    shapes and dtype (the worker's kernel registry); None: the reference kernels. A quantized
+    checkpoint's weights stay quantized (engines/quantization/); ``quantization`` forces a scheme
+    (``EngineConfig.quantization``). Raises ValueError for an unsupported architecture, config field,
+    dtype or quantization scheme and for missing or mismatched weights."""
     config = AutoConfig.from_pretrained(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture not in MODEL_REGISTRY:
@@ -50,20 +60,34 @@ def load_model(
         raise ValueError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
     model_cls = MODEL_REGISTRY[architecture]
     shapes = model_cls.kernel_shapes(config)
+    reader = checkpoint_reader(path, config, quantization, model_cls.FLOAT_WEIGHTS)
     if group is not None:
+        if reader is not None:
+            raise ValueError(f"{architecture} at {path!r}: tensor parallel with {reader[0]} quantized weights is "
+                             "not implemented; serve it with tensor_parallel_size 1")
         check_tensor_parallel(config, group.world_size, f"{architecture} at {path!r}")
         shapes = local_shapes(shapes, group.world_size)
+    weights, records = None, []
+    if reader is not None:
+        # The kernels are chosen for the quantized shapes, which only the records say: the checkpoint
+        # is read through its reader first (held on the host once, quantized), then the model built.
+        weights = dequantize_float_weights(model_cls, reader[1](_iter_safetensors(path)))
+        records = [(name, value) for name, value in weights if isinstance(value, QuantizedWeight)]
+        weights = [(name, value) for name, value in weights if not isinstance(value, QuantizedWeight)]
+        shapes = replace(shapes, quant_shapes=quant_shapes(records, shapes.num_experts))
     ops = REFERENCE_OPS if choose_ops is None else choose_ops(shapes, dtype)
     # Build on the meta device, then allocate once on the target: no random init, no second copy.
     with torch.device("meta"):
         model = model_cls(config, ops)
         if group is not None:
             shard_model(model, group, f"{architecture} at {path!r}")
+        swap_quantized_modules(model, (name for name, _ in records), ops)
     model = model.to(dtype=dtype)
     model.keep_float32_parameters()
     model = model.to_empty(device=torch.device(device))
     read = None if group is None else partial(read_shard, model)
-    model.load_weights(_iter_safetensors(path, read))
+    model.load_weights(weights if weights is not None else _iter_safetensors(path, read))
+    load_quantized(model, records, torch.device(device), dtype)
     model.reset_buffers()
     model.eval().requires_grad_(False)
     return model, config

@@ -82,6 +82,7 @@ class MLACausalLM(CausalLM):
 
     FLOAT32_PARAMETERS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
     INDEXER_ROPE_IS_NEOX: ClassVar[bool] = False
+    FLOAT_WEIGHTS: ClassVar[tuple[str, ...]] = ("kv_b_proj.weight",)  # absorbed into the attention (mla.py)
     TENSOR_PARALLEL = False  # the latent projections and the indexer have no tensor-parallel split yet
 
     def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:

@@ -87,5 +87,8 @@ class SparseMoeBlock(nn.Module):
         # where the architecture keeps its router so (GLM-4.5), as transformers does
         logits = F.linear(x.to(self.gate.weight.dtype), self.gate.weight).float()
         weights, ids = self.select_experts(logits, self.routing, self.gate.e_score_correction_bias)  # [T, K] each
-        out = self.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if isinstance(self.experts, Experts):
+            out = self.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        else:  # quantized experts (engines/quantization/experts.py) call their own kernel
+            out = self.experts(x, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)

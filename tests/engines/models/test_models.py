@@ -235,7 +235,6 @@ def test_stories260k_matches_transformers() -> None:
      "rope_parameters.rope_type='dynamic'"),
     ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
     ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0"),
-    ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
 ])
 def test_a_math_changing_config_field_that_is_not_implemented_fails_loading(tmp_path: Path, field, value,
                                                                                named) -> None:

@@ -1,0 +1,61 @@
+"""Quantized routed experts: each expert's gate/up and down records (one per expert, as the checkpoint
+names them) merged and stacked into one [E, ...] record each (engines/quantization/records.py), prepared
+once by the ``quant_fused_moe`` kernel and computed by it. Stands in for ``Experts``
+(engines/models/moe.py), whose ``SparseMoeBlock`` calls it with the routing."""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engines.quantization.records import merge_shards, stack_experts
+from kernels.ops import KernelOps
+from kernels.quantized_weight import QuantizedWeight, weight_to
+
+
+class QuantExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops: KernelOps) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.prepare, self.quant_fused_moe = ops.prepare_quant_experts, ops.quant_fused_moe
+        # (projection, expert, shard) -> record, until finish; projection "gate_up_proj" or "down_proj"
+        self.records: dict[tuple[str, int, int], QuantizedWeight] = {}
+        self.weights: Any = None  # what prepare_quant_experts returned
+
+    def add(self, record: QuantizedWeight, name: str, projection: str, expert: int | None, shard: int | None) -> None:
+        if expert is None:
+            raise ValueError(f"checkpoint weight {name!r}: quantized experts stored stacked are not implemented "
+                             "(one record per expert is)")
+        want = (self.intermediate_size, self.hidden_size) if projection == "gate_up_proj" else (
+            self.hidden_size, self.intermediate_size)
+        if shard is None and projection == "gate_up_proj":
+            want = (2 * self.intermediate_size, self.hidden_size)
+        if (record.out_features, record.in_features) != want:
+            raise ValueError(f"checkpoint weight {name!r} is {record.out_features} x {record.in_features}, "
+                             f"expected {want[0]} x {want[1]}")
+        self.records[(projection, expert, shard or 0)] = record
+
+    def _stacked(self, name: str, projection: str, shards: int) -> QuantizedWeight:
+        per_expert = []
+        for expert in range(self.num_experts):
+            parts = [self.records.get((projection, expert, s)) for s in range(shards)]
+            if parts[0] is not None and shards == 2 and parts[1] is None:
+                parts = parts[:1]  # gate and up stored fused
+            if any(part is None for part in parts):
+                raise ValueError(f"checkpoint is missing quantized weights of expert {expert} of {name}.{projection}")
+            merged = merge_shards(parts)
+            if len(merged) != 1:
+                raise ValueError(f"{name}: expert {expert}'s gate and up records cannot be merged "
+                                 "(gate rows not a whole number of scale blocks): not implemented")
+            per_expert.append(merged[0])
+        return stack_experts(per_expert, f"{name}.{projection}")
+
+    def finish(self, name: str, device: torch.device, dtype: torch.dtype) -> None:
+        w13 = weight_to(self._stacked(name, "gate_up_proj", 2), device)
+        w2 = weight_to(self._stacked(name, "down_proj", 1), device)
+        self.records = {}
+        self.weights = self.prepare(w13, w2, dtype)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, Hd], topk_weights / topk_ids: [T, K] -> [T, Hd]."""
+        return self.quant_fused_moe(x, self.weights, topk_weights, topk_ids)

@@ -1,0 +1,110 @@
+"""Fitting a model built on the meta device to a quantized checkpoint: the modules a quantized record
+targets become ``QuantLinear`` / ``QuantExperts`` before anything is allocated (so no float copy of a
+quantized weight ever exists), the records are handed to them after the float weights are loaded, and
+the bytes the weights hold in memory are counted.
+
+Only linear projections and routed experts hold quantized weights: a record for an embedding, a norm,
+a router or ``lm_head`` is refused (every format here leaves them in floats). A model's
+``FLOAT_WEIGHTS`` (MLA's ``kv_b_proj``, whose weight the attention reads directly) are dequantized at
+load instead (``dequantize_float_weights``).
+"""
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engines.models.decoder import CausalLM
+from engines.models.moe import Experts, Router
+from engines.quantization.experts import QuantExperts
+from engines.quantization.linear import QuantLinear
+from kernels.ops import KernelOps
+from kernels.quantized_weight import QuantizedWeight, QuantShape, dequantize, quant_shape
+
+QUANT_MODULES = (QuantLinear, QuantExperts)
+
+
+def is_float_weight(model_cls: type[CausalLM], name: str) -> bool:
+    return name.endswith(model_cls.FLOAT_WEIGHTS)
+
+
+def dequantize_float_weights(model_cls: type[CausalLM], entries: Iterable[tuple[str, Any]]
+                             ) -> list[tuple[str, Any]]:
+    """The checkpoint entries with the records of the model's ``FLOAT_WEIGHTS`` dequantized (float32;
+    the model casts them to its dtype as it loads them)."""
+    return [(name, dequantize(value) if isinstance(value, QuantizedWeight) and is_float_weight(model_cls, name)
+             else value) for name, value in entries]
+
+
+def quant_shapes(records: Iterable[tuple[str, QuantizedWeight]], num_experts: int) -> tuple[QuantShape, ...]:
+    """The distinct shapes the quant kernels will see, for the registry's probes: a dense record as it is,
+    an expert's as part of the stacked [E, ...] record (gate and up as one)."""
+    seen: dict[QuantShape, None] = {}
+    for name, record in records:
+        shape = quant_shape(record)
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit():
+            fused = parts[-2] in ("gate_proj", "up_proj", "w1", "w3")
+            shape = dataclasses.replace(shape, experts=num_experts,
+                                        out_features=shape.out_features * (2 if fused else 1))
+        seen[shape] = None
+    return tuple(seen)
+
+
+def swap_quantized_modules(model: CausalLM, names: Iterable[str], ops: KernelOps) -> None:
+    """On the meta-device model: replace every module a quantized record ``names`` targets."""
+    for name in names:
+        target, _, _ = model._target(name)
+        module_name = target.rsplit(".", 1)[0]
+        module = model.get_submodule(module_name)
+        if isinstance(module, QUANT_MODULES):
+            continue
+        if isinstance(module, Experts):
+            hidden, inter = module.down_proj.shape[1:]  # down_proj: [E, Hd, I]
+            replacement: nn.Module = QuantExperts(module.num_experts, hidden, inter, ops)
+        elif isinstance(module, nn.Linear) and not isinstance(module, Router) and module is not model.lm_head:
+            sizes = getattr(module, "output_sizes", [module.out_features])
+            replacement = QuantLinear(module.in_features, list(sizes), module.bias is not None, ops)
+        else:
+            raise ValueError(f"checkpoint weight {name!r} is quantized, but {type(model).__name__} keeps "
+                             f"{module_name} ({type(module).__name__}) in floats: quantized embeddings, norms, "
+                             "routers and lm_head are not implemented")
+        parent, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent), child, replacement)
+
+
+def load_quantized(model: CausalLM, records: Iterable[tuple[str, QuantizedWeight]], device: torch.device,
+                   dtype: torch.dtype) -> None:
+    """Hand each record to its module, then merge and prepare every quantized module's weights."""
+    for name, record in records:
+        target, expert, shard = model._target(name)
+        module_name, leaf = target.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        if isinstance(module, QuantExperts):
+            module.add(record, name, leaf, expert, shard)
+        else:
+            module.add(record, name, shard)
+    for name, module in model.named_modules():
+        if isinstance(module, QUANT_MODULES):
+            module.finish(name, device, dtype)
+
+
+def held_bytes(value: Any) -> int:
+    """Bytes of the tensors in ``value``: a tensor, a list or tuple of values, or a dataclass of them."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(held_bytes(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        return sum(held_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """What the weights hold in memory: {"float": parameters and buffers, "quantized": what the quant
+    kernels keep (quantized records, or what a candidate prepared from them)}."""
+    float_bytes = sum(held_bytes(t) for t in (*model.parameters(), *model.buffers()))
+    quantized = sum(held_bytes(m.weights) for m in model.modules() if isinstance(m, QUANT_MODULES))
+    return {"float": float_bytes, "quantized": quantized}

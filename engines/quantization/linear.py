@@ -1,0 +1,59 @@
+"""A linear layer whose weight stays quantized in memory: it holds what the ``quant_linear`` kernel
+prepared from the checkpoint's record(s) (kernels/quant_reference.py) and calls that kernel.
+
+It stands in for an ``nn.Linear`` or a fused ``MergedLinear`` (q/k/v, gate/up) of a model built on the
+meta device (engines/quantization/install.py swaps it in); the loader hands it one record per
+checkpoint shard, and ``finish`` merges them (engines/quantization/records.py) and prepares them on
+the device. The bias, when there is one, is an ordinary float parameter loaded like any other.
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engines.quantization.records import merge_shards
+from kernels.ops import KernelOps
+from kernels.quantized_weight import QuantizedWeight, weight_to
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, ops: KernelOps) -> None:
+        super().__init__()
+        self.in_features, self.output_sizes = in_features, output_sizes
+        self.out_features = sum(output_sizes)
+        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+        self.prepare, self.quant_linear = ops.prepare_quant_weight, ops.quant_linear
+        self.shards: list[QuantizedWeight | None] = [None] * len(output_sizes)  # as loaded, until finish
+        self.weights: list[Any] = []  # the prepared records, in output order
+
+    def add(self, record: QuantizedWeight, name: str, shard: int | None) -> None:
+        """Take checkpoint weight ``name``'s record as output shard ``shard`` (None: the whole output)."""
+        index = shard or 0
+        want = (self.output_sizes[index] if shard is not None else self.out_features, self.in_features)
+        if (record.out_features, record.in_features) != want:
+            raise ValueError(f"checkpoint weight {name!r} is {record.out_features} x {record.in_features}, "
+                             f"expected {want[0]} x {want[1]}")
+        if shard is None and len(self.shards) > 1:
+            self.shards = [record]  # a checkpoint that stores the fused projection whole (GLM-4's gate_up_proj)
+            self.output_sizes = [self.out_features]
+        else:
+            self.shards[index] = record
+
+    def finish(self, name: str, device: torch.device, dtype: torch.dtype) -> None:
+        """Merge the shards and prepare them on ``device`` for computing in ``dtype``."""
+        missing = [i for i, shard in enumerate(self.shards) if shard is None]
+        if missing:
+            raise ValueError(f"checkpoint is missing the quantized shards {missing} of {name}")
+        self.weights = [self.prepare(weight_to(r, device), dtype) for r in merge_shards(self.shards)]
+        self.shards = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in] -> [..., out]."""
+        flat = x.reshape(-1, self.in_features)
+        if len(self.weights) == 1:
+            out = self.quant_linear(flat, self.weights[0], self.bias)
+        else:  # shards that could not be merged: one call each, outputs side by side
+            out = torch.cat([self.quant_linear(flat, weight, None) for weight in self.weights], dim=-1)
+            out = out if self.bias is None else out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
