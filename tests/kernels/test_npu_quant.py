@@ -3,17 +3,21 @@ equals the reference formula of kernels/quantized_weight.py on the same inputs, 
 tolerance, and the fake refuses what the real operators' dtype rules refuse."""
 
 from dataclasses import replace
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engines import LLM, SamplingParams
 from kernels import reference, registry
 from kernels.model_shapes import ModelShapes
 from kernels.probes import TOLERANCE, max_error
 from kernels.quantized_weight import QuantizedWeight, QuantShape, dequantize, pack_int4, quantize_activation
 from kernels.routing import MoeRouting
+from tests.engines.quantization.modelslim_checkpoints import write_w8a8_dynamic
+from tests.kernels.test_npu import npu_platform  # noqa: F401  (fixture)
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -181,3 +185,18 @@ def test_float32_and_int4_experts_are_declined(quant) -> None:
     assert "float16 / bfloat16" in quant.quant_limits("quant_linear", dense, torch.float32)
     experts = _shapes(QuantShape("int4", (1, 64), "int8_per_token", False, 64, 64, experts=4))
     assert "int4 experts" in quant.quant_limits("quant_fused_moe", experts, torch.bfloat16)
+
+
+def test_msmodelslim_w8a8_dynamic_generation_on_npu_equals_cpu(npu_platform, tiny_models, tmp_path) -> None:  # noqa: F811
+    """A W8A8_DYNAMIC checkpoint served on the npu path (npu_dynamic_quant + npu_quant_matmul on the
+    fake) gives the CPU reference path's greedy tokens (float16 on both)."""
+    path = write_w8a8_dynamic(Path(tiny_models("llama")), tmp_path / "w8a8_dynamic")
+    options = {"dtype": "float16", "block_size": 128, "num_kv_blocks": 4}
+    prompts = [[1, 17, 230, 45, 9, 300, 2, 77], [1, 600, 3, 3, 81, 402, 77, 12, 5]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(path), device="npu:0", **options) as on_npu:
+        assert on_npu.engine.runner.kernels.chosen["quant_linear"] == "npu"
+        got = [r.token_ids for r in on_npu.generate(prompts, params)]
+    with LLM(str(path), device="cpu", **options, kernels={"quant_linear": "reference"}) as on_cpu:
+        want = [r.token_ids for r in on_cpu.generate(prompts, params)]
+    assert got == want
