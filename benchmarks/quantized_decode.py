@@ -123,14 +123,18 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--variant", name, "--windows", str(args.windows),
                               "--model-dir", str(args.model_dir)], env=env, capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        write(args.out, rows)  # after each variant: a long run that is cut short keeps what it measured
     print("| variant | " + " | ".join(f"step ms b{b}" for b in BATCHES) + " | weights MiB | quantized MiB | peak RSS MiB |")
     print("|---|" + "---|" * (len(BATCHES) + 3))
     for row in rows:
         steps = " | ".join(str(row["step_ms"][str(b)]) for b in BATCHES)
         print(f"| {row['variant']} | {steps} | {row['weight_mib']} | {row['quantized_mib']} | {row['peak_rss_mib']} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": MODEL, "prompt_len": PROMPT_LEN, "threads": 1, "compile": "off",
-                                    "results": rows}, indent=1))
+
+
+def write(out: Path, rows: list[dict]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": MODEL, "prompt_len": PROMPT_LEN, "window_steps": WINDOW, "threads": 1,
+                               "compile": "off", "results": rows}, indent=1))
 
 
 if __name__ == "__main__":
