@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from engines.outputs import EngineStats, StepOutput
+from engines.quantization.install import weights_report
 from server import messages
 from server.messages import Add, Failed, Outputs, RequestError, Stats
 
@@ -190,6 +191,8 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         "ranks": getattr(engine.runner, "ranks", lambda: [
             {"rank": 0, "device": spec.device, "pid": os.getpid(), "node": 0}])(),
         "decode_graphs": engine.runner.decode_graphs_report(),
+        # the bytes the weights hold, quantized ones as stored (the KV pool was sized after them)
+        "weights": weights_report(engine.runner.model),
     }
 
 

@@ -39,15 +39,17 @@ def spread_rows(weight: torch.Tensor) -> torch.Tensor:
     return weight * (2.0 ** torch.linspace(-1, 1, rows))[order, None]
 
 
-def write_quantized(src: Path, dst: Path, oracle: Path, quantize: Quantizer, quantization_config: dict
+def write_quantized(src: Path, dst: Path, oracle: Path, quantize: Quantizer, quantization_config: dict | None
                     ) -> dict[str, QuantizedWeight]:
     """Write the quantized checkpoint to ``dst`` and the float32 oracle to ``oracle``; returns the
-    activation schemes of the quantized modules that quantize activations (module name -> record)."""
+    activation schemes of the quantized modules that quantize activations (module name -> record).
+    ``quantization_config`` None: ``dst`` stays a float checkpoint (for on-the-fly quantization)."""
     for path in (dst, oracle):
         shutil.copytree(src, path, dirs_exist_ok=True)
         (path / "model.safetensors").unlink()
     config = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    if quantization_config is not None:
+        (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
     stored, floats, activations = {}, {}, {}
     for name, tensor in load_file(src / "model.safetensors").items():
         result = quantize(name, spread_rows(tensor.float())) if is_projection(name) else None
