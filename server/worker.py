@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from engines.outputs import EngineStats, StepOutput, StepResult
+from engines.quantization.install import weights_report
 from engines.rank_role import RankRole
 from server import messages
 from server.messages import Add, Failed, Outputs, RequestError, Stats
@@ -196,6 +197,8 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         "kv_events": None if engine.kv_events is None else {
             "endpoint": engine.kv_events.endpoint, "replay_endpoint": engine.kv_events.replay_endpoint,
             "data_parallel_rank": engine.kv_events.data_parallel_rank},
+        # the bytes the weights hold, quantized ones as stored (the KV pool was sized after them)
+        "weights": weights_report(engine.runner.model),
     }
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from engines.quantization.records import merge_shards, stack_experts
 from kernels.ops import KernelOps
-from kernels.quantized_weight import QuantizedWeight, weight_to
+from kernels.quantized_weight import QuantizedWeight, QuantShape, quant_shape, weight_to
 
 
 class QuantExperts(nn.Module):
@@ -21,6 +21,7 @@ class QuantExperts(nn.Module):
         # (projection, expert, shard) -> record, until finish; projection "gate_up_proj" or "down_proj"
         self.records: dict[tuple[str, int, int], QuantizedWeight] = {}
         self.weights: Any = None  # what prepare_quant_experts returned
+        self.shapes: list[QuantShape] = []  # what w13 and w2 were (for /health)
 
     def add(self, record: QuantizedWeight, name: str, projection: str, expert: int | None, shard: int | None) -> None:
         if expert is None:
@@ -54,6 +55,7 @@ class QuantExperts(nn.Module):
         w13 = weight_to(self._stacked(name, "gate_up_proj", 2), device)
         w2 = weight_to(self._stacked(name, "down_proj", 1), device)
         self.records = {}
+        self.shapes = [quant_shape(w13), quant_shape(w2)]
         self.weights = self.prepare(w13, w2, dtype)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -102,9 +102,14 @@ def held_bytes(value: Any) -> int:
     return 0
 
 
-def weight_bytes(model: nn.Module) -> dict[str, int]:
-    """What the weights hold in memory: {"float": parameters and buffers, "quantized": what the quant
-    kernels keep (quantized records, or what a candidate prepared from them)}."""
+def weights_report(model: nn.Module) -> dict[str, Any]:
+    """What the weights hold in memory (for /health): ``float_bytes`` (parameters and buffers),
+    ``quantized_bytes`` (what the quant kernels keep: the quantized records, or what a candidate
+    prepared from them), their sum ``bytes``, and the quantized schemes ("int8 1x64 int8_per_token")."""
     float_bytes = sum(held_bytes(t) for t in (*model.parameters(), *model.buffers()))
-    quantized = sum(held_bytes(m.weights) for m in model.modules() if isinstance(m, QUANT_MODULES))
-    return {"float": float_bytes, "quantized": quantized}
+    quantized = [m for m in model.modules() if isinstance(m, QUANT_MODULES)]
+    quantized_bytes = sum(held_bytes(m.weights) for m in quantized)
+    schemes = sorted({f"{s.qtype} {s.block[0]}x{s.block[1]} {s.activation}" for m in quantized
+                      for s in m.shapes})
+    return {"bytes": float_bytes + quantized_bytes, "float_bytes": float_bytes, "quantized_bytes": quantized_bytes,
+            "quantized_schemes": schemes}

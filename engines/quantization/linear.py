@@ -14,7 +14,7 @@ from torch import nn
 
 from engines.quantization.records import merge_shards
 from kernels.ops import KernelOps
-from kernels.quantized_weight import QuantizedWeight, weight_to
+from kernels.quantized_weight import QuantizedWeight, QuantShape, quant_shape, weight_to
 
 
 class QuantLinear(nn.Module):
@@ -26,6 +26,7 @@ class QuantLinear(nn.Module):
         self.prepare, self.quant_linear = ops.prepare_quant_weight, ops.quant_linear
         self.shards: list[QuantizedWeight | None] = [None] * len(output_sizes)  # as loaded, until finish
         self.weights: list[Any] = []  # the prepared records, in output order
+        self.shapes: list[QuantShape] = []  # what each prepared record was (for /health)
 
     def add(self, record: QuantizedWeight, name: str, shard: int | None) -> None:
         """Take checkpoint weight ``name``'s record as output shard ``shard`` (None: the whole output)."""
@@ -45,7 +46,9 @@ class QuantLinear(nn.Module):
         missing = [i for i, shard in enumerate(self.shards) if shard is None]
         if missing:
             raise ValueError(f"checkpoint is missing the quantized shards {missing} of {name}")
-        self.weights = [self.prepare(weight_to(r, device), dtype) for r in merge_shards(self.shards)]
+        merged = merge_shards(self.shards)
+        self.shapes = [quant_shape(r) for r in merged]
+        self.weights = [self.prepare(weight_to(r, device), dtype) for r in merged]
         self.shards = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

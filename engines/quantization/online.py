@@ -4,7 +4,7 @@ at load (symmetric, the channel's largest magnitude maps to the type's largest v
 activations are quantized per token at every step (dynamic).
 
 Which weights: the 2-D ``*.weight`` tensors under ``model.layers.`` whose module is a projection
-(``*_proj``, Mixtral's experts ``w1`` / ``w2`` / ``w3``); routers, the DSA indexer, norms, embeddings and
+(``*_proj``, MLA's ``kv_a_proj_with_mqa``, Mixtral's experts ``w1`` / ``w2`` / ``w3``); routers, the DSA indexer, norms, embeddings and
 ``lm_head`` stay as they are, and so do the model's ``FLOAT_WEIGHTS`` (MLA's ``kv_b_proj``, whose weight
 is absorbed into the attention rather than multiplied).
 """
@@ -23,7 +23,8 @@ def quantizable(name: str, tensor: torch.Tensor, kept_float: tuple[str, ...] = (
     if not name.startswith("model.layers.") or not name.endswith(".weight") or tensor.dim() != 2:
         return False
     module = name.rsplit(".", 2)[-2]
-    return (module.endswith("_proj") or module in EXPERT_PROJECTIONS) and not name.endswith(kept_float)
+    projection = module.endswith(("_proj", "_proj_with_mqa")) or module in EXPERT_PROJECTIONS
+    return projection and not name.endswith(kept_float)
 
 
 def quantize_weight(weight: torch.Tensor, scheme: str) -> QuantizedWeight:

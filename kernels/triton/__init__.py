@@ -1,6 +1,6 @@
 """Triton kernels over the paged KV cache, drop-in for the references of the same names in
 kernels/reference.py: KV write, paged decode attention (split-K flash-decoding) and varlen prefill
-attention after a cached prefix. They run on any device with a Triton backend, and on CPU tensors
+attention after a cached prefix, and ``quant_linear`` (a GEMM dequantizing quantized weights tile by tile). They run on any device with a Triton backend, and on CPU tensors
 under Triton's interpreter when TRITON_INTERPRET=1 is set before this package is imported.
 Importing it raises ImportError where Triton is not installed."""
 
@@ -10,9 +10,11 @@ from kernels.model_shapes import ModelShapes
 from kernels.triton.decode_attention import paged_decode_attention
 from kernels.triton.kv_write import write_kv
 from kernels.triton.prefill_attention import paged_prefill_attention
+from kernels.triton.quant_gemm import prepare_quant_weight, quant_linear
 
 # function name -> function, as every implementation module exposes (kernels/ops.py)
-OPS = {fn.__name__: fn for fn in (write_kv, paged_prefill_attention, paged_decode_attention)}
+OPS = {fn.__name__: fn for fn in (write_kv, paged_prefill_attention, paged_decode_attention, prepare_quant_weight,
+                                  quant_linear)}
 
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
@@ -22,4 +24,5 @@ def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     return None
 
 
-__all__ = ["OPS", "paged_decode_attention", "paged_prefill_attention", "unsupported", "write_kv"]
+__all__ = ["OPS", "paged_decode_attention", "paged_prefill_attention", "prepare_quant_weight", "quant_linear",
+           "unsupported", "write_kv"]

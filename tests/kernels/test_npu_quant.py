@@ -2,17 +2,29 @@
 equals the reference formula of kernels/quantized_weight.py on the same inputs, within the registry's
 tolerance, and the fake refuses what the real operators' dtype rules refuse."""
 
+from dataclasses import replace
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from engines import LLM, SamplingParams
+from kernels import reference, registry
+from kernels.model_shapes import ModelShapes
 from kernels.probes import TOLERANCE, max_error
-from kernels.quantized_weight import QuantizedWeight, dequantize, pack_int4, quantize_activation
+from kernels.quantized_weight import QuantizedWeight, QuantShape, dequantize, pack_int4, quantize_activation
+from kernels.routing import MoeRouting
+from tests.engines.quantization.modelslim_checkpoints import write_w8a8_dynamic
+from tests.kernels.test_npu import npu_platform  # noqa: F401  (fixture)
 
 HALF = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def no_forced_kernels(monkeypatch) -> None:
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +139,64 @@ def test_the_fake_refuses_what_the_operators_refuse(npu) -> None:
     # the int64 scale of a float16 output is the float32's bits
     scale = torch.tensor([0.125, 3.0])
     assert torch.equal(fake.npu_trans_quant_param(scale).to(torch.int32).view(torch.float32), scale)
+
+
+def _shapes(*quant: QuantShape) -> ModelShapes:
+    return ModelShapes(num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=16, rope_is_neox=True, hidden_size=64,
+                       intermediate_size=96, vocab_size=128, block_size=128, quant_shapes=quant)
+
+
+def test_the_registry_takes_the_npu_candidates_for_the_schemes_they_implement(npu, no_forced_kernels) -> None:
+    # float16: in bfloat16 the probe's outputs (order 5 with the bias) sit at the tolerance for every
+    # candidate, the CPU dequant one included (one bfloat16 ulp there is 3e-2)
+    dtype = torch.float16
+    shapes = _shapes(QuantShape("int8", (1, 64), "int8_static", False, 96, 64),
+                     QuantShape("int8", (1, 96), "int8_per_token", False, 64, 96),
+                     QuantShape("int4", (1, 32), "none", True, 64, 96),
+                     QuantShape("int8", (1, 64), "int8_per_token", False, 64, 64, experts=4),
+                     QuantShape("int8", (1, 32), "int8_per_token", False, 64, 32, experts=4))
+    shapes = replace(shapes, num_experts=4, moe_intermediate_size=32,
+                     moe_routing=MoeRouting(top_k=2, scoring="softmax", renormalize=True))
+    selection = registry.select("npu", torch.device("cpu"), dtype, shapes)
+    assert selection.chosen["quant_linear"] == "npu", selection.rejected.get("quant_linear")
+    # The experts' probe compares with the float32 reference, where a half-precision rounding of the
+    # SwiGLU output can move its int8 step (the CPU dequant candidate misses the tolerance the same way):
+    # the npu candidate must at least run through the fake's operators (test_int8_experts_equal_the_reference
+    # checks its values against the reference in the compute dtype).
+    if selection.chosen["quant_fused_moe"] != "npu":
+        assert dict(selection.rejected["quant_fused_moe"])["npu"].startswith("max abs err")
+
+
+@pytest.mark.parametrize(("shape", "reason"), [
+    (QuantShape("fp8", (128, 128), "none", False, 64, 96), "fp8"),
+    (QuantShape("int8", (64, 96), "int8_static", True, 64, 96), "block"),
+    (QuantShape("int4", (1, 16), "none", False, 64, 96), "multiple of 32"),
+    (QuantShape("int4", (1, 96), "int8_per_token", False, 64, 96), "int4 weights with int8_per_token"),
+])
+def test_schemes_the_operators_cannot_take_keep_the_reference(npu, no_forced_kernels, shape: QuantShape,
+                                                              reason: str) -> None:
+    selection = registry.select("npu", torch.device("cpu"), torch.float16, _shapes(shape))
+    assert selection.chosen["quant_linear"] != "npu"
+    assert reason in dict(selection.rejected["quant_linear"])["npu"]
+
+
+def test_float32_and_int4_experts_are_declined(quant) -> None:
+    dense = _shapes(QuantShape("int8", (1, 96), "int8_per_token", False, 64, 96))
+    assert "float16 / bfloat16" in quant.quant_limits("quant_linear", dense, torch.float32)
+    experts = _shapes(QuantShape("int4", (1, 64), "int8_per_token", False, 64, 64, experts=4))
+    assert "int4 experts" in quant.quant_limits("quant_fused_moe", experts, torch.bfloat16)
+
+
+def test_msmodelslim_w8a8_dynamic_generation_on_npu_equals_cpu(npu_platform, tiny_models, tmp_path) -> None:  # noqa: F811
+    """A W8A8_DYNAMIC checkpoint served on the npu path (npu_dynamic_quant + npu_quant_matmul on the
+    fake) gives the CPU reference path's greedy tokens (float16 on both)."""
+    path = write_w8a8_dynamic(Path(tiny_models("llama")), tmp_path / "w8a8_dynamic")
+    options = {"dtype": "float16", "block_size": 128, "num_kv_blocks": 4}
+    prompts = [[1, 17, 230, 45, 9, 300, 2, 77], [1, 600, 3, 3, 81, 402, 77, 12, 5]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(path), device="npu:0", **options) as on_npu:
+        assert on_npu.engine.runner.kernels.chosen["quant_linear"] == "npu"
+        got = [r.token_ids for r in on_npu.generate(prompts, params)]
+    with LLM(str(path), device="cpu", **options, kernels={"quant_linear": "reference"}) as on_cpu:
+        want = [r.token_ids for r in on_cpu.generate(prompts, params)]
+    assert got == want

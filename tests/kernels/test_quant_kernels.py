@@ -111,3 +111,12 @@ def test_a_wrong_candidate_is_rejected_by_the_probe(monkeypatch: pytest.MonkeyPa
     selection = select("cpu", torch.device("cpu"), torch.float32, model_shapes(SHAPES[3]))
     assert selection.chosen["quant_linear"] == "reference"
     assert any(impl == "dequant" and "max abs err" in reason for impl, reason in selection.rejected["quant_linear"])
+
+
+def test_correct_candidates_pass_the_probe_in_bfloat16_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's records keep outputs below one, so a bf16 result's rounding stays within tolerance."""
+    monkeypatch.setenv("XINSERVE_KERNEL_TIMING", "off")
+    experts = (QuantShape("int8", (1, 64), "int8_per_token", False, 64, 64, experts=8),
+               QuantShape("int8", (1, 32), "int8_per_token", False, 64, 32, experts=8))
+    selection = select("cpu", torch.device("cpu"), torch.bfloat16, model_shapes(SHAPES[0], *experts))
+    assert selection.chosen["quant_linear"] == "int8mm" and selection.chosen["quant_fused_moe"] == "dequant"

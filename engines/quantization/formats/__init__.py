@@ -11,10 +11,12 @@ from types import ModuleType
 from typing import Any
 
 from engines.quantization.config import quant_method
-from engines.quantization.formats import fp8
+from engines.quantization.formats import awq, compressed_tensors, fp8, gptq, modelslim
 
 FORMATS: dict[str, ModuleType] = {
     "fp8": fp8,
+    "compressed-tensors": compressed_tensors,
+    "ascend": modelslim, "gptq": gptq, "awq": awq,  # msModelSlim's "ascendv1" layout as vllm-ascend names it
 }
 
 

@@ -7,20 +7,18 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from engines.quantization.config import quant_config
+
 
 def quantization_config(path: str, config: object) -> dict:
-    """config.json's ``quantization_config`` (config a PretrainedConfig or a dict), else AutoGPTQ's
-    older ``quantize_config.json`` next to it; {} when neither exists."""
-    found = config.get("quantization_config") if isinstance(config, dict) else getattr(
-        config, "quantization_config", None)
-    if found is None:
-        legacy = os.path.join(path, "quantize_config.json")
-        if os.path.isfile(legacy):
-            with open(legacy) as f:
-                found = json.load(f)
-    if found is not None and not isinstance(found, dict):
-        found = found.to_dict()  # a transformers QuantizationConfig object
-    return dict(found or {})
+    """config.json's ``quantization_config``, else AutoGPTQ's older ``quantize_config.json`` next to it;
+    {} when neither exists."""
+    found = quant_config(config)
+    legacy = os.path.join(path, "quantize_config.json")
+    if not found and os.path.isfile(legacy):
+        with open(legacy) as f:
+            found = json.load(f)
+    return dict(found)
 
 
 def by_module(tensors: Iterable[tuple[str, torch.Tensor]], parts: frozenset[str], required: frozenset[str]

@@ -31,7 +31,7 @@ REGRET_NATS = 0.05
 
 
 def _generate(path: Path) -> list[list[int]]:
-    with LLM(model=str(path), device="cpu", max_model_len=64) as llm:
+    with LLM(str(path), num_kv_blocks=32, block_size=4) as llm:
         results = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     return [r.token_ids for r in results]
 

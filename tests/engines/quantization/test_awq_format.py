@@ -1,6 +1,8 @@
 """AWQ (GEMM) checkpoints read into the canonical record: the interleaved nibble order undone, the
 dequantized record equal to the weight the test quantized and packed by hand."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -9,8 +11,8 @@ from kernels.quantized_weight import dequantize
 from tests.engines.quantization.int4_checkpoints import awq_tensors, quantize_groups, spread_weight
 
 MODULE = "model.layers.1.mlp.down_proj"
-CONFIG = {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 16, "version": "gemm",
-                                  "zero_point": True}}
+SETTINGS = {"quant_method": "awq", "bits": 4, "group_size": 16, "version": "gemm", "zero_point": True}
+CONFIG = SimpleNamespace(quantization_config=SETTINGS)  # what the reader reads of a PretrainedConfig
 
 
 def test_gemm_packing_dequantizes_to_the_quantized_weight() -> None:
@@ -38,10 +40,11 @@ def test_a_sequential_nibble_order_would_not_match() -> None:
 
 @pytest.mark.parametrize("settings", [{"version": "gemv"}, {"zero_point": False}, {"bits": 8}])
 def test_unimplemented_variants_are_refused(settings: dict) -> None:
-    config = {"quantization_config": {**CONFIG["quantization_config"], **settings}}
+    config = SimpleNamespace(quantization_config={**SETTINGS, **settings})
     with pytest.raises(ValueError, match="not implemented"):
         list(awq.read("/x", config, iter([])))
 
 
 def test_detected_from_quant_method() -> None:
-    assert awq.detect("/x", CONFIG) and not awq.detect("/x", {"quantization_config": {"quant_method": "gptq"}})
+    assert awq.detect("/x", CONFIG)
+    assert not awq.detect("/x", SimpleNamespace(quantization_config={"quant_method": "gptq"}))

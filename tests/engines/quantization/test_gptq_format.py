@@ -1,6 +1,8 @@
 """GPTQ checkpoints read into the canonical record: the dequantized record equals the weight the test
 quantized and packed by hand (per-row scale spread, a partial last group), act-order refused."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -11,12 +13,13 @@ from tests.engines.quantization.int4_checkpoints import gptq_tensors, quantize_g
 MODULE = "model.layers.0.self_attn.q_proj"
 
 
-def _config(**settings) -> dict:
-    return {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False,
-                                    "sym": False, **settings}}
+def _config(**settings) -> SimpleNamespace:
+    """What the reader reads of a PretrainedConfig: its ``quantization_config``."""
+    return SimpleNamespace(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 16,
+                                                "desc_act": False, "sym": False, **settings})
 
 
-def _read(config: dict, tensors: list[tuple[str, torch.Tensor]]) -> dict:
+def _read(config: SimpleNamespace, tensors: list[tuple[str, torch.Tensor]]) -> dict:
     return dict(gptq.read("/nonexistent", config, iter(tensors)))
 
 
@@ -74,6 +77,6 @@ def test_unimplemented_settings_and_incomplete_modules_are_refused() -> None:
 
 def test_detected_from_the_config_or_the_legacy_quantize_config(tmp_path) -> None:
     assert gptq.detect(str(tmp_path), _config())
-    assert not gptq.detect(str(tmp_path), {"quantization_config": {"quant_method": "awq"}})
+    assert not gptq.detect(str(tmp_path), SimpleNamespace(quantization_config={"quant_method": "awq"}))
     (tmp_path / "quantize_config.json").write_text('{"quant_method": "gptq", "bits": 4}')
-    assert gptq.detect(str(tmp_path), {})
+    assert gptq.detect(str(tmp_path), SimpleNamespace())
