@@ -35,6 +35,12 @@ ENGINE_COUNTERS = (
     ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
 )
 
+SPEC_DECODE_COUNTERS = (
+    ("spec_decode_num_drafts", "num_drafts", "Sequence-steps that verified draft tokens."),
+    ("spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed and verified."),
+    ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+)
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -61,6 +67,7 @@ class EngineStatsCollector:
             for w in workers:
                 family.add_metric([w.model_name, w.label], float(0.0 if w.stats is None else getattr(w.stats, field)))
             yield family
+        yield from self._spec_decode(workers)
         ready = GaugeMetricFamily(PREFIX + "worker_ready", "1 when the worker serves requests.", labels=LABELS)
         for w in workers:
             ready.add_metric([w.model_name, w.label], 1.0 if w.ready else 0.0)
@@ -70,6 +77,25 @@ class EngineStatsCollector:
         for w in workers:
             restarts.add_metric([w.model_name, w.label], float(w.restarts))
         yield restarts
+
+
+    @staticmethod
+    def _spec_decode(workers: list[Any]) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters, for the workers that speculate."""
+        spec = [(w, w.stats.spec_decode) for w in workers if w.stats is not None and w.stats.spec_decode is not None]
+        if not spec:
+            return
+        for name, field, doc in SPEC_DECODE_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            for w, counters in spec:
+                family.add_metric([w.model_name, w.label], float(getattr(counters, field)))
+            yield family
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by position in the draft.", labels=[*LABELS, "position"])
+        for w, counters in spec:
+            for position, value in enumerate(counters.accepted_per_position):
+                per_pos.add_metric([w.model_name, w.label, str(position)], float(value))
+        yield per_pos
 
 
 class RequestMetrics:
