@@ -2,6 +2,7 @@
 ``serve`` flag with the same default, help text and bounds, and a value round-trips from the flag
 through the YAML config into the engine's config. These tests keep the lists from drifting apart."""
 
+import json
 from dataclasses import fields
 from typing import Any, Literal, get_args, get_origin
 
@@ -31,6 +32,9 @@ def sample(name: str) -> tuple[Any, list[str]]:
         return value, [flag if value else f"--no-{flag[2:]}"]
     if get_origin(kind) is Literal:
         value = get_args(kind)[-1]
+    elif get_origin(kind) is dict and get_args(kind)[1] is not str:  # a structured setting: JSON
+        value = {"method": "ngram", "num_speculative_tokens": 2}
+        return value, [flag, json.dumps(value)]
     elif get_origin(kind) is dict:
         return {"rms_norm": "reference", "decode_attention": "reference"}, [
             flag, "rms_norm=reference,decode_attention=reference"]
@@ -67,7 +71,7 @@ def test_a_setting_round_trips_from_flag_to_yaml_to_engine(name):
 
 
 def bad_value(meta: dict[str, Any]) -> Any:
-    if "choices" in meta:
+    if "choices" in meta or "check" in meta:  # a structured setting refuses a string too
         return "nonesuch"
     return meta["le"] + 1 if "le" in meta else meta["ge"] - 1
 
