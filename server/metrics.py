@@ -51,6 +51,11 @@ LEGACY_COUNTERS = (
 )
 # vLLM's LoRA info gauge: its labels name the adapters in use; xinserve serves none (max_lora 0).
 LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+SPEC_DECODE_COUNTERS = (
+    ("spec_decode_num_drafts", "num_drafts", "Sequence-steps that verified draft tokens."),
+    ("spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed and verified."),
+    ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -87,6 +92,7 @@ class EngineStatsCollector:
             rate = w.stats.prefix_cache_hits_total / queries if queries else 0.0
             hit_rate.add_metric([w.model_name, w.label], rate)
         yield hit_rate
+        yield from self._spec_decode(workers, prefix)
         ready = GaugeMetricFamily(prefix + "worker_ready", "1 when the worker serves requests.", labels=LABELS)
         for w in workers:
             ready.add_metric([w.model_name, w.label], 1.0 if w.ready else 0.0)
@@ -102,6 +108,25 @@ class EngineStatsCollector:
         for w in workers:
             lora.add_metric([w.model_name, w.label, "0", "", ""], time.time())
         yield lora
+
+
+    @staticmethod
+    def _spec_decode(workers: list[Any], prefix: str) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters, for the workers that speculate."""
+        spec = [(w, w.stats.spec_decode) for w in workers if w.stats is not None and w.stats.spec_decode is not None]
+        if not spec:
+            return
+        for name, field, doc in SPEC_DECODE_COUNTERS:
+            family = CounterMetricFamily(prefix + name, doc, labels=LABELS)
+            for w, counters in spec:
+                family.add_metric([w.model_name, w.label], float(getattr(counters, field)))
+            yield family
+        per_pos = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by position in the draft.", labels=[*LABELS, "position"])
+        for w, counters in spec:
+            for position, value in enumerate(counters.accepted_per_position):
+                per_pos.add_metric([w.model_name, w.label, str(position)], float(value))
+        yield per_pos
 
 
 class RequestMetrics:

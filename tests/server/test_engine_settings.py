@@ -24,6 +24,13 @@ def _kind(name: str) -> Any:
     return next((a for a in get_args(annotation) if a is not type(None)), annotation)
 
 
+# A non-default value for each setting given as a JSON object on the command line.
+JSON_SETTINGS = {
+    "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5599"},
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+}
+
+
 def sample(name: str) -> tuple[Any, list[str]]:
     """A value other than the default for setting ``name``, and the flag arguments that give it."""
     flag, kind = "--" + name.replace("_", "-"), _kind(name)
@@ -32,8 +39,8 @@ def sample(name: str) -> tuple[Any, list[str]]:
         return value, [flag if value else f"--no-{flag[2:]}"]
     if get_origin(kind) is Literal:
         value = get_args(kind)[-1]
-    elif get_origin(kind) is dict and get_args(kind) != (str, str):  # a JSON object (kv_events_config)
-        value = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5599"}
+    elif get_origin(kind) is dict and get_args(kind) != (str, str):  # a structured setting: JSON
+        value = JSON_SETTINGS[name]
         return value, [flag, json.dumps(value)]
     elif get_origin(kind) is dict:
         return {"rms_norm": "reference", "decode_attention": "reference"}, [
@@ -71,7 +78,7 @@ def test_a_setting_round_trips_from_flag_to_yaml_to_engine(name):
 
 
 def bad_value(meta: dict[str, Any]) -> Any:
-    if "choices" in meta:
+    if "choices" in meta or "check" in meta:  # a structured setting refuses a string too
         return "nonesuch"
     return meta["le"] + 1 if "le" in meta else meta["ge"] - 1
 

@@ -1,0 +1,140 @@
+"""Speculative decoding with n-gram prompt lookup on CPU: output tokens/s and TPOT at concurrency
+1 / 8 / 32, with and without drafts, on a repetitive-text workload; the acceptance rate; the mean
+step time (what verifying 1 + k rows per sequence costs against one).
+
+Workload: each request's prompt is a random phrase repeated, decoded greedily with ``ignore_eos``
+on a locally built random Llama. A random model does not copy its prompt, but it falls into loops
+of its own, which prompt lookup then drafts: the acceptance rate is measured, not assumed. Drafting
+is on at every concurrency here (``disable_by_batch_size`` past the largest), so the table shows
+where it stops paying; the engine's default threshold (engines/speculative/config.py) comes from it.
+Prints a markdown table and writes ``benchmarks/results/speculative.json``.
+
+    python benchmarks/speculative.py           # a ~5M-parameter Llama
+    python benchmarks/speculative.py --quick   # the tiny test model, short outputs
+"""
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("XINSERVE_COMPILE", "off")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from engines import LLM, SamplingParams
+from server.embedded_model.factory import make_tiny_model
+
+RESULTS = Path(__file__).resolve().parent / "results" / "speculative.json"
+FIRST_ID = 7  # past the tiny tokenizer's special tokens
+MEDIUM = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 768}
+QUICK = {}
+
+
+@dataclass
+class Row:
+    concurrency: int
+    speculative: str  # "off" or "ngram k=K"
+    output_tok_s: float
+    tpot_ms: float  # mean over requests: (last token - first token) / (tokens - 1)
+    step_ms: float  # mean wall time of one engine step
+    steps: int
+    acceptance_rate: float | None
+    tokens_per_draft_step: float | None  # accepted drafts + 1 per verified sequence-step
+
+
+def prompts_for(count: int, vocab: int, seed: int, phrase: int = 8, repeats: int = 8) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_ID, vocab) for _ in range(phrase)] * repeats for _ in range(count)]
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, float, int]:
+    """(wall seconds, mean TPOT seconds, mean step seconds, steps) of the requests run together."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"b{i}", prompt, params)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    steps = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for out in outputs:
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
+    wall = time.perf_counter() - start
+    tpot = sum((last[r] - first[r]) / (max_tokens - 1) for r in first) / len(first)
+    return wall, tpot, wall / steps, steps
+
+
+def measure(llm: LLM, label: str, concurrency: int, vocab: int, max_tokens: int, repeats: int) -> Row:
+    prompts = prompts_for(concurrency, vocab, seed=concurrency)
+    run(llm, prompts[:1], 4)  # warm-up
+    before = llm.engine.stats().spec_decode
+    best = None
+    for _ in range(repeats):
+        result = run(llm, prompts, max_tokens)
+        best = result if best is None or result[0] < best[0] else best
+    after = llm.engine.stats().spec_decode
+    rate = per_step = None
+    if after is not None and after.num_drafts > before.num_drafts:
+        drafts = after.num_draft_tokens - before.num_draft_tokens
+        accepted = after.num_accepted_tokens - before.num_accepted_tokens
+        rate = accepted / drafts if drafts else None
+        per_step = 1 + accepted / (after.num_drafts - before.num_drafts)
+    wall, tpot, step, steps = best
+    return Row(concurrency, label, concurrency * max_tokens / wall, tpot * 1e3, step * 1e3, steps, rate, per_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the tiny test model, 32-token outputs")
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    args = parser.parse_args()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    max_tokens = 32 if args.quick else 96
+    path = make_tiny_model(tempfile.mkdtemp(prefix="xinserve-spec-"), "llama", **(QUICK if args.quick else MEDIUM))
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+            "disable_by_batch_size": max(args.concurrency)}
+    common = {"num_kv_blocks": 4096, "block_size": 16, "max_num_seqs": max(args.concurrency)}
+    rows = []
+    for label, options in (("off", {}), (f"ngram k={args.k}", {"speculative_config": spec})):
+        llm = LLM(path, **common, **options)
+        vocab = llm.engine.vocab_size
+        rows += [measure(llm, label, c, vocab, max_tokens, args.repeats) for c in args.concurrency]
+        llm.close()
+    print("| concurrency | speculation | out tok/s | TPOT ms | step ms | steps | acceptance | tokens/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r.concurrency, r.speculative)):
+        rate = "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}"
+        per = "-" if r.tokens_per_draft_step is None else f"{r.tokens_per_draft_step:.2f}"
+        print(f"| {r.concurrency} | {r.speculative} | {r.output_tok_s:.0f} | {r.tpot_ms:.2f} | {r.step_ms:.2f} "
+              f"| {r.steps} | {rate} | {per} |")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "torch": torch.__version__, "load_average": os.getloadavg()},
+        "model": "quick" if args.quick else MEDIUM, "max_tokens": max_tokens, "k": args.k,
+        "rows": [asdict(r) for r in rows],
+    }, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
