@@ -51,7 +51,7 @@ def test_the_block_manager_loads_tier_hits_past_its_own_and_counts_them():
         contains=lambda h, tokens: held.get(h) == tokens))
     h1 = chain_hash(None, [1, 2])
     held[h1], held[chain_hash(h1, [3, 4])] = (1, 2), (3, 4)
-    from test_kv_cache import make_seq
+    from tests.engines.test_kv_cache import make_seq
 
     seq = make_seq([1, 2, 3, 4, 5])
     external = bm.external_blocks(seq, [])
@@ -108,6 +108,6 @@ def test_the_tier_needs_the_prefix_cache_and_one_replica_rank():
 
 
 def llm_seq(tokens: list[int]):
-    from test_kv_cache import make_seq
+    from tests.engines.test_kv_cache import make_seq
 
     return make_seq(tokens)
