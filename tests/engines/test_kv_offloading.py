@@ -93,7 +93,7 @@ def test_nothing_is_served_from_the_tier_after_the_prefix_cache_is_reset(tiny_mo
         engine = llm.engine
         cold = llm.generate(PROMPT, GREEDY)[0].token_ids
         evict_prompt(llm, 1)
-        engine.reset_prefix_cache()
+        llm.reset_prefix_cache()
         engine.kv_tier.buffer.normal_()  # what the tier held is garbage now: it must not be read
         hits = engine.stats().external_prefix_cache_hits_total
         assert llm.generate(PROMPT, GREEDY)[0].token_ids == cold
