@@ -105,6 +105,11 @@ def test_config_is_vllms_json_and_endpoints_offset_by_replica():
         KVEventsConfig.parse({"enable_kv_cache_events": True, "endpiont": "tcp://*:1"})
     with pytest.raises(ValueError, match="publisher"):
         KVEventsConfig.parse({"publisher": "kafka"})
+    with pytest.raises(ValueError, match="true or false"):
+        KVEventsConfig.parse({"enable_kv_cache_events": "false"})
+    assert KVEventsConfig.parse({"enable_kv_cache_events": True}).publishes  # zmq unless told otherwise
+    assert not KVEventsConfig.parse({"enable_kv_cache_events": True, "publisher": "null"}).publishes
+    assert not KVEventsConfig.parse({"publisher": "zmq"}).publishes  # not enabled
     assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
