@@ -65,7 +65,10 @@ class ZmqEventPublisher:
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Send what is queued (within ``timeout_s``), stop the thread, close the sockets."""
-        self._queue.put(None)
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:  # the thread is stuck or gone: leave it (a daemon) and its sockets
+            return
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self._close_sockets()

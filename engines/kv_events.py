@@ -55,10 +55,11 @@ class KVEventBatch(EventBatch):
 
 @dataclass(slots=True, frozen=True)
 class KVEventsConfig:
-    """vLLM's ``--kv-events-config`` JSON, same keys and defaults (``publisher`` "null" publishes nothing)."""
+    """vLLM's ``--kv-events-config`` JSON, same keys and defaults (``publisher`` "null" publishes nothing;
+    unset, it is "zmq" when events are enabled, as in recent vLLM)."""
 
     enable_kv_cache_events: bool = False
-    publisher: str = "null"  # "zmq" or "null"
+    publisher: str | None = None  # "zmq" or "null"
     endpoint: str = "tcp://*:5557"  # PUB socket: bound when it holds "*" or is ipc/inproc, else connected
     replay_endpoint: str | None = None  # ROUTER socket that answers replay requests
     buffer_steps: int = 10_000  # batches kept for replay
@@ -73,8 +74,11 @@ class KVEventsConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        enabled = data.get("enable_kv_cache_events", False)
+        if enabled is not True and enabled is not False:  # JSON true or false only: "false" is truthy
+            raise ValueError("kv_events_config.enable_kv_cache_events must be true or false")
         config = cls(**data)
-        if config.publisher not in ("zmq", "null"):
+        if config.publisher not in ("zmq", "null", None):
             raise ValueError(f"kv_events_config.publisher must be zmq or null, got {config.publisher!r}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(config, name)
@@ -87,7 +91,7 @@ class KVEventsConfig:
 
     @property
     def publishes(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"
+        return self.enable_kv_cache_events and self.publisher in ("zmq", None)
 
 
 def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:

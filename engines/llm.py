@@ -31,6 +31,10 @@ class LLM:
         that another engine can start in this process; also on leaving a ``with`` or when collected."""
         self._finalizer()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix, in the KV pool and in the host tier (``kv_offloading_size``)."""
+        self.engine.reset_prefix_cache()
+
     def __enter__(self) -> Self:
         return self
 

@@ -9,7 +9,6 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from test_kv_cache import admit, make_seq
 
 from engines import LLM, SamplingParams
 from engines.kv_cache import BlockManager, chain_hash
@@ -21,6 +20,7 @@ from engines.kv_events import (
     KVEventsConfig,
     offset_endpoint,
 )
+from tests.engines.test_kv_cache import admit, make_seq
 
 
 # vLLM's documented wire schema, as a subscriber declares it.
@@ -105,13 +105,40 @@ def test_config_is_vllms_json_and_endpoints_offset_by_replica():
         KVEventsConfig.parse({"enable_kv_cache_events": True, "endpiont": "tcp://*:1"})
     with pytest.raises(ValueError, match="publisher"):
         KVEventsConfig.parse({"publisher": "kafka"})
+    with pytest.raises(ValueError, match="true or false"):
+        KVEventsConfig.parse({"enable_kv_cache_events": "false"})
+    assert KVEventsConfig.parse({"enable_kv_cache_events": True}).publishes  # zmq unless told otherwise
+    assert not KVEventsConfig.parse({"enable_kv_cache_events": True, "publisher": "null"}).publishes
+    assert not KVEventsConfig.parse({"publisher": "zmq"}).publishes  # not enabled
     assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
 
 
+def replay_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A DEALER to the ROUTER replay socket: a REQ (vLLM's example) takes only the first of the replies
+    to one request, so the client that wants every missed batch speaks REQ's envelope over a DEALER."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    return sock
+
+
+def replay(sock: zmq.Socket, first: int) -> list[tuple[int, bytes]]:
+    """Every buffered (seq, payload) from ``first`` on, up to the end marker (-1, b"")."""
+    sock.send_multipart((b"", first.to_bytes(8, "big")))
+    batches = []
+    while sock.poll(10_000):
+        empty, seq_bytes, payload = sock.recv_multipart()
+        assert empty == b""
+        if not payload:
+            assert int.from_bytes(seq_bytes, "big", signed=True) == -1
+            return batches
+        batches.append((int.from_bytes(seq_bytes, "big"), payload))
+    raise AssertionError("no end of replay")
+
+
 class Subscriber:
-    """vLLM's documented subscriber: SUB on (topic, seq, payload), a REQ replay socket asked from the
+    """vLLM's documented subscriber: SUB on (topic, seq, payload), the replay socket asked from the
     first missed sequence number on a gap."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str, topic: str) -> None:
@@ -119,8 +146,7 @@ class Subscriber:
         self.sub.connect(endpoint)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.topic = topic.encode()
-        self.replay = ctx.socket(zmq.REQ)
-        self.replay.connect(replay_endpoint)
+        self.replay = replay_socket(ctx, replay_endpoint)
         self.last_seq = -1
         self.batches: list[VKVEventBatch] = []
         self.replayed: list[int] = []  # sequence numbers that came from the replay socket
@@ -132,13 +158,7 @@ class Subscriber:
         assert topic == self.topic
         seq = int.from_bytes(seq_bytes, "big")
         if seq > self.last_seq + 1:
-            self.replay.send((self.last_seq + 1).to_bytes(8, "big"))
-            while self.replay.poll(5000):
-                seq_bytes, replayed = self.replay.recv_multipart()
-                if not replayed:  # the end marker (seq -1, empty payload)
-                    assert int.from_bytes(seq_bytes, "big", signed=True) == -1
-                    break
-                replay_seq = int.from_bytes(seq_bytes, "big")
+            for replay_seq, replayed in replay(self.replay, self.last_seq + 1):
                 if self.last_seq < replay_seq < seq:
                     self.batches.append(DECODER.decode(replayed))
                     self.replayed.append(replay_seq)
