@@ -21,7 +21,7 @@ from torch import nn
 
 from engines.distributed import GroupFailure, ParallelGroup
 from engines.micro_batch import micro_batches
-from engines.models.expert_parallel import ExpertParallelExperts
+from engines.models.expert_parallel import ExpertPlacement
 from kernels.attention_metadata import AttentionMetadata
 
 MICRO_BATCHES = 2
@@ -114,17 +114,17 @@ def check_pipeline(path: str, pp: int) -> None:
     stage_layers(config.num_hidden_layers, pp, name)
 
 
-def rank_role(rank: int, tp: int, pp: int, model: nn.Module) -> dict:
+def rank_role(rank: int, tp: int, pp: int, model: nn.Module, expert_parallel: bool) -> dict:
     """For /health: rank ``rank``'s tp rank, pipeline stage and layers (with a pipeline), and the
-    routed experts it holds (with expert parallelism)."""
+    routed experts it holds in each MoE layer (with expert parallelism; the default placement)."""
     layout = StageLayout.of(rank, tp, pp)
     role: dict = {"tp_rank": layout.tp_rank}
     if pp > 1:
         layers = stage_layers(model.config.num_hidden_layers, pp, "")[layout.stage]
         role.update(pp_stage=layout.stage, layers=f"{layers.start}-{layers.stop - 1}")
-    placement = next((m.placement for m in model.modules() if isinstance(m, ExpertParallelExperts)), None)
-    if placement is not None:
-        role["experts"] = placement.describe(layout.tp_rank)
+    spec = model.spec(model.config)
+    if expert_parallel and spec.moe_layers:
+        role["experts"] = ExpertPlacement.contiguous(spec.moe.num_experts, tp).describe(layout.tp_rank)
     return role
 
 

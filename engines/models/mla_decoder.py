@@ -148,5 +148,5 @@ class MLACausalLM(CausalLM):
         """Also the multi-token-prediction layers (``model.layers.<num_hidden_layers>...``), used for
         speculative decoding, not by the forward."""
         parts = name.split(".")
-        is_mtp_layer = parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= self.num_layers
+        is_mtp_layer = parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= self.config.num_hidden_layers
         return is_mtp_layer or super()._skipped(name)
