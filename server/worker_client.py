@@ -30,8 +30,6 @@ from server.messages import RequestError, Shutdown, ToWorker
 from server.restart_policy import RestartBackoff
 from server.worker import WorkerSpec, run_worker
 
-# what a rank reports of its place in the replica (engines/pipeline_parallel.py: rank_role)
-RANK_ROLE = ("tp_rank", "pp_stage", "layers", "experts")
 logger = logging.getLogger("xinserve.server")
 
 STARTING, READY, FAILED, DEAD, STOPPED = "starting", "ready", "failed", "dead", "stopped"
@@ -361,8 +359,8 @@ class WorkerClient:
         for rank, device in enumerate(self.devices):
             pid = known.get(rank, {}).get("pid") if rank else (self._proc.pid if self._proc else None)
             state = "dead" if rank == dead else self.state
-            role = {k: v for k, v in known.get(rank, {}).items() if k in RANK_ROLE}  # tp rank, pp stage, experts
-            ranks.append({"rank": rank, "device": device, "pid": pid, "state": state, **role})
+            role = {k: v for k, v in known.get(rank, {}).items() if k not in ("rank", "device", "pid", "node")}
+            ranks.append({"rank": rank, "device": device, "pid": pid, "state": state, **role})  # + tp/pp/experts
         return ranks
 
     async def close(self, timeout_s: float = 10.0) -> None:
