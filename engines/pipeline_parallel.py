@@ -21,7 +21,7 @@ from torch import nn
 
 from engines.distributed import GroupFailure, ParallelGroup
 from engines.micro_batch import micro_batches
-from engines.models.expert_parallel import ExpertParallelExperts
+from engines.models.expert_parallel import ExpertPlacement
 from engines.rank_role import RankRole
 from kernels.attention_metadata import AttentionMetadata
 
@@ -115,16 +115,17 @@ def check_pipeline(path: str, pp: int) -> None:
     stage_layers(config.num_hidden_layers, pp, name)
 
 
-def rank_role(rank: int, tp: int, pp: int, model: nn.Module) -> RankRole:
+def rank_role(rank: int, tp: int, pp: int, model: nn.Module, expert_parallel: bool) -> RankRole:
     """For /health: rank ``rank``'s tp rank, pipeline stage and layers (with a pipeline), and the
-    routed experts it holds (with expert parallelism)."""
+    routed experts it holds in each MoE layer (with expert parallelism; the default placement)."""
     layout = StageLayout.of(rank, tp, pp)
     layers = None
     if pp > 1:
         stage = stage_layers(model.config.num_hidden_layers, pp, "")[layout.stage]
         layers = f"{stage.start}-{stage.stop - 1}"
-    placement = next((m.placement for m in model.modules() if isinstance(m, ExpertParallelExperts)), None)
-    experts = None if placement is None else placement.describe(layout.tp_rank)
+    spec, experts = model.spec(model.config), None
+    if expert_parallel and spec.moe_layers:
+        experts = ExpertPlacement.contiguous(spec.moe.num_experts, tp).describe(layout.tp_rank)
     return RankRole(layout.tp_rank, layout.stage, experts, layers)
 
 

@@ -75,7 +75,8 @@ def make_runner(config: EngineConfig, platform: Platform, block_size: int, eos_t
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         return ModelRunner(config, platform, block_size, eos_token_ids)
     parallel = parallel_config(config)
-    check_model_splits(config.model, config.tensor_parallel_size, config.enable_expert_parallel)
+    if config.tensor_parallel_size > 1:
+        check_model_splits(config.model, config.tensor_parallel_size, config.enable_expert_parallel)
     check_pipeline(config.model, config.pipeline_parallel_size)
     if dist.is_initialized():
         # torch.distributed has one default group per process: the engine that holds it must go first.
@@ -117,7 +118,7 @@ class TensorParallelRunner(ModelRunner):
         previous_threads: int,
     ) -> None:
         self.group, self.parallel, self.followers = group, parallel, followers
-        self.tp = config.tensor_parallel_size
+        self.tp, self.expert_parallel = config.tensor_parallel_size, config.enable_expert_parallel
         layers_group, stage = stage_collectives(group, self.tp, config.pipeline_parallel_size)
         super().__init__(config, platform, block_size, eos_token_ids, group=layers_group,
                          pipeline=stage)  # a failure: make_runner's
@@ -130,7 +131,8 @@ class TensorParallelRunner(ModelRunner):
         local = {0: os.getpid(), **{rank: proc.pid for rank, proc in self.followers.items()}}
         per_node = self.parallel.world_size // self.parallel.nnodes
         return [{"rank": rank, "device": device, "pid": local.get(rank), "node": rank // per_node,
-                 "role": rank_role(rank, self.tp, self.parallel.world_size // self.tp, self.model).as_dict()}
+                 "role": rank_role(rank, self.tp, self.parallel.world_size // self.tp, self.model,
+                                   self.expert_parallel).as_dict()}
                 for rank, device in enumerate(self.parallel.devices)]
 
     def broadcast(self, batch: StepBatch) -> None:

@@ -49,28 +49,33 @@ class ModelSettings(EngineSettings):
 
     @model_validator(mode="after")
     def _check_groups(self) -> "ModelSettings":
-        tp = self.tensor_parallel_size
+        tp = self.ranks_per_replica
+        sizes = (f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                 f"{self.pipeline_parallel_size}" if self.pipeline_parallel_size > 1 else f"tensor_parallel_size {tp}")
         listed = [w for w in self.workers if isinstance(w, list)]
         if listed and tp > 1 and any(len(g) != tp for g in listed):
-            raise ValueError(f"model {self.name}: tensor_parallel_size {tp} but a group of workers lists "
+            raise ValueError(f"model {self.name}: {sizes} but a group of workers lists "
                              f"a different number of devices")
         plain = [w for w in self.workers if isinstance(w, str)]
         if tp > 1 and plain and plain != ["cpu"] and len(plain) % tp:
-            raise ValueError(f"model {self.name}: {len(plain)} worker devices do not form groups of "
-                             f"tensor_parallel_size {tp}")
+            raise ValueError(f"model {self.name}: {len(plain)} worker devices do not form groups of {sizes}")
         return self
 
     @property
     def groups(self) -> list[list[str]]:
         """One device list per replica, in rank order: the listed groups, then the plain devices in
-        groups of ``tensor_parallel_size``."""
-        tp = self.tensor_parallel_size
+        groups of ``tensor_parallel_size`` x ``pipeline_parallel_size``."""
+        tp = self.ranks_per_replica
         plain = [w for w in self.workers if isinstance(w, str)]
         if tp > 1 and plain == ["cpu"]:
             plain = ["cpu"] * tp
         return [list(w) for w in self.workers if isinstance(w, list)] + [
             plain[i : i + tp] for i in range(0, len(plain), tp)
         ]
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def is_embedded(self) -> bool:

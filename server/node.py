@@ -34,7 +34,8 @@ def node_ranks(config: AppConfig) -> list[tuple[EngineConfig, int]]:
         for group in model.groups:
             if len(group) > 1:
                 # a model's cpu_threads wins, as on node 0 (server/pool.py)
-                kwargs = group_engine_kwargs(group, dist, index, (model.cpu_threads or threads) if group[0] == "cpu" else None)
+                kwargs = group_engine_kwargs(group, dist, index, (model.cpu_threads or threads) if group[0] == "cpu" else None,
+                                             model.pipeline_parallel_size)
                 engine = EngineConfig(model=path, device=group[0], **model.engine_kwargs(), **kwargs)
                 ranks.extend((engine, rank) for rank in kwargs["parallel"].node_ranks(dist.node_rank))
             index += 1

@@ -28,16 +28,17 @@ def worker_labels(devices: list[str]) -> list[str]:
 
 
 def group_engine_kwargs(
-    group: list[str], distributed: DistributedSettings, index: int, cpu_threads: int | None
+    group: list[str], distributed: DistributedSettings, index: int, cpu_threads: int | None, pp: int = 1
 ) -> dict[str, Any]:
     """The engine options of tensor-parallel group number ``index`` (over every model's groups, in
-    config order: its rendezvous port is ``master_port + index``)."""
+    config order: its rendezvous port is ``master_port + index``); ``pp`` pipeline stages of
+    ``len(group) / pp`` ranks each."""
     port = distributed.master_port + index if distributed.master_port else 0
     parallel = ParallelConfig(
         devices=list(group), nnodes=distributed.nnodes, master_addr=distributed.master_addr, master_port=port,
         rendezvous_timeout_s=distributed.rendezvous_timeout_s, cpu_threads=cpu_threads,
     )
-    return {"tensor_parallel_size": len(group), "parallel": parallel}
+    return {"tensor_parallel_size": len(group) // pp, "parallel": parallel}
 
 
 def local_cpu_ranks(group: list[str], distributed: DistributedSettings) -> int:
@@ -141,7 +142,8 @@ class ModelPool:
         group = self.groups[worker.label]
         if len(group) > 1:
             index = self.first_group + list(self.groups).index(worker.label)
-            engine_kwargs.update(group_engine_kwargs(group, self.distributed, index, threads))
+            engine_kwargs.update(group_engine_kwargs(group, self.distributed, index, threads,
+                                                     self.settings.pipeline_parallel_size))
         return WorkerSpec(
             model_name=self.name,
             label=worker.label,

@@ -82,7 +82,7 @@ class ExpertParallelExperts(Experts):
     """This rank's routed experts, whole: ``gate_up_proj`` [L, 2I, Hd], ``down_proj`` [L, Hd, I]."""
 
     def __init__(self, placement: ExpertPlacement, rank: int, hidden_size: int, intermediate_size: int) -> None:
-        self.placement, self.local = placement, placement.local_experts(rank)
+        self.local = placement.local_experts(rank)
         super().__init__(len(self.local), hidden_size, intermediate_size)
         self.slots = {expert: slot for slot, expert in enumerate(self.local)}
 

@@ -27,5 +27,5 @@ class Glm4MoeForCausalLM(CausalLM):
 
     def _skipped(self, name: str) -> bool:
         parts = name.split(".")
-        is_mtp_layer = parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= self.num_layers
+        is_mtp_layer = parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= self.config.num_hidden_layers
         return is_mtp_layer or super()._skipped(name)

@@ -98,6 +98,7 @@ class MLACausalLM(CausalLM):
         )
         self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
         self.logits_gather = None  # tensor parallel: engines/models/tensor_parallel.py sets the gather
+        self.absent_weights: tuple[str, ...] = ()  # MLA models are refused under a pipeline (one latent pool)
 
     @staticmethod
     def spec(config: Any) -> DecoderSpec:
@@ -148,5 +149,5 @@ class MLACausalLM(CausalLM):
         """Also the multi-token-prediction layers (``model.layers.<num_hidden_layers>...``), used for
         speculative decoding, not by the forward."""
         parts = name.split(".")
-        is_mtp_layer = parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= self.num_layers
+        is_mtp_layer = parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= self.config.num_hidden_layers
         return is_mtp_layer or super()._skipped(name)

@@ -59,3 +59,20 @@ def test_every_groups_rendezvous_port_must_exist():
     with pytest.raises(ConfigError, match="ports 65535..65536, past 65535"):
         parse_config({**model(**groups), "distributed": {"master_port": 65535}})
     assert parse_config({**model(**groups), "distributed": {"master_port": 65534}}).distributed.master_port == 65534
+
+
+def test_a_replica_of_tp_times_pp_ranks():
+    """A pipeline multiplies the ranks of a replica: 8 cards at TP 2 x PP 2 are two replicas of 4,
+    each rank's engine told the tensor-parallel size of its stage."""
+    from server.config import DistributedSettings
+
+    settings = parse_config(model(workers=[f"npu:{i}" for i in range(8)], tensor_parallel_size=2,
+                                  pipeline_parallel_size=2)).models[0]
+    assert settings.groups == [[f"npu:{i}" for i in range(4)], [f"npu:{i}" for i in range(4, 8)]]
+    kwargs = group_engine_kwargs(settings.groups[0], DistributedSettings(), 0, None, pp=2)
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["parallel"].devices == settings.groups[0]
+    flags = build_config(args("--model", "/m", "--device", "cpu", "--pipeline-parallel-size", "2"), env={})
+    assert flags.models[0].groups == [["cpu", "cpu"]]
+    with pytest.raises(ConfigError, match="model glm: 6 worker devices do not form groups of tensor_parallel_size "
+                                          "2 x pipeline_parallel_size 2"):
+        parse_config(model(workers=[f"npu:{i}" for i in range(6)], tensor_parallel_size=2, pipeline_parallel_size=2))
