@@ -90,6 +90,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115  closed in stop()
+        self._terminated = False
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
@@ -129,10 +130,16 @@ class ServerProcess:
         # worker of each model is up, "degraded" while the others still load).
         return all(w["state"] != "starting" for w in health["workers"]) and not health.get("loading_tokenizers")
 
+    def terminate(self) -> None:
+        """SIGTERM once, without waiting for the server to end (``stop`` waits)."""
+        if self.proc.poll() is None and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self) -> None:
         """SIGTERM (the server stops its workers in order), then kill if it hangs; idempotent."""
+        self.terminate()
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -225,6 +232,8 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         return server
 
     yield start
+    for server in servers:  # all at once: each takes seconds to stop its workers
+        server.terminate()
     for server in servers:
         server.stop()
 
