@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engines.models.layers import Attention, GatedMLP, MergedLinear, RMSNorm
+from engines.models.layers import Attention, GatedMLP, RMSNorm
 from engines.models.moe import Experts, MoeSpec, SparseMoeBlock
 from engines.models.rope import build_cos_sin_cache, rotary_dim
 from kernels.attention_metadata import AttentionMetadata
@@ -325,6 +325,8 @@ class CausalLM(nn.Module):
         keys = [target]
         if isinstance(module, Experts):
             keys = [f"{target}#e{e}" for e in range(module.num_experts)]
-        if isinstance(module, MergedLinear) or (isinstance(module, Experts) and leaf == "gate_up_proj"):
+        # a fused projection (MergedLinear, or a quantized one standing in for it) is loaded per shard
+        fused = hasattr(module, "output_sizes") and not isinstance(module, Experts)
+        if fused or (isinstance(module, Experts) and leaf == "gate_up_proj"):
             keys = [f"{key}#s{s}" for key in keys for s in range(len(module.output_sizes))]
         return keys

@@ -54,8 +54,11 @@ def quant_shapes(records: Iterable[tuple[str, QuantizedWeight]], num_experts: in
 
 
 def swap_quantized_modules(model: CausalLM, names: Iterable[str], ops: KernelOps) -> None:
-    """On the meta-device model: replace every module a quantized record ``names`` targets."""
+    """On the meta-device model: replace every module a quantized record ``names`` targets (those the
+    model skips, such as GLM-4.5's multi-token-prediction layer, are left alone)."""
     for name in names:
+        if model._skipped(name):
+            continue
         target, _, _ = model._target(name)
         module_name = target.rsplit(".", 1)[0]
         module = model.get_submodule(module_name)
@@ -79,6 +82,8 @@ def load_quantized(model: CausalLM, records: Iterable[tuple[str, QuantizedWeight
                    dtype: torch.dtype) -> None:
     """Hand each record to its module, then merge and prepare every quantized module's weights."""
     for name, record in records:
+        if model._skipped(name):
+            continue
         target, expert, shard = model._target(name)
         module_name, leaf = target.rsplit(".", 1)
         module = model.get_submodule(module_name)

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engines import LLM, SamplingParams
 from engines.config import EngineConfig
@@ -92,3 +93,14 @@ def test_on_the_fly_w8a8_chooses_what_transformers_would_with_the_same_quantizat
         assert llm.engine.runner.kernels.chosen["quant_linear"] in ("int8mm", "dequant", "reference")
     for prompt, out in zip(PROMPTS, outs):
         assert greedy_regret(oracle, prompt, out.token_ids, activations) <= REGRET
+
+
+def test_quantized_weights_of_a_layer_the_model_skips_are_skipped_too(tiny_models, tmp_path: Path) -> None:
+    """GLM-4.5 checkpoints carry a multi-token-prediction layer past num_hidden_layers; its q/k/v biases
+    load into the quantized fused projection shard by shard."""
+    path = shutil.copytree(tiny_models("glm4_moe"), tmp_path / "glm")
+    weights = load_file(path / "model.safetensors")
+    weights["model.layers.2.self_attn.q_proj.weight"] = torch.randn(64, 64)  # quantized on the fly, then skipped
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    model, _ = load_model(str(path), None, CPU, quantization="w8a8")
+    assert len(model.model.layers) == 2 and isinstance(model.model.layers[1].self_attn.qkv_proj, QuantLinear)
