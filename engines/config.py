@@ -18,7 +18,7 @@ COMPILE_ENV_VAR = "XINSERVE_COMPILE"  # the mode when a config leaves ``compile`
 DTYPES = ("auto", "float32", "float16", "bfloat16")  # "auto" (or None): the checkpoint's dtype
 # vLLM's --quantization names: the checkpoint formats of engines/quantization/formats/, and the schemes a
 # float checkpoint is quantized to on the fly (fp8, w8a8; engines/quantization/online.py)
-QUANTIZATION_METHODS = ("fp8", "w8a8", "compressed-tensors")
+QUANTIZATION_METHODS = ("fp8", "w8a8", "compressed-tensors", "ascend", "gptq", "awq")
 
 
 def setting(help: str, *, ge: int | None = None, gt: float | None = None, le: float | None = None,

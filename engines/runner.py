@@ -11,7 +11,7 @@ import torch
 from engines.capacity import pool_blocks
 from engines.config import EngineConfig
 from engines.graphs import DecodeGraphs, build_decode_graphs, capture_memory_probe, effective_mode
-from engines.models.loader import load_model
+from engines.models.loader import load_model, parse_dtype
 from engines.models.tensor_parallel import Collectives
 from engines.outputs import TokenLogprob
 from engines.pipeline_parallel import PipelineStage
@@ -28,9 +28,6 @@ from kernels.ops import KernelOps
 from kernels.registry import KernelSelection, select
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 @dataclass(slots=True)
 class HostInputs:
@@ -77,14 +74,6 @@ class StepBatch:
     def needs_prompt_logits(self) -> bool:
         """Whether a sequence asks for its prompt's log-probs (echo with logprobs) in this step."""
         return any(needs_prompt_logits(seq) for seq in self.seqs)
-
-
-def parse_dtype(dtype: str | None) -> torch.dtype | None:
-    if dtype is None or dtype == "auto":
-        return None
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPES)} or auto")
-    return DTYPES[dtype]
 
 
 class ModelRunner:

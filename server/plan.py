@@ -10,7 +10,7 @@ import json
 import sys
 
 from engines.capacity import GIB, KV_CACHE_DTYPES, QUANTIZATION_SCHEMES, Layout, Plan, plan
-from engines.runner import parse_dtype
+from engines.models.loader import parse_dtype
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from server.fanout import Fanout, RequestStream
 from server.messages import RequestError, Shutdown, ToWorker
 from server.restart_policy import RestartBackoff
 from server.worker import WorkerSpec, run_worker
+from server.worker_health import describe_stats
 
 logger = logging.getLogger("xinserve.server")
 
@@ -342,11 +343,7 @@ class WorkerClient:
             "restarts": self.restarts,
             "last_error": self.last_error,
             "seconds_since_last_message": age,
-            "num_requests_running": None if self.stats is None else self.stats.num_running,
-            "num_requests_waiting": None if self.stats is None else self.stats.num_waiting,
-            "kv_cache_usage": None if self.stats is None else self.stats.kv_cache_usage,
-            "external_prefix_cache_hits_total": None if self.stats is None else self.stats.external_prefix_cache_hits_total,
-            "speculative_decoding": _describe_spec_decode(self.stats),
+            **describe_stats(self.stats),
             # The kernel registry's choice on this worker's device: op -> chosen, rejected with reasons.
             "kernels": self.info.get("kernels"),
             "ranks": self._describe_ranks(),
@@ -397,13 +394,3 @@ class WorkerClient:
             if sock is not None:
                 sock.close(linger=0)
 
-
-def _describe_spec_decode(stats: EngineStats | None) -> dict[str, Any] | None:
-    """The speculative method and its running acceptance (None with speculation off)."""
-    spec = None if stats is None else stats.spec_decode
-    if spec is None:
-        return None
-    rate = spec.acceptance_rate
-    return {"method": spec.method, "acceptance_rate": None if rate is None else round(rate, 4),
-            "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
-            "num_accepted_tokens": spec.num_accepted_tokens}

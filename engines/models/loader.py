@@ -30,6 +30,16 @@ from kernels.ops import REFERENCE_OPS, KernelOps
 from kernels.quantized_weight import QuantizedWeight
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(dtype: str | None) -> torch.dtype | None:
+    """A ``dtype`` setting's torch dtype; None for unset or "auto" (the checkpoint's)."""
+    if dtype is None or dtype == "auto":
+        return None
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPES)} or auto")
+    return DTYPES[dtype]
 
 
 def load_model(
@@ -70,8 +80,9 @@ def load_model(
     splits_attention = model_cls.TENSOR_PARALLEL
     reader = checkpoint_reader(path, config, quantization, model_cls.FLOAT_WEIGHTS)
     if reader is not None and (group is not None or pipeline is not None):
-        raise ValueError(f"{name}: tensor, expert or pipeline parallel with {reader[0]} quantized weights is "
-                         "not implemented; serve it with tensor_parallel_size 1 and pipeline_parallel_size 1")
+        raise ValueError(f"{name}: tensor parallel with {reader[0]} quantized weights is not implemented (nor "
+                         "expert or pipeline parallel); serve it with tensor_parallel_size 1 and "
+                         "pipeline_parallel_size 1")
     if group is not None:
         if splits_attention:
             check_tensor_parallel(config, group.world_size, name)

@@ -60,6 +60,14 @@ def test_unknown_quantization_option_is_refused_by_the_engine_config() -> None:
         EngineConfig(model="m", quantization="int3")
 
 
+def test_the_quantization_option_names_every_format_and_on_the_fly_scheme() -> None:
+    from engines.config import QUANTIZATION_METHODS
+    from engines.quantization.formats import FORMATS
+    from engines.quantization.online import SCHEMES
+
+    assert sorted(QUANTIZATION_METHODS) == sorted({*FORMATS, *SCHEMES})
+
+
 @pytest.fixture(scope="module")
 def w8a8(tiny_models, tmp_path_factory) -> tuple[Path, Path, dict]:
     root = tmp_path_factory.mktemp("w8a8")
