@@ -98,6 +98,7 @@ class MLACausalLM(CausalLM):
         )
         self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
         self.logits_gather = None  # never tensor parallel (TENSOR_PARALLEL is False): logits stay whole
+        self.absent_weights: tuple[str, ...] = ()  # no pipeline stages for MLA (engines/pipeline_parallel.py)
 
     @staticmethod
     def spec(config: Any) -> DecoderSpec:
