@@ -74,7 +74,7 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.state.api_keys = config.server.named_keys()
     app.state.created = int(time.time())
     registry = CollectorRegistry()
-    prefix = config.monitoring.metric_prefix
+    prefix = config.metrics.prefix
     registry.register(EngineStatsCollector(pools, prefix))
     app.state.metrics = RequestMetrics(registry, prefix)
     app.state.registry = registry

@@ -123,7 +123,7 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     if args.trust_request_chat_template:
         server["trust_request_chat_template"] = True
     if args.metric_prefix is not None:
-        data["monitoring"] = {**(data.get("monitoring") or {}), "metric_prefix": args.metric_prefix}
+        data["metrics"] = {**(data.get("metrics") or {}), "prefix": args.metric_prefix}
     keys = list(server.get("api_keys") or []) + list(args.api_key or [])
     if env.get("XINSERVE_API_KEY"):
         keys.append(env["XINSERVE_API_KEY"])

@@ -120,9 +120,12 @@ class DistributedSettings(_Section):
 
 class MonitoringSettings(_Section):
     metrics: bool = True
+
+
+class MetricsSettings(_Section):
     # The engine metrics' namespace: "vllm" names them as vLLM does (vllm:num_requests_waiting ...), so
     # routers, autoscalers and dashboards configured for vLLM read them unchanged.
-    metric_prefix: str = Field("xinserve", pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+    prefix: str = Field("xinserve", pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
 class LimitsSettings(_Section):
@@ -150,6 +153,7 @@ class AppConfig(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     models: list[ModelSettings] = Field(min_length=1)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
     distributed: DistributedSettings = Field(default_factory=DistributedSettings)
 

@@ -89,7 +89,7 @@ def test_adapter_rules_serve_the_metrics_the_hpa_reads(rendered):
     kubernetes_validate.validate(adapter, VERSIONS[-1], strict=True)
     served = set()
     for rule in yaml.safe_load(adapter["data"]["config.yaml"])["rules"]:
-        # Either metric prefix (monitoring.metric_prefix) gives the HPA the same metric name.
+        # Either metric prefix (metrics.prefix) gives the HPA the same metric name.
         prefixes, metric = re.match(r'\{__name__=~"\(([\w|]+)\):(\w+)"', rule["seriesQuery"]).groups()
         assert set(prefixes.split("|")) == {"xinserve", "vllm"}
         names = {re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), f"{p}:{metric}")

@@ -43,7 +43,7 @@ def test_hybrid_mixes_devices():
     ({"models": [{"name": "a", "path": "/m", "max_num_seqs": 0}]}, "models.0.max_num_seqs"),
     ({"models": [{"name": "a", "path": "/m"}], "server": {"prot": 1}}, "server.prot"),
     ({"models": [{"name": "a", "path": "/m"}], "monitoring": {"metrics": "maybe"}}, "monitoring.metrics"),
-    ({"models": [{"name": "a", "path": "/m"}], "monitoring": {"metric_prefix": "vllm:"}}, "monitoring.metric_prefix"),
+    ({"models": [{"name": "a", "path": "/m"}], "metrics": {"prefix": "vllm:"}}, "metrics.prefix"),
     ({"models": [{"name": "a", "path": "/m"}], "limits": {"max_body_byts": 1}}, "limits.max_body_byts"),
     ({"models": [{"name": "a", "path": "/m"}], "limits": {"max_n": 0}}, "limits.max_n"),
     ({"models": [{"name": "a"}]}, "models.0.path"),
@@ -101,10 +101,10 @@ def test_trust_request_chat_template_is_off_unless_asked():
 
 
 def test_metric_prefix_flag_overrides_the_config():
-    assert build_config(args(), env={}).monitoring.metric_prefix == "xinserve"
+    assert build_config(args(), env={}).metrics.prefix == "xinserve"
     hybrid = str(REPO / "config" / "hybrid.yaml")
     config = build_config(args("--config", hybrid, "--metric-prefix", "vllm"), env={})
-    assert (config.monitoring.metric_prefix, config.monitoring.metrics) == ("vllm", True)
+    assert (config.metrics.prefix, config.monitoring.metrics) == ("vllm", True)
 
 
 def test_engine_flags_override_every_model_of_a_config():
