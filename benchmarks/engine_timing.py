@@ -5,7 +5,9 @@
 - ``decoding`` and ``best_window``: steady decode steps of a batch at a given context, and the
   fastest window of them (on a shared machine the least disturbed estimate);
 - ``decode_args``, ``llama_5m`` and ``decode_engine``: the command line, the model and the engines
-  of the decode-step scripts.
+  of the decode-step scripts;
+- ``collectives_per_step``: decode steps of a parallel engine timed per batch, with the collectives
+  each step issued (the tensor-, pipeline- and expert-parallel scripts).
 
 A sibling module of the scripts (``python benchmarks/X.py`` puts this folder on ``sys.path``).
 """
@@ -130,3 +132,32 @@ def decode_engine(path: str, max_num_seqs: int, max_context: int, steps: int, **
     num_blocks = max_num_seqs * -(-(max_context + 8 + steps) // 16) + 16
     return LLM(path, dtype="float32", num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, block_size=16,
                max_num_batched_tokens=4096, **options)
+
+
+def collectives_per_step(engine, batches: tuple[int, ...], prompt_len: int, warm_steps: int, window: int,
+                         windows: int) -> Iterator[tuple[int, float, dict[str, float]]]:
+    """Per batch size: (batch, best milliseconds per step over ``windows`` windows of ``window`` decode
+    steps, each collective's count per step in the last window; empty on one device). The batch's
+    requests are added, warmed up for ``warm_steps`` steps, timed, then aborted."""
+    from engines import SamplingParams
+
+    group = getattr(engine.runner, "group", None)
+    params = SamplingParams(temperature=0, max_tokens=warm_steps + windows * window + 8, ignore_eos=True)
+    for batch in batches:
+        for i in range(batch):
+            engine.add_request(f"{batch}-{i}", [7 + (i * 31 + j * 7) % 900 for j in range(prompt_len)], params)
+        for _ in range(warm_steps):
+            engine.step()
+        best, counts = None, {}
+        for _ in range(windows):
+            before = dict(group.counts) if group else {}
+            start = time.perf_counter()
+            for _ in range(window):
+                engine.step()
+            step = (time.perf_counter() - start) / window
+            best = step if best is None else min(best, step)
+            if group:
+                counts = {k: (v - before.get(k, 0)) / window for k, v in group.counts.items()}
+        yield batch, 1e3 * best, counts
+        for request_id in list(engine.requests):
+            engine.abort_request(request_id)

@@ -15,8 +15,9 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from engine_timing import collectives_per_step
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "tensor_parallel.json"
@@ -29,7 +30,7 @@ PROMPT_LEN, WARM_STEPS, WINDOW = 128, 4, 10
 def measure(model_path: str, tp: int, threads: int, windows: int) -> list[dict]:
     import torch
 
-    from engines import LLM, SamplingParams
+    from engines import LLM
     from engines.parallel_config import ParallelConfig
 
     torch.set_num_threads(threads)
@@ -37,29 +38,10 @@ def measure(model_path: str, tp: int, threads: int, windows: int) -> list[dict]:
     if tp > 1:
         options |= {"tensor_parallel_size": tp,
                     "parallel": ParallelConfig(devices=["cpu"] * tp, cpu_threads=max(1, threads // tp))}
-    rows = []
     with LLM(model_path, **options) as llm:
-        engine, group = llm.engine, getattr(llm.engine.runner, "group", None)
-        params = SamplingParams(temperature=0, max_tokens=WARM_STEPS + windows * WINDOW + 8, ignore_eos=True)
-        for batch in BATCHES:
-            for i in range(batch):
-                engine.add_request(f"{batch}-{i}", [7 + (i * 31 + j * 7) % 900 for j in range(PROMPT_LEN)], params)
-            for _ in range(WARM_STEPS):
-                engine.step()
-            best, counts = None, {}
-            for _ in range(windows):
-                before = dict(group.counts) if group else {}
-                start = time.perf_counter()
-                for _ in range(WINDOW):
-                    engine.step()
-                step = (time.perf_counter() - start) / WINDOW
-                best = step if best is None else min(best, step)
-                if group:
-                    counts = {k: (v - before.get(k, 0)) / WINDOW for k, v in group.counts.items()}
-            rows.append({"tp": tp, "batch": batch, "step_ms": 1e3 * best, "collectives_per_step": counts})
-            for request_id in list(engine.requests):
-                engine.abort_request(request_id)
-    return rows
+        return [{"tp": tp, "batch": batch, "step_ms": step_ms, "collectives_per_step": counts}
+                for batch, step_ms, counts in collectives_per_step(llm.engine, BATCHES, PROMPT_LEN, WARM_STEPS,
+                                                                    WINDOW, windows)]
 
 
 def main() -> None:
