@@ -45,7 +45,6 @@ def test_greedy_with_drafts_equals_transformers(model_dir):
     check_against_reference(llm, reference, prompts[1:])
     stats = llm.engine.stats()
     assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits_total > 0
-    assert stats.spec_decode.num_draft_tokens > 0
     # Drafts right and wrong at every position (the reference continuation with 40% of its tokens
     # changed): every number of accepted drafts occurs, and the output is still transformers'.
     more = repetitive_prompts(5, reference.vocab_size, seed=3, prefix=prefix)
