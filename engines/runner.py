@@ -307,8 +307,7 @@ class ModelRunner:
         query_start_loc = [0]
         for s, start, n in zip(prefills, starts[num_decode:], num_new[num_decode:]):
             seq = s.seq
-            ids.extend(seq.token_ids[start : start + n])  # a drafted sequence's last token, then its drafts
-            ids.extend(s.draft_token_ids)
+            ids.extend(seq.token_ids[start : start + n] + s.draft_token_ids)  # drafted: its last token, its drafts
             pos = np.arange(start, start + n, dtype=np.int64)
             pos_parts.append(pos)
             slot_parts.append(np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)

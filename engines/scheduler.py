@@ -6,7 +6,8 @@ chunks while other sequences keep decoding in the same step. Running sequences g
 first); waiting ones are admitted FCFS while budget, sequence slots and blocks last. When blocks
 run out the newest running sequence is preempted (its KV is dropped and recomputed later).
 A decoding sequence with draft tokens (speculative decoding) takes 1 + k rows, the drafts counted in
-the budget; when its blocks do not fit it runs without them rather than preempt another.
+the budget; when their blocks do not fit, or would leave the sequences after it short, it runs
+without them: drafts never cause a preemption.
 After the model ran, ``update`` does the step's bookkeeping: computed tokens, cached blocks, the
 sampled tokens appended, stops detected; of a drafted sequence only the accepted drafts count as
 computed (the rejected ones' slots are rolled back and never reach the prefix cache).
@@ -79,7 +80,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             k = self._num_drafts(seq, budget)
-            if k and self.block_manager.allocate_slots(seq, 1 + k):
+            if k and self._drafts_fit(seq, k, len(self.running) - i - 1) and self.block_manager.allocate_slots(seq, 1 + k):
                 step = ScheduledSeq(seq, 1 + k, seq.draft_token_ids[:k])
             else:
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -93,6 +94,13 @@ class Scheduler:
             budget -= step.num_new_tokens
             i += 1
         return preempted
+
+    def _drafts_fit(self, seq: Sequence, k: int, num_after: int) -> bool:
+        """Drafts never cost another running sequence its step: the blocks they take leave one free
+        block for each of the ``num_after`` sequences still to schedule."""
+        bm = self.block_manager
+        extra = bm.blocks_needed(seq.num_computed_tokens + 1 + k) - len(seq.block_table)
+        return bm.num_free_blocks - extra >= num_after
 
     def _num_drafts(self, seq: Sequence, budget: int) -> int:
         """How many of a decoding sequence's draft tokens fit this step: within the budget (its own

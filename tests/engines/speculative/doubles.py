@@ -23,7 +23,7 @@ class OracleProposer:
             draft = list(self.expected[tuple(seq.prompt_token_ids)][done : done + self.k])
             for i, token in enumerate(draft):
                 if self.rng.random() < self.wrong_rate:
-                    draft[i] = token + 1
+                    draft[i] = token - 1 if token > 0 else 1  # inside the vocabulary
             seq.draft_token_ids = draft
 
 

@@ -103,3 +103,17 @@ def test_drafts_that_do_not_fit_are_dropped_before_anyone_is_preempted():
     [step] = sched.schedule()
     assert (step.num_new_tokens, step.draft_token_ids) == (1, [])
     assert sched.num_preemptions == 0
+
+
+def test_drafts_never_take_the_block_a_later_sequence_needs():
+    sched = make(num_blocks=3, block_size=4)
+    a = Sequence(0, "a", [10, 11, 12], SamplingParams(temperature=0, max_tokens=20))
+    b = Sequence(1, "b", [20, 21, 22, 23], SamplingParams(temperature=0, max_tokens=20))
+    sched.add(a)
+    sched.add(b)
+    scheduled = sched.schedule()
+    sched.update(scheduled, [SampledTokens(a, [5]), SampledTokens(b, [6])])
+    assert sched.block_manager.num_free_blocks == 1  # b's next token needs it
+    a.draft_token_ids = [1, 2, 3]  # would need it too
+    plan = [(s.seq, s.num_new_tokens) for s in sched.schedule()]
+    assert plan == [(a, 1), (b, 1)] and sched.num_preemptions == 0
