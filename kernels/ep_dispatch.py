@@ -5,11 +5,15 @@ for the start-up log, ``/health`` and ``xinserve doctor``. The candidates are no
 would need the whole group; the two-rank test against the fake checks them against the reference."""
 
 import importlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from kernels.model_shapes import ModelShapes
+from kernels.registry import KernelSelection
+
+logger = logging.getLogger(__name__)
 
 REFERENCE = "all_to_all"
 # implementation name -> module exposing ``unsupported`` and ``dispatch_combine``
@@ -22,6 +26,15 @@ PREFERENCE = {"npu": ("npu_moe_dispatch", REFERENCE)}
 class EpDispatchChoice:
     chosen: str
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (implementation, reason)
+
+    def record(self, selection: KernelSelection) -> str:
+        """Add the choice to the kernel report as the op ``ep_dispatch``, log it; return the name."""
+        selection.chosen["ep_dispatch"] = self.chosen
+        if self.rejected:
+            selection.rejected["ep_dispatch"] = self.rejected
+        logger.info("expert parallel exchange: %s%s", self.chosen,
+                    "".join(f" ({name} rejected: {reason})" for name, reason in self.rejected))
+        return self.chosen
 
 
 def choose_ep_dispatch(platform: str, world_size: int, shapes: ModelShapes, dtype: torch.dtype,
