@@ -102,12 +102,15 @@ class ExpertParallelExperts(Experts):
 class FusedExchange:
     """A vendor's fused dispatch / combine (kernels/ep_dispatch.py chose it) over a communicator of its
     own: the Ascend operators allow no other collective in theirs. Made once per model, before the
-    meta-device build, by every rank of the group in the same order (``new_group`` is collective)."""
+    meta-device build, by every rank of the replica in the same order (``new_group`` is collective):
+    one communicator per EP group, global ranks ``s * ep .. (s + 1) * ep - 1`` for pipeline stage s."""
 
     def __init__(self, implementation: str, group: ExpertCollectives, num_experts: int) -> None:
         self.kernel = importlib.import_module(EP_MODULES[implementation])
-        self.world_size, self.rank, self.num_experts = group.world_size, group.rank, num_experts
-        self.name = self.kernel.hccl_comm_name(dist.new_group(), group.rank)
+        ep = self.world_size = group.world_size
+        self.rank, self.num_experts = group.rank, num_experts
+        groups = [dist.new_group(list(range(s * ep, (s + 1) * ep))) for s in range(dist.get_world_size() // ep)]
+        self.name = self.kernel.hccl_comm_name(groups[dist.get_rank() // ep], group.rank)
 
     def __call__(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                  run_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], global_bs: int) -> torch.Tensor:

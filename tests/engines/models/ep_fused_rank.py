@@ -17,7 +17,7 @@ FAKES = Path(__file__).resolve().parents[2] / "fakes"
 
 def run_rank(rank: int, port: int, placement: ExpertPlacement, queue) -> None:
     """For 1 token (rank 1's chunk is empty) and 7, in bfloat16: (rank, tokens, fused, all-to-all,
-    reference over all experts); then the fused exchange's communicator name."""
+    reference over all experts); then the fused exchange's communicator name and its refusal of float32."""
     sys.path.insert(0, str(FAKES))  # torch_npu is the fake in this process
     # The real torch_npu's import names torch's privateuse1 device type "npu"; the fakes leave that
     # to a process of its own (it cannot be undone, and torch_musa's fake would want the same slot).
@@ -40,6 +40,11 @@ def run_rank(rank: int, port: int, placement: ExpertPlacement, queue) -> None:
             got = fused(x, w13[local], w2[local], weights, ids)
             want = all_to_all(x, w13[local], w2[local], weights, ids)
             queue.put((rank, tokens, got, want, reference.fused_moe(x, w13, w2, weights, ids)))
-        queue.put((rank, 0, fused.exchange.name, None, None))
+        try:  # the operators take float16 / bfloat16 only; both ranks refuse before any exchange
+            fused(x.float(), w13[local].float(), w2[local].float(), weights, ids)
+            refusal = None
+        except RuntimeError as exc:
+            refusal = str(exc)
+        queue.put((rank, 0, fused.exchange.name, refusal, None))
     finally:
         group.close()

@@ -38,6 +38,7 @@ def test_fused_exchange_equals_the_all_to_all_reference():
     for rank, tokens, got, want, full in results:
         if not tokens:
             names.add(got)
+            assert "aclnnMoeDistributeDispatch failed" in want and "float16 / bfloat16" in want
             continue
         assert got.dtype == torch.bfloat16 and got.shape == (tokens, 32)
         torch.testing.assert_close(got, want)  # bfloat16 tolerances
