@@ -23,6 +23,7 @@ from engines.sequence import Sequence, needs_prompt_logits
 from engines.speculative.verify import draft_logits_indices, verify_drafts
 from engines.structured.bitmask import apply_grammars
 from kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from kernels.ep_dispatch import choose_ep_dispatch
 from kernels.model_shapes import ModelShapes
 from kernels.ops import KernelOps
 from kernels.registry import KernelSelection, select
@@ -89,6 +90,7 @@ class ModelRunner:
         self.model, self.hf_config = load_model(
             config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config.kernels),
             group, expert_parallel=config.enable_expert_parallel, pipeline=pipeline, quantization=config.quantization,
+            choose_ep_exchange=partial(self._choose_ep_exchange, config),
         )
         self.dtype = next(self.model.parameters()).dtype
         # Only pipeline stage 0 computes logits (it holds the LM head).
@@ -126,6 +128,11 @@ class ModelRunner:
         self.kernels = select(self.platform.kind, self.device, dtype, shapes, forced)
         logger.info("kernels on %s (%s):\n%s", self.device, str(dtype).removeprefix("torch."), self.kernels.table())
         return self.kernels.ops
+
+    def _choose_ep_exchange(self, config: EngineConfig, shapes: ModelShapes, dtype: torch.dtype) -> str:
+        """Expert parallel's token exchange (kernels/ep_dispatch.py), reported as the op ``ep_dispatch``."""
+        return choose_ep_dispatch(self.platform.kind, config.tensor_parallel_size, shapes, dtype,
+                                  config.max_num_batched_tokens).record(self.kernels)
 
     def bytes_per_block(self) -> int:
         return self.block_size * self.model.kv_bytes_per_token(self.dtype)  # the model's cache spec

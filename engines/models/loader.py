@@ -16,7 +16,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from engines.models import MODEL_REGISTRY
 from engines.models.config_check import unsupported_config_fields
-from engines.models.expert_parallel import place_experts
+from engines.models.expert_parallel import make_exchange, place_experts
 from engines.models.tensor_parallel import Collectives, check_tensor_parallel, read_shard, shard_model
 from engines.quantization.install import (
     dequantize_float_weights,
@@ -51,6 +51,7 @@ def load_model(
     expert_parallel: bool = False,
     pipeline: Any | None = None,
     quantization: str | None = None,
+    choose_ep_exchange: Callable[[ModelShapes, torch.dtype], str] | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Load the model at ``path`` onto ``device`` in ``dtype`` (None: the config's dtype, else
     float32), in eval mode without gradients. ``choose_ops`` picks the kernels for the model's
@@ -60,7 +61,8 @@ def load_model(
     its routed experts are placed whole over the group (engines/models/expert_parallel.py) instead of
     split. ``pipeline``: this rank's ``engines.pipeline_parallel.PipelineStage``, which keeps only its
     layers. A quantized checkpoint's weights stay quantized (engines/quantization/); ``quantization``
-    forces a scheme (``EngineConfig.quantization``)."""
+    forces a scheme (``EngineConfig.quantization``). ``choose_ep_exchange`` names expert parallel's token
+    exchange for the shapes and dtype (kernels/ep_dispatch.py); None: the all-to-all reference."""
     config = AutoConfig.from_pretrained(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture not in MODEL_REGISTRY:
@@ -98,13 +100,16 @@ def load_model(
         weights = [(key, value) for key, value in weights if not isinstance(value, QuantizedWeight)]
         shapes = replace(shapes, quant_shapes=quant_shapes(records, shapes.num_experts))
     ops = REFERENCE_OPS if choose_ops is None else choose_ops(shapes, dtype)
+    exchange = None
+    if group is not None and expert_parallel and shapes.num_experts and choose_ep_exchange is not None:
+        exchange = make_exchange(choose_ep_exchange(shapes, dtype), group, shapes.num_experts)  # collective
     # Build on the meta device, then allocate once on the target: no random init, no second copy.
     with torch.device("meta"):
         model = model_cls(config, ops)
         if group is not None and splits_attention:
             shard_model(model, group, name, expert_parallel)
         if group is not None and expert_parallel:
-            place_experts(model, group, name)
+            place_experts(model, group, name, exchange=exchange)
         if pipeline is not None:
             pipeline.install(model, name)
         swap_quantized_modules(model, (key for key, _ in records), ops)

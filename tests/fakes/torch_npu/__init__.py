@@ -33,6 +33,10 @@ from .mla import (  # noqa: F401  the MLA / DSA operators, part of this fake mod
     npu_scatter_nd_update_,
     npu_sparse_flash_attention,
 )
+from .moe_distribute import (  # noqa: F401  expert parallel's fused exchange, part of this fake module's API
+    npu_moe_distribute_combine,
+    npu_moe_distribute_dispatch,
+)
 from .quant import (  # noqa: F401  the quantisation operators, part of this fake module's API
     grouped_matmul_int8,
     npu_convert_weight_to_int4pack,
