@@ -69,7 +69,7 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, flo
     steps = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        outputs = engine.step()
+        outputs = engine.step().outputs
         steps += 1
         now = time.perf_counter()
         for out in outputs:

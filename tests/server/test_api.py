@@ -86,7 +86,7 @@ def test_health_is_open_and_reports_workers(server):
     assert kernels["rms_norm"] == {"chosen": "reference", "rejected": []}
     assert kernels["decode_attention"]["chosen"] in kernels["decode_attention"]["timings_ms"]
     # one device: rank 0 of a one-rank replica, the whole model
-    assert body["workers"][0]["ranks"][0]["role"] == {"tp_rank": 0, "pp_stage": 0, "expert_range": None}
+    assert body["workers"][0]["ranks"][0]["role"] == {"tp_rank": 0, "pp_stage": 0, "expert_range": None, "layers": None}
 
 
 # ---------------------------------------------------------------- chat

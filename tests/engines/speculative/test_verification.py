@@ -32,7 +32,7 @@ def steps_to_finish(llm: LLM, prompts, params) -> tuple[list, int]:
     outputs: dict[str, list[int]] = {f"s{i}": [] for i in range(len(prompts))}
     steps = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             outputs[out.request_id].extend(out.new_token_ids)
         steps += 1
     return [outputs[f"s{i}"] for i in range(len(prompts))], steps
