@@ -106,12 +106,15 @@ def test_a_killed_rank_fails_the_replica_and_it_comes_back(server):
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
-def test_two_nodes_on_one_machine_serve_a_request(start_server, tiny_model_dir, offline):
-    """Node 0 runs rank 0 and HTTP; node 1 (a second ``xinserve serve``) runs rank 1 only."""
+@pytest.mark.parametrize("split", [["--tensor-parallel-size", "2"], ["--pipeline-parallel-size", "2"]],
+                         ids=["tp2", "pp2_one_stage_per_node"])
+def test_two_nodes_on_one_machine_serve_a_request(start_server, tiny_model_dir, offline, split):
+    """Node 0 runs rank 0 and HTTP; node 1 (a second ``xinserve serve``) runs rank 1 only: a tensor-
+    parallel shard, or the pipeline's second stage."""
     from engines import SamplingParams
 
     common = ["--model", str(tiny_model_dir), "--served-model-name", MODEL, "--device", "cpu",
-              "--tensor-parallel-size", "2", "--num-kv-blocks", "64", "--nnodes", "2",
+              *split, "--num-kv-blocks", "64", "--nnodes", "2",
               "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     head = start_server([*common, "--node-rank", "0"])
     other = start_server([*common, "--node-rank", "1"])
