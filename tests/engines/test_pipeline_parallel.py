@@ -1,5 +1,5 @@
 """Pipeline parallelism on CPU ranks (gloo): greedy tokens equal transformers' for a dense and an MoE
-model at PP 2 and for TP 2 x PP 2 (with expert parallelism) on 4 ranks, under batching, preemption,
+model at PP 2 and for TP 2 x PP 2 (dense, and MoE with expert parallelism) on 4 ranks, under batching, preemption,
 prefix hits and chunked prefill; two micro-batches are in flight per step; each rank reports its
 role; bad splits name the model."""
 
@@ -15,6 +15,7 @@ from tests.engines.test_llm_vs_transformers import GREEDY, Reference, assert_all
 CASES = {
     "llama_pp2": ("llama", {"num_layers": 3}, 1, 2, False),  # 3 layers: stage 0 holds two
     "glm4_moe_pp2": ("glm4_moe", {}, 1, 2, False),  # a dense first layer on stage 0, experts on stage 1
+    "llama_tp2_pp2": ("llama", {"num_layers": 3}, 2, 2, False),
     "qwen3_moe_tp2_pp2_ep": ("qwen3_moe", {}, 2, 2, True),
 }
 
@@ -41,7 +42,7 @@ def test_stages_match_transformers_with_preemption_prefix_caching_and_chunks(tin
     assert counts["send"] > counts["broadcast"]
     assert [(r["role"]["pp_stage"], r["role"]["tp_rank"]) for r in ranks] == [(s, t) for s in range(pp) for t in range(tp)]
     if arch == "llama":
-        assert [r["role"]["layers"] for r in ranks] == ["0-1", "2-2"]
+        assert [r["role"]["layers"] for r in ranks] == [layers for layers in ("0-1", "2-2") for _ in range(tp)]
     if ep:
         assert [r["role"]["expert_range"] for r in ranks] == ["0-3", "4-7", "0-3", "4-7"]
 
