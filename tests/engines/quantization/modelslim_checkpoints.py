@@ -5,6 +5,9 @@ a model with linear biases)."""
 import json
 import os
 import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,25 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 CALIBRATION_TEXT = "Once upon a time there was a little girl who loved the sea."
 
 
+@contextmanager
+def msmodelslim_in_this_process() -> Iterator[None]:
+    """Use msModelSlim, then give pydantic its own ``BaseModel`` back: importing msModelSlim replaces
+    ``pydantic.BaseModel`` (and the name in pydantic.main, .type_adapter, .root_model) with its patched
+    subclass (msmodelslim/utils/patch/pydantic.py), after which every later user of pydantic in the test
+    session breaks — the openai SDK's ``parse()`` no longer recognises a model class as one."""
+    from pydantic import main
+
+    original = main.BaseModel
+    try:
+        yield
+    finally:
+        for name, module in list(sys.modules.items()):
+            if (name == "pydantic" or name.startswith("pydantic.")) and module is not None:
+                patched = vars(module).get("BaseModel")
+                if patched is not None and patched is not original:
+                    module.BaseModel = original
+
+
 def copy_model_files(source: Path, target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
@@ -28,6 +50,13 @@ def copy_model_files(source: Path, target: Path) -> None:
 def export_with_msmodelslim(model_dir: Path, target: Path, dynamic: bool) -> Path:
     """W8A8 (static, min-max calibrated on one sentence) or W8A8_DYNAMIC, every linear but lm_head,
     through msModelSlim's own calibrator and ascendV1 saver."""
+    with msmodelslim_in_this_process():
+        _export(model_dir, target, dynamic)
+    copy_model_files(model_dir, target)
+    return target
+
+
+def _export(model_dir: Path, target: Path, dynamic: bool) -> None:
     from msmodelslim.pytorch.llm_ptq.llm_ptq_tools import Calibrator, QuantConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -45,8 +74,6 @@ def export_with_msmodelslim(model_dir: Path, target: Path, dynamic: bool) -> Pat
         calibrator.save(str(target), save_type=["ascendV1"])
     finally:
         os.chdir(cwd)
-    copy_model_files(model_dir, target)
-    return target
 
 
 def write_checkpoint(target: Path, tensors: dict[str, torch.Tensor], description: dict[str, str],
@@ -67,9 +94,10 @@ def float_bits_as_int64(values: torch.Tensor) -> torch.Tensor:
 
 def w4a8_pack(values: torch.Tensor) -> torch.Tensor:
     """msModelSlim's own W4A8 packing (two signed 4-bit values a byte along the output rows)."""
-    from msmodelslim.format.common.pack import w4a8_pack_int4
+    with msmodelslim_in_this_process():
+        from msmodelslim.format.common.pack import w4a8_pack_int4
 
-    return w4a8_pack_int4(values.to(torch.int8))
+        return w4a8_pack_int4(values.to(torch.int8))
 
 
 _exports: dict[str, Path] = {}

@@ -5,6 +5,8 @@ msModelSlim's own packer), and refusals naming what is not implemented."""
 
 from pathlib import Path
 
+import pydantic
+import pydantic.main
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -146,3 +148,15 @@ def test_missing_tensors_and_norm_biases_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="norm bias"):
         _read(write_checkpoint(tmp_path / "norm", norm, {n: "FLOAT" for n in norm}, "W8A8"))
     assert not modelslim.detect(str(tmp_path / "nothing"), {})
+
+
+class _DefinedBeforeMsModelSlim(pydantic.BaseModel):
+    x: int
+
+
+def test_using_msmodelslim_leaves_pydantic_its_own_base_model(msmodelslim_w8a8) -> None:  # noqa: F811
+    # Importing msModelSlim patches pydantic.BaseModel; a model class defined before must still be a
+    # pydantic model afterwards (the openai SDK's parse() checks exactly this, later in the session).
+    w4a8_pack(torch.zeros(2, 4, dtype=torch.int8))
+    assert issubclass(_DefinedBeforeMsModelSlim, pydantic.BaseModel)
+    assert issubclass(_DefinedBeforeMsModelSlim, pydantic.main.BaseModel)
