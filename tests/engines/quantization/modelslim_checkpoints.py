@@ -2,12 +2,12 @@
 Llama on CPU), or written by hand in its layout where the exporter has no CPU path (W4A8 MoE experts,
 a model with linear biases)."""
 
+import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,25 +21,6 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 CALIBRATION_TEXT = "Once upon a time there was a little girl who loved the sea."
 
 
-@contextmanager
-def msmodelslim_in_this_process() -> Iterator[None]:
-    """Use msModelSlim, then give pydantic its own ``BaseModel`` back: importing msModelSlim replaces
-    ``pydantic.BaseModel`` (and the name in pydantic.main, .type_adapter, .root_model) with its patched
-    subclass (msmodelslim/utils/patch/pydantic.py), after which every later user of pydantic in the test
-    session breaks — the openai SDK's ``parse()`` no longer recognises a model class as one."""
-    from pydantic import main
-
-    original = main.BaseModel
-    try:
-        yield
-    finally:
-        for name, module in list(sys.modules.items()):
-            if (name == "pydantic" or name.startswith("pydantic.")) and module is not None:
-                patched = vars(module).get("BaseModel")
-                if patched is not None and patched is not original:
-                    module.BaseModel = original
-
-
 def copy_model_files(source: Path, target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
@@ -47,12 +28,18 @@ def copy_model_files(source: Path, target: Path) -> None:
             shutil.copy(source / name, target / name)
 
 
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
 def export_with_msmodelslim(model_dir: Path, target: Path, dynamic: bool) -> Path:
     """W8A8 (static, min-max calibrated on one sentence) or W8A8_DYNAMIC, every linear but lm_head,
-    through msModelSlim's own calibrator and ascendV1 saver."""
-    with msmodelslim_in_this_process():
-        _export(model_dir, target, dynamic)
-    copy_model_files(model_dir, target)
+    through msModelSlim's own calibrator and ascendV1 saver — in a child process: importing msModelSlim
+    replaces pydantic.BaseModel process-wide (msmodelslim/utils/patch/pydantic.py), which breaks
+    FastAPI apps and the openai SDK's parse() for the rest of a test session."""
+    code = ("import sys; from pathlib import Path; from tests.engines.quantization.modelslim_checkpoints import "
+            "_export; _export(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == '1')")
+    subprocess.run([sys.executable, "-c", code, str(model_dir), str(target), "1" if dynamic else "0"],
+                   cwd=REPO_ROOT, check=True)
     return target
 
 
@@ -74,6 +61,7 @@ def _export(model_dir: Path, target: Path, dynamic: bool) -> None:
         calibrator.save(str(target), save_type=["ascendV1"])
     finally:
         os.chdir(cwd)
+    copy_model_files(model_dir, target)
 
 
 def write_checkpoint(target: Path, tensors: dict[str, torch.Tensor], description: dict[str, str],
@@ -94,10 +82,13 @@ def float_bits_as_int64(values: torch.Tensor) -> torch.Tensor:
 
 def w4a8_pack(values: torch.Tensor) -> torch.Tensor:
     """msModelSlim's own W4A8 packing (two signed 4-bit values a byte along the output rows)."""
-    with msmodelslim_in_this_process():
-        from msmodelslim.format.common.pack import w4a8_pack_int4
-
-        return w4a8_pack_int4(values.to(torch.int8))
+    # Its module file, loaded alone (it imports only torch): importing the msmodelslim package would patch
+    # pydantic for the whole session (see ``export_with_msmodelslim``).
+    package = Path(importlib.util.find_spec("msmodelslim").origin).parent
+    spec = importlib.util.spec_from_file_location("msmodelslim_pack", package / "format" / "common" / "pack.py")
+    pack = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pack)
+    return pack.w4a8_pack_int4(values.to(torch.int8))
 
 
 _exports: dict[str, Path] = {}
