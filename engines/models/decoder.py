@@ -163,8 +163,6 @@ class CausalLM(nn.Module):
     CHECKPOINT_RENAMES: ClassVar[dict[str, str]] = {}
     # parameters (by name suffix) kept in float32 whatever the model's dtype, as transformers keeps them
     FLOAT32_PARAMETERS: ClassVar[tuple[str, ...]] = ()
-    # False: engines/models/tensor_parallel.py has no sharding for this architecture's layers
-    TENSOR_PARALLEL: ClassVar[bool] = True
     # weights (by name suffix) the model reads directly instead of multiplying through a Linear: a
     # quantized checkpoint's record for one is dequantized at load (engines/quantization/install.py)
     FLOAT_WEIGHTS: ClassVar[tuple[str, ...]] = ()

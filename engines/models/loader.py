@@ -79,16 +79,14 @@ def load_model(
     model_cls = MODEL_REGISTRY[architecture]
     shapes = model_cls.kernel_shapes(config)
     name = f"{architecture} at {path!r}"
-    splits_attention = model_cls.TENSOR_PARALLEL
     reader = checkpoint_reader(path, config, quantization, model_cls.FLOAT_WEIGHTS)
     if reader is not None and (group is not None or pipeline is not None):
         raise ValueError(f"{name}: tensor parallel with {reader[0]} quantized weights is not implemented (nor "
                          "expert or pipeline parallel); serve it with tensor_parallel_size 1 and "
                          "pipeline_parallel_size 1")
     if group is not None:
-        if splits_attention:
-            check_tensor_parallel(config, group.world_size, name)
-            shapes = local_shapes(shapes, group.world_size)
+        check_tensor_parallel(config, group.world_size, name)
+        shapes = local_shapes(shapes, group.world_size)
         if expert_parallel:  # whole experts: the routed ones keep their full intermediate size
             shapes = replace(shapes, moe_intermediate_size=model_cls.kernel_shapes(config).moe_intermediate_size)
     weights, records = None, []
@@ -106,7 +104,7 @@ def load_model(
     # Build on the meta device, then allocate once on the target: no random init, no second copy.
     with torch.device("meta"):
         model = model_cls(config, ops)
-        if group is not None and splits_attention:
+        if group is not None:
             shard_model(model, group, name, expert_parallel)
         if group is not None and expert_parallel:
             place_experts(model, group, name, exchange=exchange)

@@ -180,8 +180,7 @@ def check_tensor_parallel(config: Any, tp: int, model: str) -> None:
 def check_model_splits(path: str, tp: int, expert_parallel: bool = False) -> None:
     """Before any rank starts: raise ValueError naming the model at ``path`` when it cannot be split
     over ``tp`` ranks (heads, intermediate size, experts). With ``expert_parallel`` the routed experts
-    are placed whole (their count must divide by ``tp``), and a model whose attention has no
-    tensor-parallel split runs it replicated on every rank."""
+    are placed whole (their count must divide by ``tp``)."""
     from transformers import AutoConfig
 
     from engines.models import MODEL_REGISTRY
@@ -192,15 +191,10 @@ def check_model_splits(path: str, tp: int, expert_parallel: bool = False) -> Non
     name = f"{architecture} at {path!r}"
     model_cls = MODEL_REGISTRY.get(architecture)
     moe = model_cls.spec(config).moe if model_cls is not None and model_cls.spec(config).moe_layers else None
-    splits_attention = model_cls is None or model_cls.TENSOR_PARALLEL
-    if not splits_attention and not (expert_parallel and moe is not None):
-        raise ValueError(f"model {name}: tensor parallelism is not implemented for {architecture} "
-                         f"(multi-head latent attention); run it with tensor_parallel_size 1")
-    if splits_attention:
-        check_tensor_parallel(config, tp, name)
+    check_tensor_parallel(config, tp, name)
     if moe is not None and expert_parallel:
         check_expert_parallel(moe.num_experts, tp, name)
-        if splits_attention and moe.shared_intermediate_size % tp:
+        if moe.shared_intermediate_size % tp:
             raise ValueError(f"model {name}: tensor_parallel_size {tp} does not fit: the shared experts' "
                              f"intermediate size {moe.shared_intermediate_size} does not divide by {tp}")
     elif moe is not None and (moe.intermediate_size % tp or moe.shared_intermediate_size % tp):

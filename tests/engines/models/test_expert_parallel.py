@@ -53,19 +53,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_two_ranks(target, placement: ExpertPlacement, num_results: int) -> list:
+    """Run ``target(rank, port, placement, queue)`` on two spawned ranks; the ``num_results`` they queue."""
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, placement, queue)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    results = [queue.get(timeout=120) for _ in range(num_results)]
+    for proc in procs:
+        proc.join(10)
+    return results
+
+
 def test_dispatch_under_a_permuted_placement_equals_the_reference():
     placement = ExpertPlacement((5, 2, 7, 0, 3, 6, 1, 4), num_ranks=2)
     assert placement.local_experts(1) == [3, 6, 1, 4]
     assert placement.describe(1) == "3,6,1,4" and ExpertPlacement.contiguous(8, 2).describe(1) == "4-7"
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=run_rank, args=(rank, port, placement, queue)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    results = [queue.get(timeout=120) for _ in range(6)]
-    for proc in procs:
-        proc.join(10)
-    for rank, tokens, got, want in results:
+    for rank, tokens, got, want in run_two_ranks(run_rank, placement, 6):
         if tokens:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         else:  # per call: the counts in, the rows, the results back; the chunks gathered

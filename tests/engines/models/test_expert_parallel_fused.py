@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import kernels
 from engines.models.expert_parallel import ExpertPlacement
@@ -17,7 +16,7 @@ from kernels.ep_dispatch import choose_ep_dispatch
 from kernels.model_shapes import ModelShapes
 from kernels.routing import MoeRouting
 from tests.engines.models.ep_fused_rank import FAKES, run_rank
-from tests.engines.models.test_expert_parallel import _free_port
+from tests.engines.models.test_expert_parallel import run_two_ranks
 
 SHAPES = ModelShapes(num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=64, rope_is_neox=True, hidden_size=2048,
                      intermediate_size=4096, vocab_size=1000, block_size=128, num_experts=64,
@@ -26,16 +25,8 @@ SHAPES = ModelShapes(num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=64, ro
 
 def test_fused_exchange_equals_the_all_to_all_reference():
     placement = ExpertPlacement((5, 2, 7, 0, 3, 6, 1, 4), num_ranks=2)
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=run_rank, args=(rank, port, placement, queue)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    results = [queue.get(timeout=120) for _ in range(6)]
-    for proc in procs:
-        proc.join(10)
     names = set()
-    for rank, tokens, got, want, full in results:
+    for rank, tokens, got, want, full in run_two_ranks(run_rank, placement, 6):
         if not tokens:
             names.add(got)
             assert "aclnnMoeDistributeDispatch failed" in want and "float16 / bfloat16" in want
