@@ -45,6 +45,7 @@ class Server:
     # when the server is not installed.
     command: Callable[[Path, int, str, Path, Path], tuple[list[str], dict[str, str]] | None]
     missing: str  # why it is skipped when ``command`` returns None
+    cwd: Path = ROOT  # where the server starts (``python -m`` imports the package found there)
 
 
 def xinserve_command(model: Path, port: int, dtype: str, peers: Path, scratch: Path) -> tuple[list[str], dict]:
@@ -94,7 +95,7 @@ def run_server(server: Server, model: Path, args: argparse.Namespace, scratch: P
     log = scratch / f"{label}.log".replace(" ", "_")
     url = f"http://127.0.0.1:{port}"
     print(f"---- {label}: starting (log {log})", flush=True)
-    proc = launch.start(cmd, log, ROOT, env)
+    proc = launch.start(cmd, log, server.cwd, env)
     try:
         launch.wait_ready(url, proc, log, timeout=args.start_timeout)
         bench(url, label, args, None, "4", 8)  # warm-up: first-call costs out of the figures
@@ -118,16 +119,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers-dir", type=Path, default=ROOT / ".peers", help="where peer servers' venvs live")
     p.add_argument("--peers-before-and-after", action="store_true",
                    help="run each peer before and after xinserve (a drifting machine shows as their difference)")
+    p.add_argument("--xinserve-before", type=Path, metavar="CHECKOUT",
+                   help="also run xinserve from this checkout of an older revision (e.g. a `git worktree`), "
+                        "labelled 'xinserve before', just before the current one")
     args = p.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="xinserve-compare-") as tmp:
         scratch = Path(tmp)
         model = Path(args.model) if args.model else ensure_tiny_model(scratch, "llama-h256-l4", **DEFAULT_MODEL)
         results, skipped = [], []
-        runs = [(server, "") for server in SERVERS]
+        xinserve = [(SERVERS[0], "")]
+        if args.xinserve_before:
+            before = Server("xinserve before", xinserve_command, "", cwd=args.xinserve_before.resolve())
+            xinserve.insert(0, (before, ""))
         if args.peers_before_and_after:
             peers = SERVERS[1:]
-            runs = [*((s, f"{s.name} before") for s in peers), (SERVERS[0], ""), *((s, f"{s.name} after") for s in peers)]
+            runs = [*((s, f"{s.name} before") for s in peers), *xinserve, *((s, f"{s.name} after") for s in peers)]
+        else:
+            runs = [*xinserve, *((s, "") for s in SERVERS[1:])]
         for server, label in runs:
             try:
                 path = run_server(server, model, args, scratch, label)
