@@ -174,6 +174,54 @@ def short_tiny_server(start_server: Any, tiny_model_dir: Path, tmp_path_factory:
     return serve_config(start_server, tmp_path_factory.mktemp("short-tiny"), config)
 
 
+EMBEDDED_KEY = "sk-xinserve-test"  # the one API key of ``embedded_server``
+
+
+@pytest.fixture(scope="session")
+def embedded_server(start_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The README's first command: no --config and no --model (the embedded default "xinserve-tiny"),
+    started from an empty cache directory (``.cache``; the model is built in ``.model_dir``), offline,
+    with one API key. Shared by test_api.py and test_structured_api.py: one server start, not two."""
+    cache = tmp_path_factory.mktemp("empty-cache")
+    srv = start_server(["--api-key", EMBEDDED_KEY], env={"XINSERVE_CACHE_DIR": str(cache)})
+    srv.wait_ready()
+    srv.cache = cache
+    srv.model_dir = cache / "xinserve-tiny"
+    return srv
+
+
+# The keys of ``keyed_server``: test_named_keys.py's three, then test_messages_api.py's two.
+KEY_A = "sk-team-a-3f9c1e77d2"  # named "team-a", limited to "tiny"
+KEY_B = "sk-team-b-b81f0a5c44"  # "team-b", read from the environment, every model
+KEY_PLAIN = "sk-plain-6d2e90aa13"  # a plain string: named by its position ("key-3")
+KEY_FULL = "sk-anthropic-full-81c2e0"  # "full", every model
+KEY_OTHER = "sk-anthropic-other-5b7d13"  # "other-only", limited to "other"
+
+
+@pytest.fixture(scope="session")
+def keyed_server(start_server: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Two models "tiny" and "other" (the tiny Llama, one CPU worker each, 4 sequences) behind named
+    keys, some limited to one model. Shared by test_named_keys.py and anthropic/test_messages_api.py
+    (each counts by deltas and checks only its own keys): one two-worker server start, not two."""
+    model = {"path": str(tiny_model_dir), "workers": ["cpu"], "max_num_seqs": 4, "cpu_threads": 1}
+    config = {
+        "server": {"api_keys": [
+            {"name": "team-a", "key": KEY_A, "models": ["tiny"]},
+            {"name": "team-b", "key_env": "XINSERVE_TEST_KEY_B"},
+            KEY_PLAIN,
+            {"name": "full", "key": KEY_FULL},
+            {"name": "other-only", "key": KEY_OTHER, "models": ["other"]},
+        ]},
+        "models": [{"name": "tiny", **model}, {"name": "other", **model}],
+    }
+    path = tmp_path_factory.mktemp("keyed") / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    srv = start_server(["--config", str(path)], env={"XINSERVE_TEST_KEY_B": KEY_B})
+    srv.wait_ready()
+    srv.model_dir = tiny_model_dir
+    return srv
+
+
 def wait_for(check: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
     """Poll ``check()`` until it returns something truthy; the last value either way."""
     deadline = time.monotonic() + timeout

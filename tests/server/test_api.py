@@ -15,22 +15,17 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import check_chat_stream, concurrent_greedy_chats, sse_events
+from tests.server.conftest import EMBEDDED_KEY, check_chat_stream, concurrent_greedy_chats, sse_events
 
 MODEL = "xinserve-tiny"
-KEY = "sk-xinserve-test"
+KEY = EMBEDDED_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("empty-cache")
+def server(embedded_server):
     # No --config and no --model: the README's first command, on a clean cache, offline.
-    srv = start_server(["--api-key", KEY], env={"XINSERVE_CACHE_DIR": str(cache)})
-    srv.wait_ready()
-    srv.cache = cache
-    yield srv
-    srv.stop()  # free the cores for the next module instead of waiting for the session's end
+    return embedded_server
 
 
 @pytest.fixture(scope="module")

@@ -71,11 +71,10 @@ def test_bodies_within_the_limit_reach_the_handler_whole():
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model_dir):
-    srv = start_server(["--model", str(tiny_model_dir), "--served-model-name", MODEL])
-    srv.wait_ready()
-    yield srv
-    srv.stop()
+def server(short_tiny_server):
+    """The session's short-generation "tiny" server: its body limit is the default one, and these
+    tests generate at most 2 tokens."""
+    return short_tiny_server
 
 
 def send_huge(port: int, chunked: bool) -> tuple[float, bytes]:

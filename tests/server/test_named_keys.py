@@ -4,14 +4,11 @@ each key's requests and tokens are counted under its name, and no key value ever
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.config import ConfigError, parse_config
+from tests.server.conftest import KEY_A, KEY_B, KEY_PLAIN
 
-KEY_A = "sk-team-a-3f9c1e77d2"  # limited to "tiny"
-KEY_B = "sk-team-b-b81f0a5c44"  # from the environment, every model
-KEY_PLAIN = "sk-plain-6d2e90aa13"  # a plain string: named by its position
 ALL_KEYS = (KEY_A, KEY_B, KEY_PLAIN)
 MODELS = [{"name": "tiny", "path": "embedded:xinserve-tiny"}, {"name": "other", "path": "embedded:xinserve-tiny"}]
 
@@ -21,22 +18,8 @@ def auth(key: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("named-keys")
-    model = {"path": str(tiny_model_dir), "workers": ["cpu"], "max_num_seqs": 4, "cpu_threads": 1}
-    config = {
-        "server": {"api_keys": [
-            {"name": "team-a", "key": KEY_A, "models": ["tiny"]},
-            {"name": "team-b", "key_env": "XINSERVE_TEST_KEY_B"},
-            KEY_PLAIN,
-        ]},
-        "models": [{"name": "tiny", **model}, {"name": "other", **model}],
-    }
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    srv = start_server(["--config", str(path)], env={"XINSERVE_TEST_KEY_B": KEY_B})
-    srv.wait_ready()
-    return srv
+def server(keyed_server):
+    return keyed_server
 
 
 def chat(server, key: str, model: str, **kw) -> httpx.Response:

@@ -13,6 +13,8 @@ import torch
 from pydantic import BaseModel, Field
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.server.conftest import EMBEDDED_KEY
+
 MODEL = "xinserve-tiny"
 MESSAGES = [{"role": "user", "content": "Describe a book."}]
 TOOLS = [
@@ -46,23 +48,18 @@ class Book(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("structured-cache")
-    srv = start_server([], env={"XINSERVE_CACHE_DIR": str(cache)})
-    srv.wait_ready()
-    srv.model_dir = cache / MODEL
-    yield srv
-    srv.stop()
+def server(embedded_server):
+    return embedded_server
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=EMBEDDED_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {EMBEDDED_KEY}"}, timeout=120) as c:
         yield c
 
 

@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
 from engines.quantization.config import quant_config, quant_method
 from kernels.quantized_weight import Activation, QuantizedWeight, pack_int4
@@ -111,6 +110,10 @@ class _Group:
         return all(leaf in held for leaf in needed)
 
     def record(self, held: dict[str, torch.Tensor]) -> QuantizedWeight:
+        # Imported here, not at the top: compressed_tensors pulls in accelerate and transformers'
+        # distributed stack (seconds per process), and every engine imports this module.
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
         if self.format == "pack-quantized":
             rows, cols = (int(v) for v in held["weight_shape"])
             values = unpack_from_int32(held["weight_packed"], self.bits, torch.Size((rows, cols)))  # int8 [out, in]

@@ -12,12 +12,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import yaml
 from transformers import AutoTokenizer
 
+from tests.server.conftest import KEY_FULL, KEY_OTHER
+
 MODEL = "tiny"
-KEY = "sk-anthropic-full-81c2e0"  # every model
-KEY_OTHER = "sk-anthropic-other-5b7d13"  # limited to "other"
+KEY = KEY_FULL  # every model; KEY_OTHER is limited to "other"
 MESSAGES = [{"role": "user", "content": "Tell me about the harbour."}]
 # The SDK no longer offers the sampling fields (newer Claude models dropped them); older clients send
 # them and the server takes them.
@@ -30,20 +30,8 @@ TIME = {"name": "get_time", "input_schema": {
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model_dir, tmp_path_factory):
-    model = {"path": str(tiny_model_dir), "workers": ["cpu"], "max_num_seqs": 4, "cpu_threads": 1}
-    config = {
-        "server": {"api_keys": [{"name": "full", "key": KEY}, {"name": "other-only", "key": KEY_OTHER,
-                                                               "models": ["other"]}]},
-        "models": [{"name": MODEL, **model}, {"name": "other", **model}],
-    }
-    path = tmp_path_factory.mktemp("anthropic") / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    srv = start_server(["--config", str(path)])
-    srv.wait_ready()
-    srv.model_dir = tiny_model_dir
-    yield srv
-    srv.stop()
+def server(keyed_server):
+    return keyed_server
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,87 @@
+"""Where the test suite's time goes, per test file: wall seconds (setup + call + teardown of its tests,
+from pytest's JUnit XML) for one pytest run over the given files, plus the run's CPU seconds (user +
+sys of pytest and every server, worker and rank process it started) and the load average around it.
+
+The machine is shared, so wall seconds alone mislead: read them with the load average, and compare
+CPU seconds between runs. Each run is stored under its label (``before`` / ``after``) and source tree
+(``--root``: another checkout of the repository, e.g. the commit before a change, extracted with
+``git archive``), so a change is measured on the same files from two trees.
+
+Prints a table and merges into benchmarks/results/test_suite_durations.json. Run:
+    python benchmarks/test_suite_durations.py --label after tests/server/test_api.py ...
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "test_suite_durations.json"
+
+
+def per_file_seconds(junit_xml: Path) -> dict[str, dict[str, float]]:
+    """``{file: {"seconds": total, "tests": count}}`` from a JUnit XML report."""
+    files: dict[str, dict[str, float]] = defaultdict(lambda: {"seconds": 0.0, "tests": 0})
+    for case in ET.parse(junit_xml).getroot().iter("testcase"):
+        # classname is the dotted module path, plus the class for tests in a class
+        module = case.get("classname", "").split(".")
+        name = "/".join(part for part in module if not part[:1].isupper()) + ".py"
+        files[name]["seconds"] += float(case.get("time", 0))
+        files[name]["tests"] += 1
+    return {name: {"seconds": round(v["seconds"], 1), "tests": int(v["tests"])} for name, v in files.items()}
+
+
+def run(root: Path, files: list[str], extra: list[str]) -> dict:
+    """One pytest run of ``files`` in ``root``; its per-file seconds, outcome, CPU and load."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        load_before = os.getloadavg()
+        cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                               f"--junitxml={report}", *extra, *files], check=False, cwd=root,
+                              env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
+        wall = time.monotonic() - start
+        cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
+        return {
+            "files": per_file_seconds(report) if report.exists() else {},
+            "summary": summary,
+            "wall_s": round(wall, 1),
+            "cpu_s": round(cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime, 1),
+            "load_before": [round(x, 2) for x in load_before],
+            "load_after": [round(x, 2) for x in os.getloadavg()],
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", help="test files, relative to --root")
+    parser.add_argument("--label", required=True, help="e.g. before / after")
+    parser.add_argument("--group", default="default", help="name of this set of files")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to run the tests in")
+    parser.add_argument("--note", default="")
+    args, extra = parser.parse_known_args()
+    result = {**run(args.root, args.files, extra), "root": str(args.root), "note": args.note,
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"}
+    print(f"{'file':60} {'tests':>5} {'seconds':>8}")
+    for name, entry in sorted(result["files"].items(), key=lambda kv: -kv[1]["seconds"]):
+        print(f"{name:60} {entry['tests']:5} {entry['seconds']:8.1f}")
+    print(f"{args.label}/{args.group}: {result['summary']}; wall {result['wall_s']} s, CPU {result['cpu_s']} s, "
+          f"load {result['load_before']} -> {result['load_after']}")
+    stored = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    stored.setdefault(args.group, {})[args.label] = result
+    RESULTS.write_text(json.dumps(stored, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
