@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpp, kv_quant, reference
+from kernels import cpp, kv_quant, mla_reference, reference
 from kernels.attention_metadata import build_decode_gather
 from kernels.model_shapes import ModelShapes
 from kernels.registry import select
@@ -102,6 +102,23 @@ def test_reference_prefill_reads_the_stored_cache_like_decode(kind):
     prefill = reference.paged_prefill_attention(query[2:3], *caches, tables[2:3], [0, 1], [seq_len], 0.25)
     decode = reference.paged_decode_attention(query, *caches, tables, lens, 0.25, gather)[2:3]
     assert (prefill - decode).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+def test_mla_reads_a_half_precision_latent_cache_as_its_widened_values(kind):
+    """MLA's latent cache takes the half-precision kinds (8-bit is refused at start): decode and prefill over
+    it equal the float32 attention over the same, widened latents."""
+    _, (latent, _), tables, lens, gather = _decode_inputs(kind, head_dim=24, num_kv_heads=1)
+    latent = latent.view(*latent.shape[:2], -1)  # [N, BS, C], C = R 16 + dr 8
+    widened = latent.float()
+    query = torch.randn(3, 4, 24, generator=torch.Generator().manual_seed(3))
+    got = mla_reference.mla_decode_attention(query, latent, 16, tables, lens, 0.2, gather)
+    assert torch.allclose(got, mla_reference.mla_decode_attention(query, widened, 16, tables, lens, 0.2, gather))
+    up = torch.randn(4, 8 + 8, 16, generator=torch.Generator().manual_seed(4))  # [H, dn + dv, R]
+    prefill_query = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(5))  # [T, H, dn + dr]
+    args = (tables[2:3], [0, 2], [int(lens[2])], 0.2)
+    got = mla_reference.mla_prefill_attention(prefill_query, latent, up, *args)
+    assert torch.allclose(got, mla_reference.mla_prefill_attention(prefill_query, widened, up, *args))
 
 
 def _shapes(kv_cache_dtype: torch.dtype) -> ModelShapes:
