@@ -25,9 +25,9 @@ from transformers import AutoConfig
 from engines.models import MODEL_REGISTRY
 from engines.models.loader import _config_dtype
 from engines.models.tensor_parallel import check_model_splits, shard_model
+from kernels.kv_quant import KV_CACHE_DTYPES, storage_dtype
 
 QUANTIZATION_SCHEMES = ("none", "fp8", "w8a8", "w4a8", "w4a16")
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 SCALE_BYTES = 4  # scales are float32 in device memory (kernels/quantized_weight.py's layout)
 BLOCK = 128  # fp8's square blocks; w4's groups of inputs
 GIB = 1 << 30
@@ -219,7 +219,7 @@ def plan(path: str, *, devices: int | None = None, device_memory_gib: float = 64
         result.reason = f"model {name}: " + "; ".join(problems)
         return result
     weights = weight_bytes_per_stage(model, experts, model_cls, layout, quantization)
-    kv_token = model.kv_bytes_per_token(KV_CACHE_DTYPES[kv_cache_dtype] or dtype)  # the worker's cache spec
+    kv_token = model.kv_bytes_per_token(storage_dtype(kv_cache_dtype, dtype))  # the worker's cache spec
     layers = config.num_hidden_layers
     stage_layers = [(s + 1) * layers // layout.pp - s * layers // layout.pp for s in range(layout.pp)]
     kv_stages = [math.ceil(kv_token * n / layers) for n in stage_layers]

@@ -12,6 +12,7 @@ from typing import Any
 from engines.kv_events import KVEventsConfig
 from engines.parallel_config import ParallelConfig
 from engines.speculative.config import parse_speculative_config
+from kernels.kv_quant import KV_CACHE_DTYPES
 
 COMPILE_MODES = ("auto", "off", "on")
 COMPILE_ENV_VAR = "XINSERVE_COMPILE"  # the mode when a config leaves ``compile`` unset
@@ -90,6 +91,10 @@ class EngineConfig:
         "the weights' quantization: a quantized checkpoint's format (refused when the checkpoint is in "
         "another), or fp8 / w8a8 to quantize a float checkpoint at load (per-channel weights, per-token "
         "activations); default: what the checkpoint says", choices=QUANTIZATION_METHODS))
+    kv_cache_dtype: str | None = field(default=None, metadata=setting(
+        "the KV cache's storage dtype (vLLM's flag): auto (or None) = the model's dtype; bfloat16 / float16 halve a float32 "
+        "model's KV bytes; int8 / fp8_e4m3 (alias fp8) store 8-bit codes with a float32 scale per token and head "
+        "(kernels/kv_quant.py); attention accumulates in float32", choices=tuple(KV_CACHE_DTYPES)))
 
     def __post_init__(self) -> None:
         for f in fields(self):

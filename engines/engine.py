@@ -58,8 +58,9 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info(
-            "engine ready on %s: %d KV blocks of %d tokens, max_model_len %d",
-            config.device, num_blocks, block_size, self.max_model_len,
+            "engine ready on %s: %d KV blocks of %d tokens, max_model_len %d, KV cache %s (%d bytes per token)",
+            config.device, num_blocks, block_size, self.max_model_len, str(self.runner.kv_dtype).removeprefix("torch."),
+            self.runner.bytes_per_block() // block_size,
         )
 
     def _eos_token_ids(self) -> set[int]:

@@ -182,7 +182,7 @@ class PipelineStage:
         layout = self.layout
         layers = [decoder.layers[i] for i in self.layers]
         caches = list(decoder.layer_caches(kv_cache))
-        size, dtype = self.hidden_size, kv_cache.dtype  # the pool is in the model's dtype
+        size, dtype = self.hidden_size, next(decoder.parameters()).dtype  # the runner's rule, not the KV pool's
         pending, outputs = [], []
         for mb in micro_batches(input_ids, positions, metadata, MICRO_BATCHES):
             t = len(mb.input_ids)

@@ -24,6 +24,7 @@ from engines.speculative.verify import draft_logits_indices, verify_drafts
 from engines.structured.bitmask import apply_grammars
 from kernels.attention_metadata import AttentionMetadata, build_decode_gather
 from kernels.ep_dispatch import choose_ep_dispatch
+from kernels.kv_quant import storage_dtype
 from kernels.model_shapes import ModelShapes
 from kernels.ops import KernelOps
 from kernels.registry import KernelSelection, select
@@ -88,10 +89,9 @@ class ModelRunner:
         self.block_size = block_size
         self.kernels: KernelSelection | None = None
         self.model, self.hf_config = load_model(
-            config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config.kernels),
+            config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config),
             group, expert_parallel=config.enable_expert_parallel, pipeline=pipeline, quantization=config.quantization,
-            choose_ep_exchange=partial(self._choose_ep_exchange, config),
-        )
+            choose_ep_exchange=partial(self._choose_ep_exchange, config))
         self.dtype = next(self.model.parameters()).dtype
         # Only pipeline stage 0 computes logits (it holds the LM head).
         self.computes_logits = pipeline is None or pipeline.layout.first
@@ -119,13 +119,14 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.scratch_block = 0  # the KV block past the pool where padded decode rows write
 
-    def _choose_kernels(self, forced: dict[str, str] | None, shapes: ModelShapes, dtype: torch.dtype) -> KernelOps:
+    def _choose_kernels(self, config: EngineConfig, shapes: ModelShapes, dtype: torch.dtype) -> KernelOps:
         """Probe this device's kernel candidates for the model's shapes (kernels/registry.py)."""
         if dtype not in self.platform.dtypes:
             raise ValueError(f"{self.device} cannot compute in {dtype}; supported: "
                              f"{', '.join(str(d).removeprefix('torch.') for d in self.platform.dtypes)}")
-        shapes = replace(shapes, block_size=self.block_size)
-        self.kernels = select(self.platform.kind, self.device, dtype, shapes, forced)
+        self.kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)  # the KV pool's (kernels/kv_quant.py)
+        shapes = replace(shapes, block_size=self.block_size, kv_cache_dtype=self.kv_dtype)
+        self.kernels = select(self.platform.kind, self.device, dtype, shapes, config.kernels)
         logger.info("kernels on %s (%s):\n%s", self.device, str(dtype).removeprefix("torch."), self.kernels.table())
         return self.kernels.ops
 
@@ -135,14 +136,14 @@ class ModelRunner:
                                   config.max_num_batched_tokens).record(self.kernels)
 
     def bytes_per_block(self) -> int:
-        return self.block_size * self.model.kv_bytes_per_token(self.dtype)  # the model's cache spec
+        return self.block_size * self.model.kv_bytes_per_token(self.kv_dtype)  # the model's cache spec
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.scratch_block = num_blocks  # one block more than the block manager hands out
         num_blocks += 1
         # The model says the shape (dense: [2, layers, blocks, block_size, kv_heads, head_dim]); a layer gets a view.
-        shape = self.model.kv_cache_shape(num_blocks, self.block_size)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        shape = self.model.kv_cache_shape(num_blocks, self.block_size, self.kv_dtype)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def profile_num_blocks(
         self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, fraction: float

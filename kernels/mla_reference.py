@@ -59,7 +59,8 @@ def mla_decode_attention(
     (the caller applies ``W_UV``).
     """
     num_seqs = query.shape[0]
-    context = gather.contexts(latent_cache, num_seqs).unsqueeze(1)  # [S, 1, Lc, C]: one KV head
+    # [S, 1, Lc, C]: one KV head, read back in the query's dtype (a half-precision cache is widened)
+    context = gather.contexts(latent_cache, num_seqs).unsqueeze(1).to(query.dtype)
     mask = gather.mask  # [S, 1, 1, Lc] or None
     if selected is not None:
         chosen = selection_mask(selected, gather.context_len).view(num_seqs, 1, 1, -1)
@@ -97,6 +98,7 @@ def mla_prefill_attention(
     queries = query.transpose(0, 1)  # [H, T, dn + dr]
     out = query.new_empty(query.shape[0], num_heads, kv_up_weight.shape[1] - nope_dim)
     for start, end, context in latent_context(latent_cache, block_tables, query_start_loc, seq_lens):
+        context = context.to(query.dtype)  # a half-precision cache is widened
         seq_len = context.shape[0]
         kv = F.linear(context[:, :rank], up).view(seq_len, num_heads, -1)
         k_nope, v = kv.split([nope_dim, kv.shape[-1] - nope_dim], dim=-1)  # [L, H, dn], [L, H, dv]

@@ -3,6 +3,8 @@ inputs built from it; the runner, the loader and the models fill it from the mod
 
 from dataclasses import dataclass
 
+import torch
+
 from kernels.quantized_weight import QuantShape
 from kernels.routing import MoeRouting
 
@@ -37,3 +39,6 @@ class ModelShapes:
     index_head_dim: int = 0
     # the distinct quantized weights of a quantized checkpoint (kernels/quantized_weight.py); (): none
     quant_shapes: tuple[QuantShape, ...] = ()
+    # the KV cache's storage dtype (--kv-cache-dtype, kernels/kv_quant.py); None: the model's dtype. The
+    # probes build their caches in it, so a kernel that cannot read it is not chosen.
+    kv_cache_dtype: torch.dtype | None = None

@@ -69,6 +69,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     """Why this module cannot serve ``op`` for the model, or None (the registry then probes it)."""
+    if op in ("write_kv", "prefill_attention", "decode_attention") and shapes.kv_cache_dtype not in (None, dtype):
+        return f"KV cache dtype {shapes.kv_cache_dtype} unsupported (its kernels read a cache in the model's dtype)"
     head_dim = shapes.head_dim
     if shapes.sliding_window is not None:  # both attention kernels here attend to the whole context
         return "sliding window unsupported (not implemented for MUSA attention here)"

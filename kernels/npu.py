@@ -267,6 +267,8 @@ OPS = {
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     """Why the operator behind ``op`` rejects this model's shapes or dtype; None when it takes them."""
+    if op in ("write_kv", "prefill_attention", "decode_attention") and shapes.kv_cache_dtype not in (None, dtype):
+        return f"KV cache dtype {shapes.kv_cache_dtype} unsupported (its kernels read a cache in the model's dtype)"
     check = _LIMITS.get(op)
     return None if check is None else check(shapes, dtype)
 

@@ -4,6 +4,8 @@ result with: seeded inputs on the worker's device, scrambled block tables, the e
 import numpy as np
 import torch
 
+from kernels.kv_quant import is_quantized
+
 
 class ProbeInputs:
     """Seeded random tensors made on the host (so every device sees the same values) and copied."""
@@ -30,9 +32,11 @@ def max_error(candidate: object, expected: object) -> float:
 
 
 def to_host32(value: object) -> object:
-    """A tensor as the float32 reference takes it: on the host, floating values widened."""
+    """A tensor as the float32 reference takes it: on the host, floating values widened (an 8-bit KV
+    cache's rows stay as they are: the reference reads them)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().float() if value.is_floating_point() else value.detach().cpu()
+        widen = value.is_floating_point() and not is_quantized(value.dtype)
+        return value.detach().cpu().float() if widen else value.detach().cpu()
     return value
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kernels import mla_probes, quant_probes, reference
+from kernels import kv_quant, mla_probes, quant_probes, reference
 from kernels.attention_metadata import build_decode_gather
 from kernels.model_shapes import ModelShapes
 from kernels.probe_inputs import ProbeInputs, max_error, pool_size, scrambled_block_tables, to_host32
@@ -42,9 +42,10 @@ def applies(op: str, shapes: ModelShapes) -> bool:
 
 
 def _paged_cache(x: ProbeInputs, shapes: ModelShapes, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # key_cache, value_cache: [N, BS, KVH, D]
+    # key_cache, value_cache: [N, BS, KVH, D (+ 4)] in the KV cache's dtype (kernels/kv_quant.py)
     shape = (num_blocks, shapes.block_size, shapes.num_kv_heads, shapes.head_dim)
-    return x.randn(*shape), x.randn(*shape)
+    dtype = shapes.kv_cache_dtype or x.dtype
+    return tuple(kv_quant.quantize(x.randn(*shape, dtype=torch.float32), dtype) for _ in range(2))
 
 
 def probe_write_kv(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
@@ -58,7 +59,9 @@ def probe_write_kv(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs)
     fn["write_kv"](key, value, got_k, got_v, slots)
     want_k, want_v = key_cache.clone(), value_cache.clone()
     reference.write_kv(key, value, want_k, want_v, slots)
-    return max_error((got_k, got_v), (want_k, want_v))
+    # compared as the values they hold (an 8-bit row's codes times its scale)
+    return max_error(*(tuple(kv_quant.dequantize(c, shapes.head_dim, torch.float32) for c in pair)
+                       for pair in ((got_k, got_v), (want_k, want_v))))
 
 
 def _windows(shapes: ModelShapes) -> list[dict[str, int]]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels import mla_reference, quant_reference
+from kernels import kv_quant, mla_reference, quant_reference
 from kernels.routing import MoeRouting
 
 if TYPE_CHECKING:
@@ -36,10 +36,11 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter this step's keys/values into the paged cache, in place.
+    """Scatter this step's keys/values into the paged cache, in place, stored in the cache's dtype.
 
-    key, value: [T, KVH, D]; key_cache, value_cache: [N, BS, KVH, D] (contiguous);
-    slot_mapping: [T] int64, slot = block_id * BS + offset.
+    key, value: [T, KVH, D]; key_cache, value_cache: [N, BS, KVH, D] (contiguous), or [N, BS, KVH, D + 4]
+    for an 8-bit cache (codes + scale per head, kernels/kv_quant.py); slot_mapping: [T] int64,
+    slot = block_id * BS + offset.
     """
     if torch.compiler.is_compiling():  # traced (engines/graphs.py): the op that writes in place
         _write_kv_in_place(key, value, key_cache, value_cache, slot_mapping)
@@ -50,9 +51,12 @@ def write_kv(
 def _scatter_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 slot_mapping: torch.Tensor) -> None:
     # view (not reshape) so a non-contiguous cache fails loudly instead of writing into a copy
-    num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    num_kv_heads, width = key_cache.shape[-2:]
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        rows = kv_quant.quantize(new, cache.dtype)  # [T, KVH, width]
+        if kv_quant.is_quantized(cache.dtype):  # 8-bit rows copy as bytes (fp8 has no index_copy_)
+            rows, cache = rows.view(torch.int8), cache.view(torch.int8)
+        cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, rows)
 
 
 # torch.compile would turn the in-place scatter into a view of the cache into a copy of the whole cache
@@ -89,9 +93,9 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    # k, v: [S, Lc, KVH, D] -> [S, KVH, Lc, D]
-    k = gather.contexts(key_cache, num_seqs).transpose(1, 2)
-    v = gather.contexts(value_cache, num_seqs).transpose(1, 2)
+    # k, v: [S, Lc, KVH, D] (read back in the query's dtype) -> [S, KVH, Lc, D]
+    k = kv_quant.dequantize(gather.contexts(key_cache, num_seqs), head_dim, query.dtype).transpose(1, 2)
+    v = kv_quant.dequantize(gather.contexts(value_cache, num_seqs), head_dim, query.dtype).transpose(1, 2)
     # GQA without repeating K/V: the G query heads sharing a KV head act as G query rows.
     # q: [S, KVH, G, D]
     q = query.view(num_seqs, num_kv_heads, group, head_dim)
@@ -126,13 +130,14 @@ def paged_prefill_attention(
     key_cache, value_cache: [N, BS, KVH, D] (already holding the new tokens); block_tables: [P, B]
     int32. Returns [T, H, D].
     """
-    group = query.shape[1] // key_cache.shape[2]
+    group, head_dim = query.shape[1] // key_cache.shape[2], query.shape[2]
     out = torch.empty_like(query)
     for start, end, k, v, mask in prefill_context(key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                                                   sliding_window):
-        # k, v: [L', KVH, D] -> [H, L', D] (each KV head repeated for its G query heads)
-        k = k.transpose(0, 1).repeat_interleave(group, dim=0)
-        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        # k, v: [L', KVH, D] (read back in the query's dtype) -> [H, L', D] (each KV head repeated for its
+        # G query heads)
+        k = kv_quant.dequantize(k, head_dim, query.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+        v = kv_quant.dequantize(v, head_dim, query.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
         q = query[start:end].transpose(0, 1)  # [H, q_len, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
         out[start:end] = o.transpose(0, 1)

@@ -188,6 +188,9 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         "eos_token_id": getattr(tokenizer, "eos_token_id", None),
         "vocab_size": int(engine.vocab_size),
         "kv_cache_tokens": engine.block_manager.num_blocks * engine.block_manager.block_size,
+        # --kv-cache-dtype as stored, and what a token costs in it over every layer (kernels/kv_quant.py)
+        "kv_cache_dtype": str(engine.runner.kv_dtype).removeprefix("torch."),
+        "kv_cache_bytes_per_token": engine.runner.bytes_per_block() // engine.block_manager.block_size,
         "kernels": engine.runner.kernels.report(),
         # a tensor-parallel replica's ranks (engines/tp_runner.py); a single device is rank 0
         "ranks": getattr(engine.runner, "ranks", lambda: [

@@ -45,7 +45,7 @@ class HostKVConnector:
             raise ValueError(f"kv_offloading_size {size_gib} GiB holds no KV block of {bytes_per_block} bytes")
         self.model = model
         self.pinned = pin_memory
-        self.buffer = torch.empty(model.kv_cache_shape(self.capacity, block_size), dtype=dtype,
+        self.buffer = torch.empty(model.kv_cache_shape(self.capacity, block_size, dtype), dtype=dtype,
                                   pin_memory=pin_memory)
         self.views = block_views(model, self.buffer)
         # block hash -> (slot, the block's token ids); least recently used first

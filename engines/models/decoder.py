@@ -16,6 +16,7 @@ from torch import nn
 from engines.models.layers import Attention, GatedMLP, RMSNorm
 from engines.models.moe import Experts, MoeSpec, SparseMoeBlock
 from engines.models.rope import build_cos_sin_cache, rotary_dim
+from kernels import kv_quant
 from kernels.attention_metadata import AttentionMetadata
 from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
@@ -223,13 +224,15 @@ class CausalLM(nn.Module):
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
         )
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """The worker's one KV tensor: [2 (key, value), layers, blocks, block_size, kv_heads, head_dim]."""
-        return (2, self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+    def kv_cache_shape(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> tuple[int, ...]:
+        """The worker's one KV tensor: [2 (key, value), layers, blocks, block_size, kv_heads, head_dim], the
+        last dim head_dim + 4 for an 8-bit ``dtype`` (each head's codes, then its scale: kernels/kv_quant.py)."""
+        width = self.head_dim if dtype is None else kv_quant.head_width(self.head_dim, dtype)
+        return (2, self.num_layers, num_blocks, block_size, self.num_kv_heads, width)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """What one token costs in that tensor, over every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """What one token costs in that tensor (stored in ``dtype``), over every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * kv_quant.head_bytes(self.head_dim, dtype)
 
     def _build_rope_cache(self) -> torch.Tensor:
         dim = rotary_dim(self.config, self.head_dim)

@@ -22,6 +22,7 @@ from engines.models.decoder import CausalLM, DecoderModel, DecoderSpec
 from engines.models.dsa_indexer import Indexer
 from engines.models.mla import MLAAttention, MLAStep
 from engines.models.moe import grouped_moe
+from kernels import kv_quant
 from kernels.attention_metadata import AttentionMetadata
 from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
@@ -130,11 +131,15 @@ class MLACausalLM(CausalLM):
             index_head_dim=config.index_head_dim if indexed else 0,
         )
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    def kv_cache_shape(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> tuple[int, ...]:
         """[N, BS, L * (kv_lora_rank + qk_rope_head_dim) + indexer layers * index_head_dim]."""
+        self.kv_bytes_per_token(dtype or torch.float32)  # refuses an 8-bit cache
         return (num_blocks, block_size, self.model.values_per_token)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        if kv_quant.is_quantized(dtype):
+            raise ValueError(f"an 8-bit KV cache ({str(dtype).removeprefix('torch.')}) is not implemented for "
+                             "MLA's latent cache yet; use kv_cache_dtype auto, bfloat16 or float16")
         return self.model.values_per_token * dtype.itemsize
 
     # forward: CausalLM's (kv_cache is ``kv_cache_shape``, the model's own layout)

@@ -5,9 +5,12 @@
 // keeps an online softmax, so nothing is copied and nothing is masked. The G query heads that share
 // a KV head are done together, so each key and value row is read once per group.
 //
-// Shapes: query [S, H, D]; key_cache, value_cache [N, BS, KVH, D] (contiguous); block_tables [S, B]
+// Shapes: query [S, H, D]; key_cache, value_cache [N, BS, KVH, W] (contiguous); block_tables [S, B]
 // int32; seq_lens [S] int32 (context including the new token); out [S, H, D]. H = KVH * G.
-// Accumulation is float32 whatever the storage dtype.
+// The cache may be stored in another dtype than the query (--kv-cache-dtype, kernels/kv_quant.py):
+// float32 / bfloat16 / float16 rows of W = D, or 8-bit rows (int8, float8_e4m3fn) of W = D + 4: D
+// codes, then the row's float32 scale in the last 4 bytes. Accumulation is float32 whatever the
+// storage dtype; an 8-bit row's scale multiplies its dot product (keys) or its weight (values) once.
 
 #include <torch/extension.h>
 
@@ -41,28 +44,59 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-template <typename scalar_t>
-void decode_group(const scalar_t* q, const scalar_t* key_cache, const scalar_t* value_cache,
+// One stored element widened to float. fp8 goes through a 256-entry table (exact, and cheaper than
+// c10's bit-twiddling conversion in the inner loop).
+template <typename cache_t>
+struct Widen {
+  inline float operator()(cache_t x) const { return static_cast<float>(x); }
+};
+
+template <>
+struct Widen<c10::Float8_e4m3fn> {
+  float table[256];
+  Widen() {
+    for (int i = 0; i < 256; ++i) table[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i),
+                                                                                     c10::Float8_e4m3fn::from_bits()));
+  }
+  inline float operator()(c10::Float8_e4m3fn x) const { return table[x.x]; }
+};
+
+// The row's scale: the 4 bytes after its D codes (8-bit caches), else 1.
+template <typename cache_t, bool quantized>
+inline float row_scale(const cache_t* row, int64_t head_dim) {
+  if constexpr (!quantized) {
+    return 1.0f;
+  } else {
+    float scale;
+    std::memcpy(&scale, row + head_dim, sizeof(scale));
+    return scale;
+  }
+}
+
+template <typename scalar_t, typename cache_t, bool quantized>
+void decode_group(const scalar_t* q, const cache_t* key_cache, const cache_t* value_cache,
                   const int32_t* table, int64_t seq_len, int64_t kv_head, int64_t group, int64_t head_dim,
-                  int64_t block_size, int64_t num_kv_heads, float scale, scalar_t* out,
-                  std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores) {
+                  int64_t width, int64_t block_size, int64_t num_kv_heads, float scale, scalar_t* out,
+                  const Widen<cache_t>& widen, std::vector<float>& qf, std::vector<float>& acc,
+                  std::vector<float>& scores) {
   // qf: [G, D] scaled queries; acc: [G, D] unnormalised output; scores: [G, BS] one block's logits.
   for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q[i]) * scale;
   std::fill(acc.begin(), acc.end(), 0.0f);
   std::vector<float> running_max(group, -std::numeric_limits<float>::infinity());
   std::vector<float> running_sum(group, 0.0f);
-  const int64_t row_stride = num_kv_heads * head_dim;  // one token of one block, all KV heads
+  const int64_t row_stride = num_kv_heads * width;  // one token of one block, all KV heads
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t tokens = std::min(block_size, seq_len - b * block_size);
-    const int64_t base = static_cast<int64_t>(table[b]) * block_size * row_stride + kv_head * head_dim;
+    const int64_t base = static_cast<int64_t>(table[b]) * block_size * row_stride + kv_head * width;
     for (int64_t t = 0; t < tokens; ++t) {
-      const scalar_t* k = key_cache + base + t * row_stride;
+      const cache_t* k = key_cache + base + t * row_stride;
+      const float k_scale = row_scale<cache_t, quantized>(k, head_dim);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = qf.data() + g * head_dim;
         float dot = 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
-        scores[g * block_size + t] = dot;
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * widen(k[d]);
+        scores[g * block_size + t] = dot * k_scale;
       }
     }
     // Per query head: the block's max, the rescale of what came before, the block's weights.
@@ -84,11 +118,12 @@ void decode_group(const scalar_t* q, const scalar_t* key_cache, const scalar_t* 
     }
     // Each value row is read once for the whole group.
     for (int64_t t = 0; t < tokens; ++t) {
-      const scalar_t* v = value_cache + base + t * row_stride;
+      const cache_t* v = value_cache + base + t * row_stride;
+      const float v_scale = row_scale<cache_t, quantized>(v, head_dim);
       for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * block_size + t];
+        const float p = scores[g * block_size + t] * v_scale;
         float* a = acc.data() + g * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * widen(v[d]);
       }
     }
   }
@@ -98,41 +133,62 @@ void decode_group(const scalar_t* q, const scalar_t* key_cache, const scalar_t* 
   }
 }
 
+template <typename scalar_t, typename cache_t, bool quantized>
+void run(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+         const torch::Tensor& tables, const torch::Tensor& lens, float scale, torch::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2), width = key_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t table_width = tables.size(1);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const cache_t* k_ptr = static_cast<const cache_t*>(key_cache.data_ptr());
+  const cache_t* v_ptr = static_cast<const cache_t*>(value_cache.data_ptr());
+  const int32_t* table_ptr = tables.data_ptr<int32_t>();
+  const int32_t* len_ptr = lens.data_ptr<int32_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const Widen<cache_t> widen;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores(group * block_size);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / num_kv_heads, h = i % num_kv_heads;
+      const int64_t offset = (s * num_heads + h * group) * head_dim;  // the group's first query head
+      decode_group<scalar_t, cache_t, quantized>(q_ptr + offset, k_ptr, v_ptr, table_ptr + s * table_width,
+                                                 len_ptr[s], h, group, head_dim, width, block_size, num_kv_heads,
+                                                 scale, out_ptr + offset, widen, qf, acc, scores);
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [S, H, D] and cache [N, BS, KVH, D] expected");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [S, H, D] and cache [N, BS, KVH, W] expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the paged cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens must be int32");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key and value caches differ in dtype");
   auto q = query.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(num_heads % num_kv_heads == 0 && key_cache.size(3) == head_dim, "head shapes do not match");
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t width = tables.size(1);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = key_cache.size(2);
+  const auto kind = key_cache.scalar_type();
+  const bool quantized = kind == at::kChar || kind == at::kFloat8_e4m3fn;
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && key_cache.size(3) == head_dim + (quantized ? 4 : 0),
+              "head shapes do not match");
   auto out = torch::empty_like(q);
+  const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-    const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
-    const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
-    const int32_t* table_ptr = tables.data_ptr<int32_t>();
-    const int32_t* len_ptr = lens.data_ptr<int32_t>();
-    scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(group * head_dim), acc(group * head_dim), scores(group * block_size);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t s = i / num_kv_heads, h = i % num_kv_heads;
-        const int64_t offset = (s * num_heads + h * group) * head_dim;  // the group's first query head
-        decode_group<scalar_t>(q_ptr + offset, k_ptr, v_ptr, table_ptr + s * width, len_ptr[s], h, group,
-                               head_dim, block_size, num_kv_heads, static_cast<float>(scale),
-                               out_ptr + offset, qf, acc, scores);
-      }
-    });
+    switch (kind) {
+      case at::kFloat: run<scalar_t, float, false>(q, key_cache, value_cache, tables, lens, s, out); break;
+      case at::kBFloat16: run<scalar_t, at::BFloat16, false>(q, key_cache, value_cache, tables, lens, s, out); break;
+      case at::kHalf: run<scalar_t, at::Half, false>(q, key_cache, value_cache, tables, lens, s, out); break;
+      case at::kChar: run<scalar_t, int8_t, true>(q, key_cache, value_cache, tables, lens, s, out); break;
+      case at::kFloat8_e4m3fn:
+        run<scalar_t, c10::Float8_e4m3fn, true>(q, key_cache, value_cache, tables, lens, s, out);
+        break;
+      default: TORCH_CHECK(false, "unsupported KV cache dtype ", kind);
+    }
   });
   return out;
 }

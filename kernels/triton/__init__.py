@@ -19,6 +19,8 @@ OPS = {fn.__name__: fn for fn in (write_kv, paged_prefill_attention, paged_decod
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     """Why these kernels cannot serve ``op`` for the model, or None (the registry then probes them)."""
+    if op in ("write_kv", "prefill_attention", "decode_attention") and shapes.kv_cache_dtype not in (None, dtype):
+        return f"KV cache dtype {shapes.kv_cache_dtype} unsupported (its kernels read a cache in the model's dtype)"
     if op in ("prefill_attention", "decode_attention") and shapes.sliding_window is not None:
         return "sliding window unsupported (the Triton attention kernels attend to the whole context)"
     return None

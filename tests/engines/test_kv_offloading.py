@@ -21,7 +21,7 @@ def others(seed: int) -> list[list[int]]:
     return [[(11 * i + seed + k) % 250 + 3 for i in range(100)] for k in (0, 100)]
 
 
-def dense_shape(num_blocks: int, block_size: int) -> tuple[int, ...]:
+def dense_shape(num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> tuple[int, ...]:
     return (2, 3, num_blocks, block_size, 2, 4)  # [2, layers, blocks, block_size, kv_heads, head_dim]
 
 
@@ -68,9 +68,11 @@ def evict_prompt(llm: LLM, seed: int) -> None:
     assert not llm.engine.block_manager.computed_blocks(llm_seq(PROMPT)), "evicted from the pool"
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
-def test_an_evicted_prompt_is_served_from_the_tier_as_a_cold_run_would_be(tiny_models, arch: str):
-    with LLM(tiny_models(arch), num_kv_blocks=8, block_size=16, kv_offloading_size=0.01) as llm:
+@pytest.mark.parametrize(("arch", "kv_cache_dtype"), [("llama", "auto"), ("deepseek_v3", "auto"), ("llama", "int8")])
+def test_an_evicted_prompt_is_served_from_the_tier_as_a_cold_run_would_be(tiny_models, arch: str, kv_cache_dtype: str):
+    """An 8-bit pool's blocks go to the tier and back with their scales (the last 4 bytes of each row)."""
+    with LLM(tiny_models(arch), num_kv_blocks=8, block_size=16, kv_offloading_size=0.01,
+             kv_cache_dtype=kv_cache_dtype) as llm:
         engine = llm.engine
         cold = llm.generate(PROMPT, GREEDY)[0].token_ids
         evict_prompt(llm, 1)
@@ -82,7 +84,7 @@ def test_an_evicted_prompt_is_served_from_the_tier_as_a_cold_run_would_be(tiny_m
         assert after.external_prefix_cache_queries_total - before.external_prefix_cache_queries_total == 70
         assert after.prefix_cache_hits_total == before.prefix_cache_hits_total  # not the pool's own hits
 
-        if arch != "llama":
+        if arch != "llama" or kv_cache_dtype != "auto":
             return
         # The loaded blocks are what was computed: corrupting the tier changes the output.
         evict_prompt(llm, 2)
