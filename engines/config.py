@@ -74,6 +74,10 @@ class EngineConfig:
         choices=COMPILE_MODES))
     enforce_eager: bool = field(default=False, metadata=setting(
         "never compile or graph-capture decode steps (vLLM's name for compile off; wins over it)"))
+    warm_up_in_background: bool = field(default=True, metadata=setting(
+        "report ready once the model is loaded and the eager path warmed, then compile the CPU decode buckets "
+        "and build C++ kernels not built yet in a background thread, swapping each in between steps "
+        "(engines/warmup.py); off: do both before ready"))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
         "speculative decoding, as vLLM spells it (JSON on the command line): "
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '

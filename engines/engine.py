@@ -22,6 +22,7 @@ from engines.speculative.ngram import NgramProposer
 from engines.structured.compiler import GrammarCompiler, PendingGrammar
 from engines.structured.schema import check_json_schema
 from engines.tp_runner import make_runner
+from engines.warmup import Warmup
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class LLMEngine:
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.init_decode_graphs(config.max_num_seqs, self.max_model_len)
+        # Deferred C++ kernel builds, then the CPU decode buckets: after ready unless asked otherwise.
+        self.warmup = Warmup(self.runner, config.warm_up_in_background)
         # A host tier below the pool (kv_offloading_size) and KV events for routers (kv_events_config).
         self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size, self.platform.kind)
         self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)

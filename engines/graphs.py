@@ -1,10 +1,11 @@
 """Compiled and graph-captured decode steps, one per padded bucket (engines/decode_buckets.py).
 
-- CPU: ``torch.compile`` (inductor, ``dynamic=False``) of the decode forward per bucket, compiled
-  at start-up with a progress line per bucket; with ``compile: auto`` a bucket stays compiled only
-  where it measures faster than eager. Inductor's cache lives in ``$XINSERVE_CACHE_DIR/inductor``
-  (default ``~/.cache/xinserve/inductor``) unless TORCHINDUCTOR_CACHE_DIR says otherwise, so a
-  restart loads the compiled code instead of compiling again.
+- CPU: ``torch.compile`` (inductor, ``dynamic=False``) of the decode forward per bucket, one bucket
+  at a time by ``BucketCompiler`` on buffers of its own, so that it can run in a background thread
+  beside the steps (engines/warmup.py); a compiled bucket is installed between steps. With
+  ``compile: auto`` a bucket stays compiled only where it measures faster than eager. Inductor's
+  cache lives in ``$XINSERVE_CACHE_DIR/inductor`` (default ``~/.cache/xinserve/inductor``) unless
+  TORCHINDUCTOR_CACHE_DIR says otherwise, so a restart loads the compiled code instead of compiling.
 - CUDA / Ascend / MUSA: each bucket's forward is captured once with the device's graph API
   (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``, ``torch.musa.MUSAGraph`` when torch_musa has
   it), largest bucket first so the smaller ones share its memory pool; a step copies its inputs
@@ -14,8 +15,12 @@
   at capture: kernels/npu.py records its calls as task groups and re-issues them with the step's
   lengths).
 
+  Capture needs a quiet stream, so it runs before the worker reports ready (all buckets).
+
 Only pure-decode steps take this path; steps with prefill stay eager. A failure to compile or
-capture is logged and leaves the decode eager (never fatal).
+capture is logged and leaves that decode eager (never fatal). Each bucket has a state for /health:
+``eager`` (not compiled yet, or kept eager because eager measured faster), ``compiling``,
+``compiled`` (or captured), ``failed`` (with the error's first line; it runs eagerly).
 """
 
 import logging
@@ -37,6 +42,7 @@ from kernels.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 
+BUCKET_STATES = ("eager", "compiling", "compiled", "failed")
 GRAPH_CLASSES = {"cuda": "CUDAGraph", "npu": "NPUGraph", "musa": "MUSAGraph"}
 TIMING_ITERATIONS = 5
 
@@ -70,11 +76,43 @@ def decode_forward(model: torch.nn.Module, kv_cache: torch.Tensor) -> Callable[.
 class DecodeGraphs:
     """The buckets that run compiled or captured; ``run`` takes a pure-decode step through them."""
 
-    def __init__(self, buffers: DecodeBuffers, steps: dict[int, Callable[[], torch.Tensor]], kind: str) -> None:
+    def __init__(self, buffers: DecodeBuffers, steps: dict[int, Callable[[], torch.Tensor]], kind: str,
+                 compiler: "BucketCompiler | None" = None) -> None:
         self.buffers = buffers
         self.steps = steps  # bucket -> runs the bucket on the buffers, returns its logits [bucket, V]
         self.kind = kind  # "compiled" | "captured", for logs and benchmarks
         self.bucket_runs: Counter[int] = Counter()  # bucket -> steps it ran compiled or captured
+        self.compiler = compiler  # compiles the other buckets (engines/warmup.py); None once captured
+        self.states = {size: "compiled" if size in steps else "eager" for size in buffers.sizes}
+        self.errors: dict[int, str] = {}  # bucket -> why it failed, or why it stays eager
+        # Expected use, for the order of compiling: pure-decode steps per bucket (compiled or not),
+        # and the latest step's bucket.
+        self.demand: Counter[int] = Counter()
+        self.last_bucket: int | None = None
+        self.settled = compiler is None  # nothing left to compile
+
+    def next_to_compile(self) -> int | None:
+        """The bucket to compile next: the latest step's, else the most used, else the smallest."""
+        waiting = [size for size, state in self.states.items() if state == "eager" and size not in self.errors]
+        if not waiting:
+            return None
+        if self.last_bucket in waiting:
+            return self.last_bucket
+        return max(waiting, key=lambda size: (self.demand[size], -size))
+
+    def install(self, size: int, compiled: Callable[..., torch.Tensor]) -> None:
+        """Bind a bucket's compiled function to the step buffers and run it once on padding (its
+        guards checked now, not in a step). Call between steps: the buffers are the steps'."""
+        inputs = self.buffers.inputs(size)
+        self.buffers.pad(size)
+        compiled(*inputs)
+        self.steps[size] = _bind(compiled, inputs)
+        self.states[size] = "compiled"
+
+    def report(self) -> dict:
+        """For /health: the kind, whether compiling is over, and each bucket's state."""
+        return {"kind": self.kind, "settled": self.settled, "buckets": {
+            str(size): {"state": state, "error": self.errors.get(size)} for size, state in self.states.items()}}
 
     @property
     def steps_run(self) -> int:
@@ -87,6 +125,9 @@ class DecodeGraphs:
         (the caller then runs the step as it is)."""
         num_rows = input_ids.shape[0]
         size = bucket_for(num_rows, self.buffers.sizes)
+        if size is not None:
+            self.demand[size] += 1
+            self.last_bucket = size
         step = self.steps.get(size)  # None too for a step larger than every bucket (size None)
         if step is None or not self.buffers.fill(size, input_ids, positions, metadata):
             return None
@@ -94,8 +135,9 @@ class DecodeGraphs:
             logits = step()
         except Exception as exc:  # noqa: BLE001  a recompile or replay that fails: this bucket goes eager
             logger.warning("%s decode for bucket %d failed (%s: %s); it runs eagerly from now on",
-                           self.kind, size, type(exc).__name__, _first_line(exc))
+                           self.kind, size, type(exc).__name__, first_line(exc))
             del self.steps[size]
+            self.states[size], self.errors[size] = "failed", first_line(exc)
             return None
         self.bucket_runs[size] += 1
         logits = logits[:num_rows]  # padded rows are never sampled
@@ -115,22 +157,23 @@ def build_decode_graphs(
     sizes: list[int] | None = None,
     capture_hooks: Sequence[Callable] = (),
 ) -> DecodeGraphs | None:
-    """Compile (CPU) or capture (accelerators) the decode forward per bucket; None when every
-    bucket runs eagerly (mode "off", nothing compiled or captured, or eager faster everywhere).
-    ``capture_hooks``: the chosen kernels' (``KernelSelection.capture_hooks``), around each capture."""
+    """Capture (accelerators) the decode forward per bucket now, or (CPU) the buckets with their
+    ``BucketCompiler``, every bucket eager until compiled; None when every bucket runs eagerly (mode
+    "off", nothing captured). ``capture_hooks``: the chosen kernels' (``KernelSelection.capture_hooks``),
+    around each capture."""
     if mode == "off":
         return None
     sizes = sizes or bucket_sizes(max_num_seqs)
     buffers = DecodeBuffers(sizes, max_model_len, block_size, scratch_block, platform.device)
     forward = decode_forward(model, kv_cache)
     if platform.kind == "cpu":
-        steps, kind = _compile(forward, buffers, mode, platform), "compiled"
-    else:
-        steps, kind = _capture(forward, buffers, platform, capture_hooks), "captured"
+        copy = DecodeBuffers(sizes, max_model_len, block_size, scratch_block, platform.device)
+        return DecodeGraphs(buffers, {}, "compiled", BucketCompiler(forward, copy, mode, platform))
+    steps = _capture(forward, buffers, platform, capture_hooks)
     if not steps:
         return None
-    logger.info("decode buckets %s run %s; the others eagerly", sorted(steps), kind)
-    return DecodeGraphs(buffers, steps, kind)
+    logger.info("decode buckets %s run captured; the others eagerly", sorted(steps))
+    return DecodeGraphs(buffers, steps, "captured")
 
 
 def use_inductor_cache() -> str:
@@ -139,38 +182,40 @@ def use_inductor_cache() -> str:
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
 
 
-def _compile(forward: Callable, buffers: DecodeBuffers, mode: str, platform: Platform) -> dict:
-    use_inductor_cache()
-    # Every bucket of every engine in this process is a compiled variant of the one ``forward`` code
-    # object (guarded on its shapes and its model): let each build add its own.
-    torch._dynamo.config.recompile_limit += len(buffers.sizes)
-    steps = {}
-    for i, size in enumerate(buffers.sizes, start=1):
-        inputs = buffers.inputs(size)
-        buffers.pad(size)
+class BucketCompiler:
+    """Compiles the decode forward for one bucket at a time (CPU), on buffers of its own (the steps'
+    stay the steps'), so it can run in a thread beside them; ``DecodeGraphs.install`` binds the
+    result to the step buffers."""
+
+    def __init__(self, forward: Callable, buffers: DecodeBuffers, mode: str, platform: Platform) -> None:
+        use_inductor_cache()
+        # Every bucket of every engine in this process is a compiled variant of the one ``forward`` code
+        # object (guarded on its shapes and its model): let each build add its own.
+        torch._dynamo.config.recompile_limit += len(buffers.sizes)
+        self.forward = forward
+        self.compiled = torch.compile(forward, dynamic=False)
+        self.buffers = buffers
+        self.mode = mode
+        self.platform = platform
+
+    @torch.inference_mode()
+    def __call__(self, size: int) -> Callable[..., torch.Tensor] | None:
+        """The compiled function for bucket ``size``, or None where eager measured faster (mode
+        "auto"). Raises what inductor raised."""
+        inputs = self.buffers.inputs(size)
+        self.buffers.pad(size)
         start = time.perf_counter()
-        logger.info("compiling the decode step for batch bucket %d (%d of %d)", size, i, len(buffers.sizes))
-        try:
-            if i == 1:
-                compiled = torch.compile(forward, dynamic=False)
-            compiled(*inputs)  # compiles (or loads from the cache)
-        except Exception as exc:  # noqa: BLE001  inductor can fail in many ways: stay eager
-            logger.warning("torch.compile of the decode step failed (%s: %s); decode runs eagerly",
-                           type(exc).__name__, _first_line(exc))
-            return {}
+        self.compiled(*inputs)  # compiles (or loads from the cache)
         took = time.perf_counter() - start
-        if mode == "auto":
-            eager_s = _median_seconds(_bind(forward, inputs), platform)
-            compiled_s = _median_seconds(_bind(compiled, inputs), platform)
-            keep = compiled_s < eager_s
-            logger.info("decode bucket %d compiled in %.1f s: %.3f ms compiled vs %.3f ms eager -> %s",
-                        size, took, compiled_s * 1e3, eager_s * 1e3, "compiled" if keep else "eager")
-            if not keep:
-                continue
-        else:
+        if self.mode != "auto":
             logger.info("decode bucket %d compiled in %.1f s", size, took)
-        steps[size] = _bind(compiled, inputs)
-    return steps
+            return self.compiled
+        eager_s = _median_seconds(_bind(self.forward, inputs), self.platform)
+        compiled_s = _median_seconds(_bind(self.compiled, inputs), self.platform)
+        keep = compiled_s < eager_s
+        logger.info("decode bucket %d compiled in %.1f s: %.3f ms compiled vs %.3f ms eager -> %s",
+                    size, took, compiled_s * 1e3, eager_s * 1e3, "compiled" if keep else "eager")
+        return self.compiled if keep else None
 
 
 def _capture(forward: Callable, buffers: DecodeBuffers, platform: Platform, hooks: Sequence[Callable]) -> dict:
@@ -195,7 +240,7 @@ def _capture(forward: Callable, buffers: DecodeBuffers, platform: Platform, hook
                     out = forward(*inputs)
         except Exception as exc:  # noqa: BLE001  a driver or operator that cannot be captured: stay eager
             logger.warning("capturing the decode step for bucket %d failed (%s: %s); decode runs eagerly",
-                           size, type(exc).__name__, _first_line(exc))
+                           size, type(exc).__name__, first_line(exc))
             return {}
         steps[size] = _replayer(graph, out, before_replay)
         logger.info("captured the decode step for batch bucket %d", size)
@@ -212,7 +257,7 @@ def _replayer(graph, out: torch.Tensor, before_replay: list[Callable[[], None]])
     return replay
 
 
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:200]
 
 

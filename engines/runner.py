@@ -1,6 +1,7 @@
 """Runs one scheduled step on the device: flatten the batch, one forward, one sample, one copy back."""
 
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -88,6 +89,9 @@ class ModelRunner:
         self.device = platform.device
         self.block_size = block_size
         self.kernels: KernelSelection | None = None
+        # A C++ kernel not built yet is built after the engine is ready (engines/warmup.py), on one CPU device.
+        self.defer_builds = config.warm_up_in_background and platform.kind == "cpu" and not (group or pipeline)
+        self.step_lock = threading.Lock()  # held by a step: the warm-up swaps kernels and buckets in between
         self.model, self.hf_config = load_model(
             config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config),
             group, expert_parallel=config.enable_expert_parallel, pipeline=pipeline, quantization=config.quantization,
@@ -126,7 +130,8 @@ class ModelRunner:
                              f"{', '.join(str(d).removeprefix('torch.') for d in self.platform.dtypes)}")
         self.kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)  # the KV pool's (kernels/kv_quant.py)
         shapes = replace(shapes, block_size=self.block_size, kv_cache_dtype=self.kv_dtype)
-        self.kernels = select(self.platform.kind, self.device, dtype, shapes, config.kernels)
+        self.kernel_request = (shapes, dtype, config.kernels)  # the warm-up selects again once its builds are done
+        self.kernels = select(self.platform.kind, self.device, dtype, shapes, config.kernels, self.defer_builds)
         logger.info("kernels on %s (%s):\n%s", self.device, str(dtype).removeprefix("torch."), self.kernels.table())
         return self.kernels.ops
 
@@ -188,14 +193,9 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         return pool_blocks(free, fraction, self.bytes_per_block())  # the rule `xinserve plan` sizes by
 
-    def decode_graphs_report(self) -> dict:
-        """For /health: the compile mode and which decode buckets run compiled or captured."""
-        graphs = self.decode_graphs
-        return {"mode": self.compile_mode, "kind": graphs.kind if graphs else "eager",
-                "buckets": sorted(graphs.steps) if graphs else []}
-
     def init_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Compile or capture the decode buckets over the allocated KV cache (once, at start-up)."""
+        """Capture the decode buckets over the allocated KV cache (once, at start-up), or set up their
+        compiler on the CPU (engines/warmup.py compiles them)."""
         self.decode_graphs = build_decode_graphs(self.model, self.kv_cache, self.platform, self.compile_mode,
                                                  max_num_seqs, max_model_len, self.block_size, self.scratch_block,
                                                  capture_hooks=self.kernels.capture_hooks)
@@ -210,11 +210,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledTokens]:
         """One step: its inputs, the forward (and the logits), one sample per sequence that reaches its end."""
-        batch = self._prepare(scheduled)
-        self.broadcast(batch)
-        if batch.needs_prompt_logits:
-            return self._with_prompt_logprobs(batch)
-        return self._sample(batch, self.forward(batch))
+        with self.step_lock:
+            batch = self._prepare(scheduled)
+            self.broadcast(batch)
+            if batch.needs_prompt_logits:
+                return self._with_prompt_logprobs(batch)
+            return self._sample(batch, self.forward(batch))
 
     def broadcast(self, batch: StepBatch) -> None:
         """Hand the step's inputs to the other ranks before the forward (tensor parallel,

@@ -10,6 +10,11 @@ the others are compared with).
 
 ``XINSERVE_KERNELS="op=impl,..."`` and a model's ``kernels:`` config force a choice; a forced
 choice that cannot be used fails start-up with its reason.
+
+A candidate built from source on first use (``BUILT_FROM_SOURCE``: the C++ kernels) can take minutes
+to build. With ``defer_builds`` a selection does not wait for a build that is not on disk yet: the
+candidate is reported as building (``KernelSelection.deferred``), the next one serves, and the
+caller builds it and selects again later (engines/warmup.py, in a background thread).
 """
 
 import importlib
@@ -36,6 +41,9 @@ MODULES = {
     "int8mm": "kernels.quant_int8",
     "dequant": "kernels.quant_dequant",
 }
+# implementation name -> module that builds it: ``built()`` (on disk already?), ``build()``, and
+# ``BUILDS_OPS``, the ops it provides once built
+BUILT_FROM_SOURCE = {"cpp": "kernels.cpp_build"}
 # Candidates per platform, most preferred first; "reference" always comes last.
 PREFERENCE = {
     "cpu": ("cpp", "int8mm", "dequant", "reference"),
@@ -67,6 +75,7 @@ class KernelSelection:
     # functions cannot be captured; and the chosen functions' capture hooks.
     uncapturable: dict[str, str] = field(default_factory=dict)
     capture_hooks: list[Callable] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)  # implementations not built yet (``defer_builds``)
 
     def report(self) -> dict[str, dict]:
         """Per op: the chosen implementation, the rejected ones with their reasons, and the timings
@@ -116,11 +125,13 @@ def select(
     dtype: torch.dtype,
     shapes: ModelShapes,
     forced: dict[str, str] | None = None,
+    defer_builds: bool = False,
 ) -> KernelSelection:
     """Probe the platform's candidates for every op and return the selection.
 
     ``forced`` (a model's ``kernels:`` config) wins over ``XINSERVE_KERNELS``, which wins over the
     platform's preference. Raises KernelSelectionError when a forced choice cannot be used.
+    ``defer_builds``: skip unforced candidates that are not built yet (see the module's docstring).
     """
     if platform not in PREFERENCE:
         raise KernelSelectionError(f"unknown platform {platform!r}; expected one of {', '.join(PREFERENCE)}")
@@ -133,6 +144,11 @@ def select(
         correct: dict[str, dict[str, Callable]] = {}
         reason = None
         for name in names:
+            if defer_builds and op not in forced and _unbuilt(name, op, shapes):
+                if name not in selection.deferred:
+                    selection.deferred.append(name)
+                selection.rejected.setdefault(op, []).append((name, "not built yet: building in the background"))
+                continue
             candidate, reason = _try(op, name, shapes, device, dtype)
             if candidate is not None:
                 correct[name] = candidate
@@ -154,6 +170,14 @@ def select(
             _note_capture(selection, op, name, correct[name].values())
     selection.ops = KernelOps.from_functions(functions)
     return selection
+
+
+def _unbuilt(name: str, op: str, shapes: ModelShapes) -> bool:
+    """Whether ``name`` is built from source, provides ``op`` to this model, and is not built yet."""
+    if name not in BUILT_FROM_SOURCE or not applies(op, shapes):
+        return False
+    builder = importlib.import_module(BUILT_FROM_SOURCE[name])
+    return op in builder.BUILDS_OPS and not builder.built()
 
 
 def _note_capture(selection: KernelSelection, op: str, name: str, chosen: Iterable[Callable]) -> None:

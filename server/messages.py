@@ -89,8 +89,15 @@ class Stats(msgspec.Struct, array_like=True, tag="stats"):
     stats: EngineStats
 
 
+class InfoUpdate(msgspec.Struct, array_like=True, tag="info"):
+    """Keys of ``Ready.info`` that changed after ready: the decode buckets' states and the kernels as
+    the background warm-up compiles and swaps them (engines/warmup.py)."""
+
+    info: dict
+
+
 ToWorker = Add | Abort | Shutdown
-FromWorker = Ready | LoadFailed | Outputs | Failed | Stats
+FromWorker = Ready | LoadFailed | Outputs | Failed | Stats | InfoUpdate
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode

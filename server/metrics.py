@@ -97,6 +97,12 @@ class EngineStatsCollector:
         for w in workers:
             ready.add_metric([w.model_name, w.label], 1.0 if w.ready else 0.0)
         yield ready
+        compiled = GaugeMetricFamily(prefix + "decode_buckets_compiled", "Decode batch buckets running compiled "
+                                     "or graph-captured (the others run eagerly; engines/warmup.py).", labels=LABELS)
+        for w in workers:
+            buckets = (w.info.get("decode_graphs") or {}).get("buckets") or {}
+            compiled.add_metric([w.model_name, w.label], sum(b["state"] == "compiled" for b in buckets.values()))
+        yield compiled
         restarts = CounterMetricFamily(prefix + "worker_restarts", "Times the worker process was started again "
                                        "after it died.", labels=LABELS)
         for w in workers:

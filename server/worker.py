@@ -25,7 +25,7 @@ from engines.outputs import EngineStats, StepOutput, StepResult
 from engines.quantization.install import weights_report
 from engines.rank_role import RankRole
 from server import messages
-from server.messages import Add, Failed, Outputs, RequestError, Stats
+from server.messages import Add, Failed, InfoUpdate, Outputs, RequestError, Stats
 
 logger = logging.getLogger("xinserve.worker")
 
@@ -76,6 +76,7 @@ class WorkerLoop:
         self.running = True
         self._last_stats = 0.0
         self._parent = os.getppid()
+        self._warmup_version = -1  # the background warm-up's changes sent so far (engines/warmup.py)
 
     def _emit(self, message: messages.FromWorker) -> None:
         self.send.send(messages.encode(message), copy=False)
@@ -162,11 +163,19 @@ class WorkerLoop:
             except Exception:
                 logger.exception("%s: bad control message ignored", self.label)
 
+    def _report_warmup(self) -> None:
+        """Send the bucket states and kernels again when the warm-up changed them (/health shows them)."""
+        warmup = getattr(self.engine, "warmup", None)  # None: an engine double (tests) has none
+        if warmup is not None and warmup.version != self._warmup_version:
+            self._warmup_version = warmup.version
+            self._emit(InfoUpdate({"decode_graphs": warmup.report(), "kernels": self.engine.runner.kernels.report()}))
+
     def run(self) -> None:
         while self.running:
             if os.getppid() != self._parent:
                 logger.warning("%s: parent process is gone; exiting", self.label)
                 break
+            self._report_warmup()
             busy = self.engine.has_unfinished_requests()
             self._drain(0 if busy else int(self.heartbeat_s * 1000))
             if not self.running:
@@ -195,7 +204,7 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         # a tensor-parallel replica's ranks (engines/tp_runner.py); a single device is rank 0
         "ranks": getattr(engine.runner, "ranks", lambda: [
             {"rank": 0, "device": spec.device, "pid": os.getpid(), "node": 0, "role": RankRole(0).as_dict()}])(),
-        "decode_graphs": engine.runner.decode_graphs_report(),
+        "decode_graphs": engine.warmup.report(),
         "kv_offloading": engine.kv_tier.report() if engine.kv_tier is not None else None,
         "kv_events": None if engine.kv_events is None else {
             "endpoint": engine.kv_events.endpoint, "replay_endpoint": engine.kv_events.replay_endpoint,

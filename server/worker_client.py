@@ -210,6 +210,8 @@ class WorkerClient:
                 self.stats = message.stats
         elif isinstance(message, messages.Stats):
             self.stats = message.stats
+        elif isinstance(message, messages.InfoUpdate):
+            self.info = {**self.info, **message.info}
         elif isinstance(message, messages.Failed):
             self.requests.fail(message.request_id, message.error)
         elif isinstance(message, messages.Ready):

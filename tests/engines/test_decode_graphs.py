@@ -4,7 +4,8 @@ preemption and prefix caching; padded rows never touch a real sequence's KV or o
 failure falls back to eager with a log line; ``compile: off`` and ``enforce_eager`` never compile.
 
 Inductor compiles take seconds each, so one compiled engine (a one-layer model, three buckets) is
-shared by the module."""
+shared by the module. Its buckets compile in the background thread (engines/warmup.py), with real
+inductor beside the main thread; the tests wait for it (``compiled_engine``)."""
 
 import argparse
 import logging
@@ -25,6 +26,14 @@ BUCKETS = [1, 4, 9]  # batches 1, 3, 8, 9 land in 1, 4 (one padded row), 9 (one 
 BS = 4
 OPTIONS = {"block_size": BS, "num_kv_blocks": 40, "max_num_seqs": 9, "max_model_len": 64}
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+COMPILE_TIMEOUT_S = 900
+
+
+def compiled_engine(*args, **kwargs) -> LLM:
+    """An ``LLM`` once its background warm-up (kernel builds, bucket compiles) is over."""
+    llm = LLM(*args, **kwargs)
+    assert llm.engine.warmup.done.wait(COMPILE_TIMEOUT_S)
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +45,7 @@ def model(tiny_models):
 def compiled(model):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engines.graphs, "bucket_sizes", lambda max_num_seqs: BUCKETS)
-        llm = LLM(model, compile="on", **OPTIONS)
+        llm = compiled_engine(model, compile="on", **OPTIONS)
     assert llm.engine.runner.decode_graphs is not None
     return llm
 
@@ -64,8 +73,9 @@ def test_compiled_decode_equals_eager_across_buckets_with_preemption_and_prefix_
     graphs = compiled.engine.runner.decode_graphs
     assert graphs.kind == "compiled" and sorted(graphs.steps) == BUCKETS
     # what /health shows of each worker
-    assert compiled.engine.runner.decode_graphs_report() == {"mode": "on", "kind": "compiled", "buckets": BUCKETS}
-    assert eager.engine.runner.decode_graphs_report() == {"mode": "off", "kind": "eager", "buckets": []}
+    done = {str(b): {"state": "compiled", "error": None} for b in BUCKETS}
+    assert compiled.engine.warmup.report() == {"mode": "on", "kind": "compiled", "settled": True, "buckets": done}
+    assert eager.engine.warmup.report() == {"mode": "off", "kind": "eager", "settled": True, "buckets": {}}
     before, runs_before = graphs.steps_run, graphs.bucket_runs.copy()
     vocab = compiled.engine.vocab_size
     for seed, count in enumerate((1, 3, 8, 9)):
@@ -128,8 +138,9 @@ def test_auto_keeps_a_bucket_compiled_only_where_it_measures_faster(model, monke
 
     monkeypatch.setattr(engines.graphs, "_median_seconds", lambda function, platform: next(timings))
     with caplog.at_level(logging.INFO, logger="engines.graphs"):
-        llm = LLM(model, compile="auto", block_size=BS, num_kv_blocks=8, max_num_seqs=4)
+        llm = compiled_engine(model, compile="auto", block_size=BS, num_kv_blocks=8, max_num_seqs=4)
     assert sorted(llm.engine.runner.decode_graphs.steps) == [2]
+    assert llm.engine.warmup.report()["buckets"]["1"] == {"state": "eager", "error": "eager measured faster"}
     assert "decode bucket 1 compiled" in caplog.text and "-> eager" in caplog.text and "-> compiled" in caplog.text
 
 
@@ -140,10 +151,12 @@ def test_a_compile_failure_falls_back_to_eager_with_a_log_line(model, eager, mon
         return compiled
 
     monkeypatch.setattr(engines.graphs.torch, "compile", failing_compile)
-    with caplog.at_level(logging.WARNING, logger="engines.graphs"):
-        llm = LLM(model, compile="on", **OPTIONS)
-    assert llm.engine.runner.decode_graphs is None
-    assert "torch.compile of the decode step failed (RuntimeError: inductor: C++ compile error)" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="engines.warmup"):
+        llm = compiled_engine(model, compile="on", **OPTIONS)
+    assert not llm.engine.runner.decode_graphs.steps
+    assert {b["state"] for b in llm.engine.warmup.report()["buckets"].values()} == {"failed"}
+    assert ("torch.compile of the decode step for bucket 1 failed (RuntimeError: inductor: C++ compile error)"
+            in caplog.text)
     batch = prompts(llm.engine.vocab_size, 3, seed=11)
     assert [r.token_ids for r in llm.generate(batch, GREEDY)] == [r.token_ids for r in eager.generate(batch, GREEDY)]
 
@@ -215,7 +228,7 @@ def test_compiled_moe_decode_equals_eager_without_recompiling(tiny_models, monke
     counters = torch._dynamo.utils.counters
     graphs_before, breaks_before = counters["stats"]["unique_graphs"], counters["graph_break"].total()
     monkeypatch.setattr(engines.graphs, "bucket_sizes", lambda max_num_seqs: [2])  # one bucket: compiles cost
-    llm = LLM(path, compile="on", **options)
+    llm = compiled_engine(path, compile="on", **options)
     assert sorted(llm.engine.runner.decode_graphs.steps) == [2]
     assert counters["stats"]["unique_graphs"] == graphs_before + 1
     eager = LLM(path, compile="off", **options)

@@ -230,7 +230,7 @@ def test_compiled_dsa_decode_carries_the_selection_without_graph_breaks(tiny_mod
     counters = torch._dynamo.utils.counters
     graphs_before, breaks_before = counters["stats"]["unique_graphs"], counters["graph_break"].total()
     monkeypatch.setattr(engines.graphs, "bucket_sizes", lambda max_num_seqs: [2])  # one bucket: compiles cost
-    compiled = LLM(path, compile="on", **options)
+    compiled = LLM(path, compile="on", warm_up_in_background=False, **options)
     assert counters["stats"]["unique_graphs"] == graphs_before + 1
     eager = LLM(path, compile="off", **options)
     batch = prompts_for(compiled.engine.vocab_size)[:2]

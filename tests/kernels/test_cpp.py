@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engines import LLM, SamplingParams
-from kernels import cpp, reference
+from kernels import cpp, cpp_build, reference
 from kernels.attention_metadata import build_decode_gather
 
 # (head dim, KV heads, query heads, block size)
@@ -84,7 +84,7 @@ def test_greedy_generation_with_the_cpp_kernel_equals_the_reference(tiny_models)
 
 
 def _hold_build_lock(build_dir: str, held) -> None:
-    with cpp._build_lock(Path(build_dir)):
+    with cpp_build._build_lock(Path(build_dir)):
         held.set()
         time.sleep(600)
 
@@ -103,7 +103,7 @@ def test_a_builder_killed_mid_build_does_not_block_the_next_load(tmp_path):
         entered = threading.Event()
 
         def load() -> None:
-            with cpp._build_lock(tmp_path):
+            with cpp_build._build_lock(tmp_path):
                 entered.set()
 
         waiter = threading.Thread(target=load, daemon=True)

@@ -13,9 +13,9 @@ DESIGN_NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_
 
 
 class Worker:
-    def __init__(self, model, label, ready, stats, restarts=0):
+    def __init__(self, model, label, ready, stats, restarts=0, info=None):
         self.model_name, self.label, self.ready, self.stats = model, label, ready, stats
-        self.restarts = restarts
+        self.restarts, self.info = restarts, info or {}
 
 
 class Pool:
@@ -49,7 +49,9 @@ def test_every_design_metric_is_exported_with_model_and_worker_labels():
     up = Worker("glm", "npu:0", True, EngineStats(num_running=3, num_waiting=1, kv_cache_usage=0.25,
                                                   num_preemptions_total=0, prefix_cache_queries_total=0,
                                                   prefix_cache_hits_total=0, prompt_tokens_total=7,
-                                                  generation_tokens_total=99))
+                                                  generation_tokens_total=99),
+                info={"decode_graphs": {"buckets": {"1": {"state": "compiled"}, "2": {"state": "compiling"},
+                                                    "4": {"state": "failed"}, "8": {"state": "compiled"}}}})
     down = Worker("glm", "musa:0", False, EngineStats(5, 0, 0.0, 0, 0, 0, 0, 4), restarts=2)
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector({"glm": Pool([up, down])}))
@@ -69,6 +71,8 @@ def test_every_design_metric_is_exported_with_model_and_worker_labels():
     assert samples["xinserve:inter_token_latency_seconds_count"][("glm", "npu:0", None, None)] == 2
     assert samples["xinserve:e2e_request_latency_seconds_sum"][("glm", "npu:0", None, None)] == 1.0
     assert samples["xinserve:worker_ready"][("glm", "musa:0", None, None)] == 0
+    compiled = samples["xinserve:decode_buckets_compiled"]  # the others run eagerly for now, or for good
+    assert compiled[("glm", "npu:0", None, None)] == 2 and compiled[("glm", "musa:0", None, None)] == 0
     restarts = samples["xinserve:worker_restarts_total"]
     assert restarts[("glm", "musa:0", None, None)] == 2 and restarts[("glm", "npu:0", None, None)] == 0
 

@@ -1,0 +1,123 @@
+"""Seconds from launching the default ``xinserve serve`` to /health 200, to the first completion and
+to every decode bucket settled (compiled, failed, or kept eager), cold and then warm.
+
+Cold: fresh empty cache directories ($XINSERVE_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR and
+TORCH_EXTENSIONS_DIR, all under one temporary directory), so the embedded model is built, the C++
+attention extension is compiled and every bucket is compiled by inductor. Warm: a second start on
+the same directories. Prints a table and writes ``benchmarks/results/cold_start.json`` with the
+machine's ``lscpu`` model name and flags (the compile times depend on both).
+
+    python benchmarks/cold_start.py [--runs N] [--timeout S]
+
+Run from the checkout to measure: the server is started with PYTHONPATH set to it.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "cold_start.json"
+SETTLED = ("compiled", "failed", "eager")  # a bucket's last state: nothing more will change it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lscpu() -> dict[str, str]:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {k.strip(): v.strip() for k, v in fields.items() if k.strip() in ("Model name", "CPU(s)", "Flags")}
+
+
+def _buckets(health: dict) -> dict[str, str]:
+    """bucket -> state of the first worker (the default config has one)."""
+    workers = health.get("workers") or []
+    graphs = (workers[0].get("info") or {}).get("decode_graphs") if workers else None
+    return {} if not graphs else {str(b): s["state"] for b, s in graphs.get("buckets", {}).items()}
+
+
+def one_start(cache: Path, timeout: float) -> dict:
+    """Start the server on ``cache``, time its milestones, stop it."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XINSERVE_CACHE_DIR": str(cache / "xinserve"),
+           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TORCH_EXTENSIONS_DIR": str(cache / "extensions")}
+    env.pop("XINSERVE_COMPILE", None)  # the default mode, as a user gets it
+    base = f"http://127.0.0.1:{port}"
+    log = (cache / f"server-{port}.log").open("w")
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    result: dict = {}
+    try:
+        with httpx.Client(timeout=10) as client:
+            health = _poll(client, base, start, timeout, lambda code, _: code == 200)
+            result["health_200_s"] = round(time.perf_counter() - start, 2)
+            result["buckets_at_ready"] = _buckets(health)
+            body = {"model": "xinserve-tiny", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+            client.post(f"{base}/v1/completions", json=body, timeout=timeout).raise_for_status()
+            result["first_completion_s"] = round(time.perf_counter() - start, 2)
+            health = _poll(client, base, start, timeout,
+                           lambda _, h: bool(_buckets(h)) and all(s in SETTLED for s in _buckets(h).values()))
+            result["buckets_settled_s"] = round(time.perf_counter() - start, 2)
+            result["buckets_final"] = _buckets(health)
+            result["kernels"] = {op: k["chosen"] for op, k in (health["workers"][0].get("kernels") or {}).items()}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+    return result
+
+
+def _poll(client: httpx.Client, base: str, start: float, timeout: float, done) -> dict:
+    while time.perf_counter() - start < timeout:
+        try:
+            response = client.get(f"{base}/health")
+            health = response.json()
+            if done(response.status_code, health):
+                return health
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"no milestone within {timeout:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=1, help="cold + warm pairs")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    rows = []
+    for run in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="xinserve-cold-") as tmp:
+            for kind in ("cold", "warm"):
+                row = {"run": run, "start": kind, **one_start(Path(tmp), args.timeout)}
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    print("| start | /health 200 s | first completion s | buckets settled s |")
+    print("|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['start']} | {row['health_200_s']} | {row['first_completion_s']} | {row['buckets_settled_s']} |")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"lscpu": _lscpu(), "load_average_1_5_15": load, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Builds the C++ CPU kernels of ``kernels/cpp.py`` (``kernels/csrc/``), once per machine.
+
+The build takes a minute or two and is cached under ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/xinserve/torch_extensions``), keyed by the source, the torch version and the CPU's
+instruction-set flags (it is compiled with ``-march=native``), so restarts and later workers load it
+at once; concurrent builders wait on an ``flock`` (``_build_lock``). ``built()`` says whether a
+build is on disk already without building: the registry then lets an engine start on the reference
+kernel and build in the background (kernels/registry.py, engines/warmup.py).
+"""
+
+import fcntl
+import hashlib
+import os
+import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "xinserve" / "torch_extensions")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build_key() -> str:
+    """Names the build: the source, its path, the torch version and the CPU's instruction-set flags.
+    The path too, because ninja's build file names the source by it: two checkouts sharing one
+    build directory would rewrite that file and rebuild (half a minute each) on every load."""
+    text = f"{SOURCE.read_text()}\n{SOURCE}\n{torch.__version__}\n{_cpu_flags()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Holds the build directory alone. torch's own lock is a plain file (``lock``) that a builder
+    killed mid-build leaves behind, and every later load then waits on it forever. An ``flock`` is
+    released by the kernel when its holder dies; while we hold it no builder of ours is running, so a
+    ``lock`` file still there is stale and is removed."""
+    with open(build_dir / "xinserve.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
+
+
+def build() -> ModuleType:
+    """Build (or load the build of) the extension; ImportError when it cannot be built here."""
+    from torch.utils import cpp_extension
+
+    build_dir = _build_dir(BUILD_KEY)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with _build_lock(build_dir):
+            return cpp_extension.load(
+                name=MODULE_NAME,
+                sources=[str(SOURCE)],
+                # Reassociation lets the compiler vectorise the dot products' float sums.
+                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fassociative-math",
+                              "-fno-signed-zeros", "-fno-trapping-math"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
+        raise ImportError(f"cannot build the C++ CPU kernels: {str(exc).strip().splitlines()[-1]}") from None
+
+
+BUILD_KEY = _build_key()
+BUILDS_OPS = ("decode_attention",)  # what kernels/cpp.py provides once built (kernels/registry.py)
+MODULE_NAME = f"xinserve_paged_decode_{BUILD_KEY}"
+
+
+def _build_dir(key: str) -> Path:
+    return _cache_dir() / f"paged_decode_{key}"
+
+
+def built() -> bool:
+    """Whether this source's extension is on disk for this machine (loading it then takes a moment)."""
+    return (_build_dir(BUILD_KEY) / f"{MODULE_NAME}.so").is_file()
