@@ -109,10 +109,16 @@ def check_pipeline(path: str, pp: int) -> None:
 
     config = AutoConfig.from_pretrained(path)
     name = f"{(getattr(config, 'architectures', None) or [None])[0]} at {path!r}"
-    if getattr(config, "kv_lora_rank", None):
-        raise ValueError(f"model {name}: pipeline parallelism is not implemented for multi-head latent "
-                         f"attention yet; run it with pipeline_parallel_size 1")
     stage_layers(config.num_hidden_layers, pp, name)
+
+
+def _check_stage_selection(decoder: nn.Module, layers: range, name: str) -> None:
+    """A DSA layer without its own indexer reuses the selection of the layer before it (GLM-5's
+    "shared" layers): a stage cannot start with one, the selection is not sent between stages."""
+    if decoder.has_indexer and layers.start not in decoder.indexer_layers:
+        raise ValueError(f"model {name}: pipeline stage layers {layers.start}-{layers.stop - 1} start with a DSA "
+                         f"layer that reuses the previous stage's top-k selection; choose another "
+                         "pipeline_parallel_size")
 
 
 def rank_role(rank: int, tp: int, pp: int, model: nn.Module, expert_parallel: bool) -> RankRole:
@@ -153,11 +159,14 @@ class PipelineStage:
         """Keep this stage's layers of ``model`` (a ``CausalLM`` on the meta device): the others become
         empty modules whose checkpoint weights are skipped; the embedding and LM head stay on stage 0,
         the final norm on the last stage. Sizes the KV pool for the local layers."""
-        if not hasattr(model.model, "layers") or getattr(model.model, "latent_segments", None) is not None:
-            raise ValueError(f"model {name}: pipeline parallelism is not implemented for its layers "
-                             f"(multi-head latent attention); run it with pipeline_parallel_size 1")
+        if not hasattr(model.model, "layers"):
+            raise ValueError(f"model {name}: pipeline parallelism is not implemented for its layers; run it "
+                             f"with pipeline_parallel_size 1")
         decoder, layout = model.model, self.layout
         self.layers = stage_layers(len(decoder.layers), layout.num_stages, name)[layout.stage]
+        if hasattr(decoder, "keep_layers"):  # multi-head latent attention: the latent pool of this stage's layers
+            _check_stage_selection(decoder, self.layers, name)
+            decoder.keep_layers(self.layers)
         absent = [f"model.layers.{i}." for i in range(len(decoder.layers)) if i not in self.layers]
         for i in range(len(decoder.layers)):
             if i not in self.layers:

@@ -32,6 +32,7 @@ import torch
 #   "int8_static": one scale and offset for the tensor, from calibration (msModelSlim W8A8, asymmetric)
 #   "fp8_static": one calibrated scale for the tensor (compressed-tensors FP8 static)
 Activation = Literal["none", "int8_per_token", "fp8_per_token", "int8_static", "fp8_static"]
+PER_TOKEN = ("int8_per_token", "fp8_per_token")
 
 INT8_RANGE = (-128, 127)
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
@@ -108,18 +109,22 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
     return (q * expand_grid(weight.scale.float(), weight.block, rows, cols)).to(dtype)
 
 
-def quantize_activation(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def quantize_activation(x: torch.Tensor, weight: QuantizedWeight, amax: torch.Tensor | None = None) -> torch.Tensor:
     """``act(x)`` of the module docstring: ``x`` [T, in] quantized as the weight's scheme says and
-    dequantized back to x's dtype (the reference computes the matmul in floating point)."""
+    dequantized back to x's dtype (the reference computes the matmul in floating point). ``amax``
+    [T, 1] float32: the per-token schemes' largest magnitude per row, when x is part of a longer row
+    (a row-parallel rank's columns); default x's own."""
     kind = weight.activation
     if kind == "none":
         return x
     xf = x.float()
+    if amax is None and kind in PER_TOKEN:
+        amax = xf.abs().amax(dim=-1, keepdim=True)
     if kind == "int8_per_token":
-        scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / INT8_RANGE[1]
+        scale = amax.clamp(min=1e-10) / INT8_RANGE[1]
         return (torch.round(xf / scale).clamp(*INT8_RANGE) * scale).to(x.dtype)
     if kind == "fp8_per_token":
-        scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        scale = amax.clamp(min=1e-12) / FP8_MAX
         return ((xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
     scale = weight.input_scale.float()
     if kind == "int8_static":

@@ -18,6 +18,7 @@ Shared experts and dense MLPs are unchanged: tensor-parallel where the model is,
 attention cannot be split (multi-head latent attention models run attention replicated under EP).
 """
 
+import copy
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,6 +135,13 @@ class ExpertParallelDispatch:
         self.fused_moe, self.group, self.exchange = fused_moe, group, exchange
         self.physical = placement.physical_index()  # [E] logical -> rank * L + slot
         self.per_rank = placement.per_rank
+
+    def with_fused_moe(self, fused_moe: Callable) -> "ExpertParallelDispatch":
+        """The same placement and exchange running the local experts with ``fused_moe`` (quantized
+        experts' kernel, engines/quantization/experts.py)."""
+        dispatch = copy.copy(self)
+        dispatch.fused_moe = fused_moe
+        return dispatch
 
     def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:

@@ -18,16 +18,11 @@ from engines.models import MODEL_REGISTRY
 from engines.models.config_check import unsupported_config_fields
 from engines.models.expert_parallel import make_exchange, place_experts
 from engines.models.tensor_parallel import Collectives, check_tensor_parallel, read_shard, shard_model
-from engines.quantization.install import (
-    dequantize_float_weights,
-    load_quantized,
-    quant_shapes,
-    swap_quantized_modules,
-)
+from engines.quantization.install import load_quantized, quant_shapes, swap_quantized_modules
 from engines.quantization.reader import checkpoint_reader
+from engines.quantization.sharding import read_rank_part
 from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
-from kernels.quantized_weight import QuantizedWeight
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -80,36 +75,27 @@ def load_model(
     shapes = model_cls.kernel_shapes(config)
     name = f"{architecture} at {path!r}"
     reader = checkpoint_reader(path, config, quantization, model_cls.FLOAT_WEIGHTS)
-    if reader is not None and (group is not None or pipeline is not None):
-        raise ValueError(f"{name}: tensor parallel with {reader[0]} quantized weights is not implemented (nor "
-                         "expert or pipeline parallel); serve it with tensor_parallel_size 1 and "
-                         "pipeline_parallel_size 1")
     if group is not None:
         check_tensor_parallel(config, group.world_size, name)
         shapes = local_shapes(shapes, group.world_size)
         if expert_parallel:  # whole experts: the routed ones keep their full intermediate size
             shapes = replace(shapes, moe_intermediate_size=model_cls.kernel_shapes(config).moe_intermediate_size)
+    build = partial(_build_on_meta, model_cls, config, name, group, expert_parallel, pipeline)
     weights, records = None, []
     if reader is not None:
         # The kernels are chosen for the quantized shapes, which only the records say: the checkpoint
-        # is read through its reader first (held on the host once, quantized), then the model built.
-        weights = dequantize_float_weights(model_cls, reader[1](_iter_safetensors(path)))
-        records = [(key, value) for key, value in weights if isinstance(value, QuantizedWeight)]
-        weights = [(key, value) for key, value in weights if not isinstance(value, QuantizedWeight)]
-        shapes = replace(shapes, quant_shapes=quant_shapes(records, shapes.num_experts))
+        # is read through its reader first, each record cut to this rank's part as it arrives (by the
+        # model split on the meta device with the reference kernels), then the model built.
+        layout = None if group is None and pipeline is None else build(REFERENCE_OPS, None)
+        weights, records = read_rank_part(layout, model_cls, reader[1](_iter_safetensors(path)), name)
+        local_experts = shapes.num_experts // (group.world_size if group is not None and expert_parallel else 1)
+        shapes = replace(shapes, quant_shapes=quant_shapes(records, local_experts))
     ops = REFERENCE_OPS if choose_ops is None else choose_ops(shapes, dtype)
     exchange = None
     if group is not None and expert_parallel and shapes.num_experts and choose_ep_exchange is not None:
         exchange = make_exchange(choose_ep_exchange(shapes, dtype), group, shapes.num_experts)  # collective
-    # Build on the meta device, then allocate once on the target: no random init, no second copy.
+    model = build(ops, exchange)
     with torch.device("meta"):
-        model = model_cls(config, ops)
-        if group is not None:
-            shard_model(model, group, name, expert_parallel)
-        if group is not None and expert_parallel:
-            place_experts(model, group, name, exchange=exchange)
-        if pipeline is not None:
-            pipeline.install(model, name)
         swap_quantized_modules(model, (key for key, _ in records), ops)
     model = model.to(dtype=dtype)
     model.keep_float32_parameters()
@@ -120,6 +106,20 @@ def load_model(
     model.reset_buffers()
     model.eval().requires_grad_(False)
     return model, config
+
+
+def _build_on_meta(model_cls: type, config: PretrainedConfig, name: str, group: Collectives | None,
+                   expert_parallel: bool, pipeline: Any | None, ops: KernelOps, exchange: Any) -> nn.Module:
+    """The model on the meta device, split for this rank: no random init, no memory."""
+    with torch.device("meta"):
+        model = model_cls(config, ops)
+        if group is not None:
+            shard_model(model, group, name, expert_parallel)
+        if group is not None and expert_parallel:
+            place_experts(model, group, name, exchange=exchange)
+        if pipeline is not None:
+            pipeline.install(model, name)
+    return model
 
 
 def _config_dtype(config: PretrainedConfig) -> torch.dtype:

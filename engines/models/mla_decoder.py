@@ -42,13 +42,20 @@ class MLADecoderModel(DecoderModel):
         super().__init__(config, replace(spec, rope_is_neox=rope_is_neox), ops, attention)
         self.indexer_rope_is_neox = indexer_rope_is_neox
         self.has_indexer = bool(indexer_layers)
-        # each layer's (first value per token, values per token) in the pool: the latents first,
-        # then the indexer keys; a segment spans first * N * BS to (first + width) * N * BS
-        latent = config.kv_lora_rank + config.qk_rope_head_dim
-        self.latent_segments = [(i * latent, latent) for i in range(config.num_hidden_layers)]
-        start, self.index_segments = config.num_hidden_layers * latent, []
-        for i in range(config.num_hidden_layers):
-            width = config.index_head_dim if i in indexer_layers else 0
+        self.indexer_layers = indexer_layers
+        self.latent_width = config.kv_lora_rank + config.qk_rope_head_dim
+        self.index_head_dim = getattr(config, "index_head_dim", 0)
+        self.keep_layers(range(config.num_hidden_layers))
+
+    def keep_layers(self, layers: range) -> None:
+        """Lay the pool out for ``layers`` only (a pipeline stage's; engines/pipeline_parallel.py): each
+        kept layer's (first value per token, values per token), the latents first, then the indexer
+        keys; a segment spans first * N * BS to (first + width) * N * BS."""
+        latent = self.latent_width
+        self.latent_segments = [(i * latent, latent) for i in range(len(layers))]
+        start, self.index_segments = len(layers) * latent, []
+        for i in layers:
+            width = self.index_head_dim if i in self.indexer_layers else 0
             self.index_segments.append((start, width) if width else None)
             start += width
         self.values_per_token = start
@@ -99,7 +106,7 @@ class MLACausalLM(CausalLM):
         )
         self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
         self.logits_gather = None  # tensor parallel: engines/models/tensor_parallel.py sets the gather
-        self.absent_weights: tuple[str, ...] = ()  # MLA models are refused under a pipeline (one latent pool)
+        self.absent_weights: tuple[str, ...] = ()  # pipeline parallel: another stage's weights
 
     @staticmethod
     def spec(config: Any) -> DecoderSpec:

@@ -109,9 +109,11 @@ class ParallelExperts(Experts):
     """Every routed expert's slice ``[start, start + I / tp)`` of its intermediate dim: gate and up
     rows column-parallel, down columns row-parallel (the block's output is all-reduced once)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, full_intermediate: int, rank: int, tp: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, full_intermediate: int, rank: int, tp: int,
+                 group: Collectives | None = None) -> None:
         super().__init__(num_experts, hidden_size, full_intermediate // tp)
         self.full_intermediate, self.start = full_intermediate, rank * (full_intermediate // tp)
+        self.group = group  # what sums the ranks' partial outputs (quantized experts call it themselves)
 
     def read_shard(self, piece: Piece, leaf: str, shard: int | None) -> torch.Tensor:
         # one expert's [I, Hd] gate or up, [2I, Hd] gate_up or [Hd, I] down; or all experts stacked
@@ -296,7 +298,7 @@ def _shard_moe(block: SparseMoeBlock, rank: int, tp: int, group: Collectives, na
     num_experts, hidden, full = experts.down_proj.shape
     if full % tp:
         raise ValueError(f"model {name}: the experts' intermediate size {full} does not divide by {tp}")
-    block.experts = ParallelExperts(num_experts, hidden, full, rank, tp)
+    block.experts = ParallelExperts(num_experts, hidden, full, rank, tp, group)
     block.fused_moe = partial(_all_reduced, block.fused_moe, group)
     if block.shared_experts is not None:
         _shard_mlp(block.shared_experts, rank, tp, group)

@@ -1,8 +1,15 @@
 """Quantized routed experts: each expert's gate/up and down records (one per expert, as the checkpoint
 names them) merged and stacked into one [E, ...] record each (engines/quantization/records.py), prepared
 once by the ``quant_fused_moe`` kernel and computed by it. Stands in for ``Experts``
-(engines/models/moe.py), whose ``SparseMoeBlock`` calls it with the routing."""
+(engines/models/moe.py), whose ``SparseMoeBlock`` calls it with the routing.
 
+Under tensor parallel it holds every expert's intermediate slice and all-reduces its partial output
+(``reduce``); under expert parallel it holds this rank's whole experts in their slots (``slots``:
+checkpoint expert -> slot) and runs them through the block's dispatch (engines/models/expert_parallel.py).
+A per-token activation scheme on the down projection needs each token's whole intermediate row, so
+experts quantized so are refused split along that dim (expert parallel keeps them whole)."""
+
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,12 +17,17 @@ from torch import nn
 
 from engines.quantization.records import merge_shards, stack_experts
 from kernels.ops import KernelOps
-from kernels.quantized_weight import QuantizedWeight, QuantShape, quant_shape, weight_to
+from kernels.quantized_weight import PER_TOKEN, QuantizedWeight, QuantShape, quant_shape, weight_to
 
 
 class QuantExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops: KernelOps) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, ops: KernelOps,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, slots: dict[int, int] | None = None,
+                 dispatch: Any = None) -> None:
         super().__init__()
+        self.reduce, self.slots = reduce, slots
+        # expert parallel: the block's ExpertParallelDispatch, running this rank's experts with our kernel
+        self.dispatch = None if dispatch is None else dispatch.with_fused_moe(self._local_experts)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.prepare, self.quant_fused_moe = ops.prepare_quant_experts, ops.quant_fused_moe
         # (projection, expert, shard) -> record, until finish; projection "gate_up_proj" or "down_proj"
@@ -34,7 +46,7 @@ class QuantExperts(nn.Module):
         if (record.out_features, record.in_features) != want:
             raise ValueError(f"checkpoint weight {name!r} is {record.out_features} x {record.in_features}, "
                              f"expected {want[0]} x {want[1]}")
-        self.records[(projection, expert, shard or 0)] = record
+        self.records[(projection, expert if self.slots is None else self.slots[expert], shard or 0)] = record
 
     def _stacked(self, name: str, projection: str, shards: int) -> QuantizedWeight:
         per_expert = []
@@ -54,10 +66,22 @@ class QuantExperts(nn.Module):
     def finish(self, name: str, device: torch.device, dtype: torch.dtype) -> None:
         w13 = weight_to(self._stacked(name, "gate_up_proj", 2), device)
         w2 = weight_to(self._stacked(name, "down_proj", 1), device)
+        if self.reduce is not None and w2.activation in PER_TOKEN:
+            raise ValueError(f"{name}: experts whose down projection quantizes its input per token ({w2.activation}) "
+                             "cannot be split along their intermediate dim exactly; enable expert parallel "
+                             "(whole experts per rank)")
         self.records = {}
         self.shapes = [quant_shape(w13), quant_shape(w2)]
         self.weights = self.prepare(w13, w2, dtype)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x: [T, Hd], topk_weights / topk_ids: [T, K] -> [T, Hd]."""
-        return self.quant_fused_moe(x, self.weights, topk_weights, topk_ids)
+        if self.dispatch is not None:
+            return self.dispatch(x, self.weights, None, topk_weights, topk_ids)
+        out = self.quant_fused_moe(x, self.weights, topk_weights, topk_ids)
+        return out if self.reduce is None else self.reduce(out)
+
+    def _local_experts(self, rows: torch.Tensor, weights: Any, _: None, topk_weights: torch.Tensor,
+                       slots: torch.Tensor) -> torch.Tensor:
+        """The dispatch's ``fused_moe``: rows [n, Hd] through this rank's experts ``slots`` [n, 1]."""
+        return self.quant_fused_moe(rows, weights, topk_weights, slots)

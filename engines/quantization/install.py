@@ -6,7 +6,7 @@ the bytes the weights hold in memory are counted.
 Only linear projections and routed experts hold quantized weights: a record for an embedding, a norm,
 a router or ``lm_head`` is refused (every format here leaves them in floats). A model's
 ``FLOAT_WEIGHTS`` (MLA's ``kv_b_proj``, whose weight the attention reads directly) are dequantized at
-load instead (``dequantize_float_weights``).
+load instead (engines/quantization/sharding.py, which also cuts each record to a parallel rank's part).
 """
 
 import dataclasses
@@ -17,25 +17,19 @@ import torch
 from torch import nn
 
 from engines.models.decoder import CausalLM
-from engines.models.moe import Experts, Router
+from engines.models.expert_parallel import ExpertParallelExperts
+from engines.models.moe import Experts, Router, SparseMoeBlock
+from engines.models.tensor_parallel import ParallelExperts, RowParallelLinear
 from engines.quantization.experts import QuantExperts
 from engines.quantization.linear import QuantLinear
 from kernels.ops import KernelOps
-from kernels.quantized_weight import QuantizedWeight, QuantShape, dequantize, quant_shape
+from kernels.quantized_weight import QuantizedWeight, QuantShape, quant_shape
 
 QUANT_MODULES = (QuantLinear, QuantExperts)
 
 
 def is_float_weight(model_cls: type[CausalLM], name: str) -> bool:
     return name.endswith(model_cls.FLOAT_WEIGHTS)
-
-
-def dequantize_float_weights(model_cls: type[CausalLM], entries: Iterable[tuple[str, Any]]
-                             ) -> list[tuple[str, Any]]:
-    """The checkpoint entries with the records of the model's ``FLOAT_WEIGHTS`` dequantized (float32;
-    the model casts them to its dtype as it loads them)."""
-    return [(name, dequantize(value) if isinstance(value, QuantizedWeight) and is_float_weight(model_cls, name)
-             else value) for name, value in entries]
 
 
 def quant_shapes(records: Iterable[tuple[str, QuantizedWeight]], num_experts: int) -> tuple[QuantShape, ...]:
@@ -55,7 +49,9 @@ def quant_shapes(records: Iterable[tuple[str, QuantizedWeight]], num_experts: in
 
 def swap_quantized_modules(model: CausalLM, names: Iterable[str], ops: KernelOps) -> None:
     """On the meta-device model: replace every module a quantized record ``names`` targets (those the
-    model skips, such as GLM-4.5's multi-token-prediction layer, are left alone)."""
+    model skips, such as GLM-4.5's multi-token-prediction layer, are left alone). A tensor-parallel
+    shard keeps its collectives: a row-parallel projection's all-reduce, split experts' all-reduce, or
+    expert parallel's dispatch (engines/models/tensor_parallel.py, expert_parallel.py)."""
     for name in names:
         if model._skipped(name):
             continue
@@ -64,18 +60,30 @@ def swap_quantized_modules(model: CausalLM, names: Iterable[str], ops: KernelOps
         module = model.get_submodule(module_name)
         if isinstance(module, QUANT_MODULES):
             continue
+        parent, _, child = module_name.rpartition(".")
         if isinstance(module, Experts):
             hidden, inter = module.down_proj.shape[1:]  # down_proj: [E, Hd, I]
-            replacement: nn.Module = QuantExperts(module.num_experts, hidden, inter, ops)
+            replacement: nn.Module = QuantExperts(module.num_experts, hidden, inter, ops,
+                                                  **_experts_collectives(model.get_submodule(parent)))
         elif isinstance(module, nn.Linear) and not isinstance(module, Router) and module is not model.lm_head:
             sizes = getattr(module, "output_sizes", [module.out_features])
-            replacement = QuantLinear(module.in_features, list(sizes), module.bias is not None, ops)
+            group = module.group if isinstance(module, RowParallelLinear) else None
+            replacement = QuantLinear(module.in_features, list(sizes), module.bias is not None, ops, group)
         else:
             raise ValueError(f"checkpoint weight {name!r} is quantized, but {type(model).__name__} keeps "
                              f"{module_name} ({type(module).__name__}) in floats: quantized embeddings, norms, "
                              "routers and lm_head are not implemented")
-        parent, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent), child, replacement)
+
+
+def _experts_collectives(block: SparseMoeBlock) -> dict[str, Any]:
+    """QuantExperts' keyword arguments for the routed experts of ``block``, as split on the meta device."""
+    experts = block.experts
+    if isinstance(experts, ExpertParallelExperts):
+        return {"slots": experts.slots, "dispatch": block.fused_moe}
+    if isinstance(experts, ParallelExperts):
+        return {"reduce": experts.group.all_reduce}
+    return {}
 
 
 def load_quantized(model: CausalLM, records: Iterable[tuple[str, QuantizedWeight]], device: torch.device,

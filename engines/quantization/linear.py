@@ -5,8 +5,15 @@ It stands in for an ``nn.Linear`` or a fused ``MergedLinear`` (q/k/v, gate/up) o
 meta device (engines/quantization/install.py swaps it in); the loader hands it one record per
 checkpoint shard, and ``finish`` merges them (engines/quantization/records.py) and prepares them on
 the device. The bias, when there is one, is an ordinary float parameter loaded like any other.
+
+A row-parallel shard (``group`` given: o_proj / down_proj under tensor parallel) sums the ranks'
+partial products with one all-reduce before adding the bias. Its per-token activation scales must be
+those of the whole row, not of its columns, for the result to equal one device's: the ranks exchange
+each token's largest magnitude (one all-gather of [T, 1]), quantize their columns with it here, and
+the kernel runs weight-only on them (same math; a device's int8 GEMM is not used for these layers).
 """
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -14,12 +21,22 @@ from torch import nn
 
 from engines.quantization.records import merge_shards
 from kernels.ops import KernelOps
-from kernels.quantized_weight import QuantizedWeight, QuantShape, quant_shape, weight_to
+from kernels.quantized_weight import (
+    PER_TOKEN,
+    QuantizedWeight,
+    QuantShape,
+    quant_shape,
+    quantize_activation,
+    weight_to,
+)
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, ops: KernelOps) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, ops: KernelOps,
+                 group: Any | None = None) -> None:
         super().__init__()
+        self.group = group  # row-parallel: the tensor-parallel collectives (engines/models/tensor_parallel.py)
+        self.row_activation: QuantizedWeight | None = None  # per-token scheme quantized here over the row
         self.in_features, self.output_sizes = in_features, output_sizes
         self.out_features = sum(output_sizes)
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
@@ -48,15 +65,22 @@ class QuantLinear(nn.Module):
             raise ValueError(f"checkpoint is missing the quantized shards {missing} of {name}")
         merged = merge_shards(self.shards)
         self.shapes = [quant_shape(r) for r in merged]
+        if self.group is not None and merged[0].activation in PER_TOKEN:
+            self.row_activation = merged[0]
+            merged = [replace(r, activation="none") for r in merged]
         self.weights = [self.prepare(weight_to(r, device), dtype) for r in merged]
         self.shards = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in] -> [..., out]."""
         flat = x.reshape(-1, self.in_features)
-        if len(self.weights) == 1:
+        if self.row_activation is not None:  # [T, 1] the whole row's largest magnitude per token
+            amax = torch.stack(self.group.all_gather(flat.float().abs().amax(dim=-1, keepdim=True))).amax(0)
+            flat = quantize_activation(flat, self.row_activation, amax)
+        if len(self.weights) == 1 and self.group is None:
             out = self.quant_linear(flat, self.weights[0], self.bias)
         else:  # shards that could not be merged: one call each, outputs side by side
             out = torch.cat([self.quant_linear(flat, weight, None) for weight in self.weights], dim=-1)
+            out = out if self.group is None else self.group.all_reduce(out)
             out = out if self.bias is None else out + self.bias
         return out.view(*x.shape[:-1], self.out_features)

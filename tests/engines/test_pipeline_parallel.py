@@ -1,6 +1,7 @@
 """Pipeline parallelism on CPU ranks (gloo): greedy tokens equal transformers' for a dense and an MoE
 model at PP 2 and for TP 2 x PP 2 (dense, and MoE with expert parallelism) on 4 ranks, under batching, preemption,
-prefix hits and chunked prefill; two micro-batches are in flight per step; each rank reports its
+prefix hits and chunked prefill, and for GLM-5 (MLA + DSA, each stage's latent pool its own layers')
+at PP 2; two micro-batches are in flight per step; each rank reports its
 role; bad splits name the model."""
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 
 from engines import LLM
 from engines.micro_batch import micro_batches
-from engines.pipeline_parallel import stage_layers
+from engines.models.loader import load_model
+from engines.pipeline_parallel import PipelineStage, StageLayout, stage_layers
 from kernels.attention_metadata import AttentionMetadata, build_decode_gather
 from tests.engines.test_llm_vs_transformers import GREEDY, Reference, assert_all_blocks_free, random_prompts
 
@@ -17,6 +19,9 @@ CASES = {
     "glm4_moe_pp2": ("glm4_moe", {}, 1, 2, False),  # a dense first layer on stage 0, experts on stage 1
     "llama_tp2_pp2": ("llama", {"num_layers": 3}, 2, 2, False),
     "qwen3_moe_tp2_pp2_ep": ("qwen3_moe", {}, 2, 2, True),
+    # GLM-5: MLA with the latent pool of each stage's layers, the DSA indexer on layers 0 and 2, layer 1
+    # reusing layer 0's selection on the same stage (TP 2 x PP 2 passes too, in about 4 minutes on 2 cores)
+    "glm_moe_dsa_pp2": ("glm_moe_dsa", {"indexer_types": ["full", "shared", "full"]}, 1, 2, False),
 }
 
 
@@ -41,7 +46,7 @@ def test_stages_match_transformers_with_preemption_prefix_caching_and_chunks(tin
     # more sends than steps: steps with several sequences ran as two micro-batches
     assert counts["send"] > counts["broadcast"]
     assert [(r["role"]["pp_stage"], r["role"]["tp_rank"]) for r in ranks] == [(s, t) for s in range(pp) for t in range(tp)]
-    if arch == "llama":
+    if arch in ("llama", "glm_moe_dsa"):
         assert [r["role"]["layers"] for r in ranks] == [layers for layers in ("0-1", "2-2") for _ in range(tp)]
     if ep:
         assert [r["role"]["expert_range"] for r in ranks] == ["0-3", "4-7", "0-3", "4-7"]
@@ -90,5 +95,8 @@ def test_bad_pipelines_name_the_model(tiny_models):
     with pytest.raises(ValueError, match=r"LlamaForCausalLM at .*pipeline_parallel_size 3 does not fit: 2 layers "
                                          r"cannot be split over 3 stages"):
         LLM(tiny_models("llama"), pipeline_parallel_size=3)
-    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM at .*pipeline parallelism is not implemented"):
-        LLM(tiny_models("deepseek_v3"), pipeline_parallel_size=2)
+    shared_at_stage_start = tiny_models("glm_moe_dsa", indexer_types=["full", "full", "shared"])
+    with pytest.raises(ValueError, match=r"GlmMoeDsaForCausalLM at .*: pipeline stage layers 2-2 start with a DSA "
+                                         r"layer that reuses the previous stage's top-k selection"):
+        load_model(str(shared_at_stage_start), None, torch.device("cpu"),
+                   pipeline=PipelineStage(None, StageLayout.of(1, 1, 2)))

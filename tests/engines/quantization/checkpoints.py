@@ -17,10 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from kernels.quantized_weight import QuantizedWeight, quantize_activation
+from kernels.quantized_weight import FP8_MAX, QuantizedWeight, expand_grid, quantize_activation
 
 # name, float32 weight -> (the tensors the format stores for it, leaf name -> tensor; its activation
 # scheme as a record, or None when weight-only; the weight the stored tensors dequantize to), or None
@@ -37,6 +38,19 @@ def spread_rows(weight: torch.Tensor) -> torch.Tensor:
     rows = weight.shape[0]
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(rows))
     return weight * (2.0 ** torch.linspace(-1, 1, rows))[order, None]
+
+
+def fp8_blocks(block: tuple[int, int]) -> Quantizer:
+    """Block FP8 as DeepSeek-V3 stores it: e4m3 weights, one float32 ``weight_scale_inv`` per block."""
+    def quantize(name: str, weight: torch.Tensor):
+        rows, cols = weight.shape
+        (br, bc), grid = block, (-(-rows // block[0]), -(-cols // block[1]))
+        padded = F.pad(weight, (0, -cols % bc, 0, -rows % br))
+        scale = padded.abs().reshape(grid[0], br, grid[1], bc).amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+        q = (weight / expand_grid(scale, block, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale_inv": scale}, None, q.float() * expand_grid(scale, block, rows, cols)
+
+    return quantize
 
 
 def write_quantized(src: Path, dst: Path, oracle: Path, quantize: Quantizer, quantization_config: dict | None

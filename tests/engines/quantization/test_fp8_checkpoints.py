@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from engines import LLM, SamplingParams
 from engines.models.loader import load_model
 from engines.quantization.experts import QuantExperts
 from engines.quantization.linear import QuantLinear
-from kernels.quantized_weight import FP8_MAX, expand_grid
-from tests.engines.quantization.checkpoints import hf_greedy, write_quantized
+from tests.engines.quantization.checkpoints import fp8_blocks, hf_greedy, write_quantized
 
 BLOCK = (32, 32)
 CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
@@ -24,13 +22,7 @@ PROMPTS = [[1, 17, 42, 99, 7, 250], [1, 5, 300, 12]]
 MAX_TOKENS = 8
 
 
-def fp8_block(name: str, weight: torch.Tensor):
-    rows, cols = weight.shape
-    (br, bc), grid = BLOCK, (-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
-    padded = F.pad(weight, (0, -cols % bc, 0, -rows % br))
-    scale = padded.abs().reshape(grid[0], br, grid[1], bc).amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-    q = (weight / expand_grid(scale, BLOCK, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return {"weight": q, "weight_scale_inv": scale}, None, q.float() * expand_grid(scale, BLOCK, rows, cols)
+fp8_block = fp8_blocks(BLOCK)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """How the loader meets quantization: a scheme no format implements is refused by name (never read as
-floats), ``quantization`` forces a scheme or refuses a mismatch, tensor parallelism over quantized
-weights is refused clearly, and a float checkpoint is quantized on the fly (``w8a8``: int8 weights
+floats), ``quantization`` forces a scheme or refuses a mismatch (tensor, expert and pipeline parallel over
+quantized weights: test_quantized_parallel.py), and a float checkpoint is quantized on the fly (``w8a8``: int8 weights
 with per-channel scales, per-token int8 activations) with its weights kept in int8, reported in
 bytes, and computing what transformers computes with the same quantization (greedy regret bound as
 in test_compressed_tensors.py)."""
@@ -8,7 +8,6 @@ in test_compressed_tensors.py)."""
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,12 +46,6 @@ def test_a_forced_scheme_that_the_checkpoint_does_not_have_is_refused(tiny_model
         load_model(str(fp8), None, CPU, quantization="compressed-tensors")
     with pytest.raises(ValueError, match="needs a checkpoint quantized as 'compressed-tensors'.*float weights"):
         load_model(str(tiny_model_dir), None, CPU, quantization="compressed-tensors")
-
-
-def test_tensor_parallel_over_quantized_weights_is_refused(tiny_model_dir: Path) -> None:
-    group = SimpleNamespace(world_size=2, rank=0)
-    with pytest.raises(ValueError, match="tensor parallel with w8a8 quantized weights is not implemented"):
-        load_model(str(tiny_model_dir), None, CPU, group=group, quantization="w8a8")
 
 
 def test_unknown_quantization_option_is_refused_by_the_engine_config() -> None:
