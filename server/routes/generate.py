@@ -90,7 +90,8 @@ def _outcome(exc: BaseException) -> str:
     return "error 500" if isinstance(exc, Exception) else "cancelled"
 
 
-Frames = Callable[[GenerationGroup, list[list[Delta]]], AsyncIterator[dict[str, Any]]]
+# a view's stream: chunks, or lists of chunks ready together (each list is one write)
+Frames = Callable[[GenerationGroup, list[list[Delta]]], AsyncIterator[dict[str, Any] | list[dict[str, Any]]]]
 Body = Callable[[GenerationGroup], dict[str, Any]]
 
 
