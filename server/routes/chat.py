@@ -105,21 +105,25 @@ class _ChatView:
         usage = responses.usage(group.prompt_tokens, group.completion_tokens)
         return responses.chat_completion(group.request_id, self.created, self.model, choices, usage)
 
-    async def frames(self, group: GenerationGroup, firsts: list[list[Delta]]) -> AsyncIterator[dict[str, Any]]:
+    async def frames(self, group: GenerationGroup, firsts: list[list[Delta]]) -> AsyncIterator[list[dict[str, Any]]]:
+        """Bursts of chunks, each burst what one batch of deltas gave (sent as one write)."""
         (gen,) = group.gens
         # The first delta of every choice carries the role, as OpenAI's do.
-        for i in range(len(gen.choices)):
-            yield self._chunk(group, [responses.chunk_choice(i, {"role": "assistant", "content": ""})])
-        for d in firsts[0]:
-            if (chunk := self._delta_chunk(group, d)) is not None:
-                yield chunk
+        burst = [self._chunk(group, [responses.chunk_choice(i, {"role": "assistant", "content": ""})])
+                 for i in range(len(gen.choices))]
+        yield self._deltas_burst(group, firsts[0], burst)
         async for _, deltas in group.merged():
-            for d in deltas:
-                if (chunk := self._delta_chunk(group, d)) is not None:
-                    yield chunk
-        if self.with_usage:
+            if burst := self._deltas_burst(group, deltas, []):
+                yield burst
+
+    def _deltas_burst(self, group: GenerationGroup, deltas: list[Delta], burst: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``burst`` plus the chunks of ``deltas``; the usage chunk too once every choice is done."""
+        burst.extend(chunk for d in deltas if (chunk := self._delta_chunk(group, d)) is not None)
+        if self.with_usage and group.gens[0].done:
             usage = responses.usage(group.prompt_tokens, group.completion_tokens)
-            yield responses.chat_chunk(group.request_id, self.created, self.model, [], with_usage=True, usage_=usage)
+            burst.append(responses.chat_chunk(group.request_id, self.created, self.model, [], with_usage=True,
+                                              usage_=usage))
+        return burst
 
     def _chunk(self, group: GenerationGroup, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return responses.chat_chunk(group.request_id, self.created, self.model, choices, with_usage=self.with_usage)

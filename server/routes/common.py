@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
@@ -27,6 +28,9 @@ def new_request_id(prefix: str) -> str:
     requests may send the same one, and the engine needs each id to be unique (the header is for
     logs and the response header)."""
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+_encode_json = msgspec.json.Encoder().encode
 
 
 def dumps(obj: Any) -> str:
@@ -100,8 +104,12 @@ def log_fields(request: Request, gen: Any, status: str) -> None:
 
 
 def sse_frame(obj: Any) -> bytes:
-    """One ``data: {json}`` event, framed here: compact JSON never contains a raw line break."""
-    return b"data: " + dumps(obj).encode() + b"\n\n"
+    """One ``data: {json}`` event, framed here: compact JSON never contains a raw line break.
+
+    msgspec writes the same compact UTF-8 JSON as ``dumps`` several times faster (a frame per token
+    per stream), and a non-finite float (a log-prob of -inf) as ``null``, where ``json`` wrote
+    ``-Infinity``, which is not JSON."""
+    return b"data: " + _encode_json(obj) + b"\n\n"
 
 
 class EventStream(EventSourceResponse):
@@ -119,10 +127,11 @@ class EventStream(EventSourceResponse):
 
 
 def event_stream(
-    request: Request, gen: Any, items: AsyncIterator[dict[str, Any]], metrics: Any, *,
+    request: Request, gen: Any, items: AsyncIterator[dict[str, Any] | list[dict[str, Any]]], metrics: Any, *,
     frame: Callable[[dict[str, Any]], bytes], error_body: Callable[[APIError], dict[str, Any]], last: bytes = b"",
 ) -> EventSourceResponse:
-    """Stream ``items``, each framed by ``frame``, then ``last`` (if any) once they end.
+    """Stream ``items``, each framed by ``frame``, then ``last`` (if any) once they end. An item that
+    is a list of frames (several chunks ready at once) goes out as one write.
 
     ``gen``: a ``GenerationGroup`` (``request_id``, ``abort()``, ``observe(metrics, end)``).
 
@@ -135,7 +144,8 @@ def event_stream(
         status = "disconnected"
         try:
             async for item in items:
-                yield frame(item)
+                # A list is a burst of frames ready together: one write (one ASGI message, one send).
+                yield b"".join(map(frame, item)) if isinstance(item, list) else frame(item)
             status = "ok"
         except APIError as exc:
             status = f"error {exc.status}"

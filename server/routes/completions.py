@@ -92,7 +92,8 @@ class _CompletionView:
         usage = responses.usage(group.prompt_tokens, group.completion_tokens)
         return responses.completion(self.request_id, self.created, self.model, choices, usage)
 
-    async def frames(self, group: GenerationGroup, firsts: list[list[Delta]]) -> AsyncIterator[dict[str, Any]]:
+    async def frames(self, group: GenerationGroup, firsts: list[list[Delta]]) -> AsyncIterator[list[dict[str, Any]]]:
+        """Bursts of chunks, each burst what one batch of deltas gave (sent as one write)."""
         n, echoes = self.n, self.echoes
         offsets = [[len(echoes[k])] * n for k in range(len(group.gens))]
 
@@ -103,22 +104,29 @@ class _CompletionView:
             choice = responses.completion_choice(k * n + d.index, prefix + d.text, d.finish_reason, logprobs)
             return responses.completion(self.request_id, self.created, self.model, [choice], None)
 
+        def usage_if_done() -> list[dict[str, Any]]:
+            """The usage chunk, with the burst after which every generation is done."""
+            if not self.with_usage or not all(g.done for g in group.gens):
+                return []
+            usage = responses.usage(group.prompt_tokens, group.completion_tokens)
+            return [responses.completion(self.request_id, self.created, self.model, [], usage)]
+
+        burst = []  # the first deltas of every prompt: one write
         for k, deltas in enumerate(firsts):
             echoed = set()
             for d in deltas:
-                yield frame(k, d, echoes[k])
+                burst.append(frame(k, d, echoes[k]))
                 echoed.add(d.index)
             for i in range(n):  # a choice with no first delta yet still echoes first
                 if echoes[k] and i not in echoed:
                     logprobs = self._with_prompt(k, group.gens[k], echoes[k], None)
                     choice = responses.completion_choice(k * n + i, echoes[k], None, logprobs)
-                    yield responses.completion(self.request_id, self.created, self.model, [choice], None)
+                    burst.append(responses.completion(self.request_id, self.created, self.model, [choice], None))
+        if burst := burst + usage_if_done():
+            yield burst
         async for k, deltas in group.merged():
-            for d in deltas:
-                yield frame(k, d, "")
-        if self.with_usage:
-            usage = responses.usage(group.prompt_tokens, group.completion_tokens)
-            yield responses.completion(self.request_id, self.created, self.model, [], usage)
+            if burst := [frame(k, d, "") for d in deltas] + usage_if_done():
+                yield burst
 
     def _with_prompt(
         self, k: int, gen: Generation, echo: str, logprobs: dict[str, Any] | None
