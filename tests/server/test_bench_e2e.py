@@ -2,6 +2,7 @@
 with categories, an open-loop run, the JSON document, and PNG plots of one and of two servers."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,20 +10,21 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.server.conftest import KEY_A
+
 REPO = Path(__file__).resolve().parents[2]
 PNG_SIZE = (1100, 750)  # figsize 11 x 7.5 inches at 100 dpi
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model_dir):
-    srv = start_server(["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--cpu-threads", "1"])
-    srv.wait_ready()
-    return srv
+def server(keyed_server):
+    """The session's keyed two-model server; the bench runs as team-a, whose key sees only "tiny"."""
+    return keyed_server
 
 
 def xinserve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, check=False)
+                          timeout=600, check=False, env={**os.environ, "XINSERVE_API_KEY": KEY_A})
 
 
 def test_levels_categories_json_and_plot(server, tmp_path):
