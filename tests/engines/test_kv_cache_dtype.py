@@ -121,3 +121,14 @@ def test_mla_refuses_an_8bit_cache_by_name_in_the_planner_and_the_engine(tiny_mo
     assert plan(path, kv_cache_dtype="bfloat16").kv_bytes_per_token_per_device > 0
     with pytest.raises(ValueError, match="not implemented for MLA"):
         plan(path, kv_cache_dtype="int8")
+
+
+def test_chunks_preemption_and_drafts_over_an_int8_cache_give_the_one_shot_output(runs, stories_dir):
+    """A token's 8-bit row depends on nothing but its own K/V, so prefill in 8-token chunks, recompute after
+    preemption (12 blocks of 4 for two sequences of up to 39 tokens) and n-gram drafts whose rejected slots
+    are rewritten all read back what one whole-prompt prefill wrote."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    with LLM(stories_dir, kv_cache_dtype="int8", block_size=4, num_kv_blocks=12, max_num_batched_tokens=8,
+             max_num_seqs=2, speculative_config=ngram) as llm:
+        assert [out.token_ids for out in llm.generate(PROMPTS, GREEDY)] == runs["int8"][0]
+        assert llm.engine.scheduler.num_preemptions > 0
