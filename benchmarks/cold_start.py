@@ -26,7 +26,6 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "cold_start.json"
-SETTLED = ("compiled", "failed", "eager")  # a bucket's last state: nothing more will change it
 
 
 def _free_port() -> int:
@@ -44,11 +43,15 @@ def _lscpu() -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in fields.items() if k.strip() in ("Model name", "CPU(s)", "Flags")}
 
 
-def _buckets(health: dict) -> dict[str, str]:
-    """bucket -> state of the first worker (the default config has one)."""
+def _graphs(health: dict) -> dict:
+    """The first worker's ``info.decode_graphs`` (the default config has one worker)."""
     workers = health.get("workers") or []
-    graphs = (workers[0].get("info") or {}).get("decode_graphs") if workers else None
-    return {} if not graphs else {str(b): s["state"] for b, s in graphs.get("buckets", {}).items()}
+    return ((workers[0].get("info") or {}).get("decode_graphs") or {}) if workers else {}
+
+
+def _buckets(health: dict) -> dict[str, str]:
+    """bucket -> state."""
+    return {b: s["state"] for b, s in _graphs(health).get("buckets", {}).items()}
 
 
 def one_start(cache: Path, timeout: float) -> dict:
@@ -71,8 +74,8 @@ def one_start(cache: Path, timeout: float) -> dict:
             body = {"model": "xinserve-tiny", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
             client.post(f"{base}/v1/completions", json=body, timeout=timeout).raise_for_status()
             result["first_completion_s"] = round(time.perf_counter() - start, 2)
-            health = _poll(client, base, start, timeout,
-                           lambda _, h: bool(_buckets(h)) and all(s in SETTLED for s in _buckets(h).values()))
+            # settled: the warm-up is over (deferred C++ kernels built and swapped, every bucket tried)
+            health = _poll(client, base, start, timeout, lambda _, h: bool(_graphs(h).get("settled")))
             result["buckets_settled_s"] = round(time.perf_counter() - start, 2)
             result["buckets_final"] = _buckets(health)
             result["kernels"] = {op: k["chosen"] for op, k in (health["workers"][0].get("kernels") or {}).items()}

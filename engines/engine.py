@@ -103,7 +103,8 @@ class LLMEngine:
         return num_blocks
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel engine and the KV-event publisher."""
+        """Stop the other ranks of a tensor-parallel engine, the KV-event publisher and the warm-up."""
+        self.warmup.stop()
         self.runner.close()
         if self.kv_events is not None:
             self.kv_events.close()

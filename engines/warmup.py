@@ -38,12 +38,17 @@ class Warmup:
         self.runner = runner
         self.version = 0
         self.done = threading.Event()
+        self.stopping = threading.Event()  # set by ``stop``: no further build or compile starts
         self.thread: threading.Thread | None = None
         if background:
             self.thread = threading.Thread(target=self._run, name="xinserve-warmup", daemon=True)
             self.thread.start()
         else:
             self._work()
+
+    def stop(self) -> None:
+        """Start nothing more (the engine is closing); a compile under way finishes on its own."""
+        self.stopping.set()
 
     def report(self) -> dict:
         """For /health: the compile mode, whether compiling is over, and each decode bucket's state."""
@@ -63,7 +68,7 @@ class Warmup:
             if self.runner.kernels.deferred:
                 self._build_kernels()
             graphs = self.runner.decode_graphs
-            if graphs is not None and graphs.compiler is not None:
+            if graphs is not None and graphs.compiler is not None and not self.stopping.is_set():
                 self._compile_buckets(graphs)
         except Exception:  # a bug here must not take the engine down: it serves eagerly
             logger.exception("background warm-up stopped")
@@ -80,7 +85,8 @@ class Warmup:
             except ImportError as exc:
                 logger.warning("%s kernels unavailable: %s", name, exc)
         shapes, dtype, forced = self.runner.kernel_request
-        new = select(self.runner.platform.kind, self.runner.device, dtype, shapes, forced, defer_builds=True)
+        # Not deferring now: a build that failed is reported as such ("not installed: cannot build ...").
+        new = select(self.runner.platform.kind, self.runner.device, dtype, shapes, forced)
         swapped = [op for op, name in new.chosen.items() if name in old.deferred and old.chosen.get(op) != name]
         functions = {f: getattr(new.ops, f) for op in swapped for f in OP_FUNCTIONS[op]}
         merged = replace(new, chosen={op: new.chosen[op] if op in swapped else name for op, name in old.chosen.items()},
@@ -94,7 +100,7 @@ class Warmup:
 
     def _compile_buckets(self, graphs: DecodeGraphs) -> None:
         done = 0
-        while (size := graphs.next_to_compile()) is not None:
+        while not self.stopping.is_set() and (size := graphs.next_to_compile()) is not None:
             done += 1
             graphs.states[size] = "compiling"
             self.version += 1

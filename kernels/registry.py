@@ -144,10 +144,11 @@ def select(
         correct: dict[str, dict[str, Callable]] = {}
         reason = None
         for name in names:
-            if defer_builds and op not in forced and _unbuilt(name, op, shapes):
-                if name not in selection.deferred:
-                    selection.deferred.append(name)
-                selection.rejected.setdefault(op, []).append((name, "not built yet: building in the background"))
+            if defer_builds and op not in forced and _unbuilt(name):  # importing it would build it
+                if _builds(name, op, shapes):
+                    if name not in selection.deferred:
+                        selection.deferred.append(name)
+                    selection.rejected.setdefault(op, []).append((name, "not built yet: building in the background"))
                 continue
             candidate, reason = _try(op, name, shapes, device, dtype)
             if candidate is not None:
@@ -172,12 +173,14 @@ def select(
     return selection
 
 
-def _unbuilt(name: str, op: str, shapes: ModelShapes) -> bool:
-    """Whether ``name`` is built from source, provides ``op`` to this model, and is not built yet."""
-    if name not in BUILT_FROM_SOURCE or not applies(op, shapes):
-        return False
-    builder = importlib.import_module(BUILT_FROM_SOURCE[name])
-    return op in builder.BUILDS_OPS and not builder.built()
+def _unbuilt(name: str) -> bool:
+    """Whether ``name`` is built from source and not built yet."""
+    return name in BUILT_FROM_SOURCE and not importlib.import_module(BUILT_FROM_SOURCE[name]).built()
+
+
+def _builds(name: str, op: str, shapes: ModelShapes) -> bool:
+    """Whether ``name`` (built from source) will provide ``op``, and this model calls it."""
+    return applies(op, shapes) and op in importlib.import_module(BUILT_FROM_SOURCE[name]).BUILDS_OPS
 
 
 def _note_capture(selection: KernelSelection, op: str, name: str, chosen: Iterable[Callable]) -> None:

@@ -7,6 +7,7 @@ The compiler and the builder are test doubles that block on an event, so the tes
 compile or a build ends (no sleeps, no inductor): the "compiled" function is the eager forward
 itself, which is what makes outputs comparable token for token."""
 
+import sys
 import threading
 from typing import ClassVar
 
@@ -127,7 +128,11 @@ def test_ready_does_not_wait_for_the_cpp_build_which_swaps_in_between_steps(mode
 
     monkeypatch.setattr(kernels.cpp_build, "built", on_disk.is_set)
     monkeypatch.setattr(kernels.cpp_build, "build", build)
+    imported = sys.modules.pop("kernels.cpp", None)  # importing kernels.cpp builds it: not before ready
     llm = LLM(model, compile="off", **OPTIONS)  # returns while the build waits
+    assert "kernels.cpp" not in sys.modules
+    if imported is not None:  # loaded again later, it would register its torch op twice
+        sys.modules["kernels.cpp"] = imported
     runner = llm.engine.runner
     assert runner.kernels.chosen["decode_attention"] == "reference" and runner.kernels.deferred == ["cpp"]
     assert ("cpp", "not built yet: building in the background") in runner.kernels.rejected["decode_attention"]
