@@ -132,24 +132,23 @@ def meta_model(config: Any, model_cls: type[nn.Module], dtype: torch.dtype, tp: 
 
 
 def _is_quantized(name: str, param: nn.Parameter, model_cls: type[nn.Module]) -> bool:
-    """Linear weights are; embeddings, the LM head, norms, biases and what the model keeps in float32
-    (routers, the DSA indexer's head weights) stay in the unquantized dtype."""
-    if param.dim() < 2 or name.endswith(model_cls.FLOAT32_PARAMETERS):
+    """Linear weights are; embeddings, the LM head, norms, biases, routers, what the model keeps in
+    float32 (the DSA indexer's head weights) and its ``FLOAT_WEIGHTS`` (MLA's kv_b_proj, dequantized at
+    load) stay in the unquantized dtype, as the loader keeps them (engines/quantization/install.py)."""
+    if param.dim() < 2 or name.endswith((*model_cls.FLOAT32_PARAMETERS, *model_cls.FLOAT_WEIGHTS, "mlp.gate.weight")):
         return False
     return "embed_tokens" not in name and not name.startswith("lm_head")
 
 
-def _stage_of(name: str, num_layers: int, pp: int, tied: bool) -> list[int]:
-    """The pipeline stages that hold parameter ``name``: a layer's own stage (stage s holds layers
-    [s * L // pp, (s + 1) * L // pp)), the embedding the first, the final norm and LM head the last
-    (a tied embedding both)."""
+def _stage_of(name: str, num_layers: int, pp: int) -> int:
+    """The pipeline stage that holds parameter ``name``: a layer's own stage (stage s holds layers
+    [s * L // pp, (s + 1) * L // pp)), the embedding and LM head the first (it samples), the final
+    norm the last (engines/pipeline_parallel.py)."""
     match = _LAYER.match(name)
     if match:
         layer = int(match.group(1))
-        return [next(s for s in range(pp) if layer < (s + 1) * num_layers // pp)]
-    if "embed_tokens" in name:
-        return [0, pp - 1] if tied and pp > 1 else [0]
-    return [pp - 1]
+        return next(s for s in range(pp) if layer < (s + 1) * num_layers // pp)
+    return 0 if "embed_tokens" in name or name.startswith("lm_head") else pp - 1
 
 
 def weight_bytes_per_stage(model: nn.Module, experts: dict[str, torch.Size], model_cls: type[nn.Module],
@@ -157,7 +156,6 @@ def weight_bytes_per_stage(model: nn.Module, experts: dict[str, torch.Size], mod
     """Bytes one device of each stage holds. ``model`` is rank 0's TP shard, ``experts`` the whole routed
     experts' shapes (expert parallel: E / tp whole experts per rank instead of every expert's slice)."""
     stages = [0] * layout.pp
-    tied = bool(getattr(model, "tie_word_embeddings", False))
     for name, param in model.named_parameters():
         shape = param.shape
         if layout.ep and ".mlp.experts." in name:
@@ -167,8 +165,7 @@ def weight_bytes_per_stage(model: nn.Module, experts: dict[str, torch.Size], mod
             size = quantized_bytes(shape, scheme)
         else:
             size = math.prod(shape) * param.element_size()
-        for stage in _stage_of(name, model.num_layers, layout.pp, tied):
-            stages[stage] += size
+        stages[_stage_of(name, model.num_layers, layout.pp)] += size
     return stages
 
 

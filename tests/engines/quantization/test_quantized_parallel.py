@@ -5,7 +5,8 @@ records only at pipeline stage 1; a cut that misses the scale blocks names the m
 its shape. Then greedy tokens on real gloo ranks equal the same checkpoint's on one device: online
 w8a8 Llama at TP 2 (row-parallel per-token scales over the whole row), block-FP8 DeepSeek-V3 at TP 2
 (MLA heads, experts split along their intermediate dim), W4A8 Qwen3-MoE with experts over 2 ranks,
-block-FP8 Llama at PP 2."""
+block-FP8 Llama at PP 2. The planner's weight bytes per device (``xinserve plan``) are what a started
+w8a8 rank at TP 2 holds, and what every rank loads under expert and pipeline parallel."""
 
 from pathlib import Path
 
@@ -13,8 +14,10 @@ import pytest
 import torch
 
 from engines import LLM, SamplingParams
+from engines.capacity import Layout, plan
 from engines.models.loader import load_model
 from engines.quantization.experts import QuantExperts
+from engines.quantization.install import weights_report
 from engines.quantization.linear import QuantLinear
 from kernels.quantized_weight import dequantize
 from tests.engines.quantization.checkpoints import fp8_blocks, write_quantized
@@ -121,9 +124,17 @@ def test_a_cut_that_misses_the_scale_blocks_names_the_model_weight_and_shape(qua
         load_model(str(path), None, CPU, group=LoadOnly(1, 2))
 
 
-def _greedy(path: Path, scheme: str | None, **parallel) -> list[list[int]]:
-    with LLM(model=str(path), quantization=scheme, num_kv_blocks=64, max_model_len=128, **parallel) as llm:
-        return [out.token_ids for out in llm.generate(PROMPTS, GREEDY)]
+def held_bytes(model: torch.nn.Module) -> int:
+    """What a rank's weights hold: its float parameters and what its quant kernels keep."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + weights_report(model)["quantized_bytes"]
+
+
+def _greedy(path: Path, scheme: str | None, **parallel) -> tuple[list[list[int]], int]:
+    """The greedy tokens, and the bytes rank 0 (this process) holds. The reference quant_linear keeps
+    the records as loaded (the CPU's fastest candidate may keep them dequantized)."""
+    with LLM(model=str(path), quantization=scheme, num_kv_blocks=64, max_model_len=128,
+             kernels={"quant_linear": "reference"}, **parallel) as llm:
+        return [out.token_ids for out in llm.generate(PROMPTS, GREEDY)], held_bytes(llm.engine.runner.model)
 
 
 @pytest.mark.parametrize(("kind", "parallel"), [
@@ -134,4 +145,25 @@ def _greedy(path: Path, scheme: str | None, **parallel) -> list[list[int]]:
 ])
 def test_two_ranks_generate_what_one_device_generates(quantized, kind: str, parallel: dict) -> None:
     path, scheme = quantized(kind)
-    assert _greedy(path, scheme, **parallel) == _greedy(path, scheme)
+    tokens, held = _greedy(path, scheme, **parallel)
+    assert tokens == _greedy(path, scheme)[0]
+    if kind == "w8a8":  # the planner's bytes per device are what a started rank holds
+        layout = Layout(tp=parallel.get("tensor_parallel_size", 1))
+        assert plan(str(path), layout=layout, quantization="w8a8").weight_bytes_per_device == held
+
+
+@pytest.mark.parametrize(("arch", "layout"), [
+    ("qwen3_moe", Layout(tp=2, ep=True)), ("deepseek_v3", Layout(tp=2, ep=True)), ("llama", Layout(pp=2)),
+])
+def test_the_plan_holds_what_every_rank_loads(tiny_models, arch: str, layout: Layout) -> None:
+    """w8a8 (int8 per output channel): routers, MLA's kv_b_proj, embeddings and norms stay float; a
+    pipeline's embedding and LM head on stage 0; the planned bytes are the largest rank's."""
+    from engines.pipeline_parallel import PipelineStage, StageLayout
+
+    path = str(tiny_models(arch))
+    held = []
+    for rank in range(layout.devices):
+        where = ({"pipeline": PipelineStage(None, StageLayout.of(rank, 1, layout.pp))} if layout.pp > 1
+                 else {"group": LoadOnly(rank, layout.tp), "expert_parallel": layout.ep})
+        held.append(held_bytes(load_model(path, None, CPU, quantization="w8a8", **where)[0]))
+    assert plan(path, layout=layout, quantization="w8a8").weight_bytes_per_device == max(held)
