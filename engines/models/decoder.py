@@ -185,6 +185,7 @@ class CausalLM(nn.Module):
         self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Pipeline parallel: checkpoint name prefixes another stage holds (engines/pipeline_parallel.py)
         self.absent_weights: tuple[str, ...] = ()
+        self.mtp: nn.Module | None = None  # the checkpoint's MTP layer, with speculative method mtp (models/mtp.py)
 
     @staticmethod
     def config_head_dim(config: Any) -> int:
@@ -224,12 +225,17 @@ class CausalLM(nn.Module):
         )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """The worker's one KV tensor: [2 (key, value), layers, blocks, block_size, kv_heads, head_dim]."""
-        return (2, self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        """The worker's one KV tensor: [2 (key, value), KV layers, blocks, block_size, kv_heads, head_dim]."""
+        return (2, self.num_kv_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """What one token costs in that tensor, over every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        return 2 * self.num_kv_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache layer: the decoder's, plus the MTP layer's when it is loaded."""
+        return self.num_layers + (self.mtp is not None)
 
     def _build_rope_cache(self) -> torch.Tensor:
         dim = rotary_dim(self.config, self.head_dim)
