@@ -1,16 +1,21 @@
-"""Speculative decoding with n-gram prompt lookup on CPU: output tokens/s and TPOT at concurrency
-1 / 8 / 32, with and without drafts, on a repetitive-text workload; the acceptance rate; the mean
-step time (what verifying 1 + k rows per sequence costs against one).
+"""Speculative decoding on CPU: output tokens/s and TPOT at concurrency 1 / 8 / 32, with and without
+drafts; the acceptance rate; the mean step time (what verifying 1 + k rows per sequence costs against
+one); and what method ``mtp`` costs per step.
 
-Workload: each request's prompt is a random phrase repeated, decoded greedily with ``ignore_eos``
-on a locally built random Llama. A random model does not copy its prompt, but it falls into loops
-of its own, which prompt lookup then drafts: the acceptance rate is measured, not assumed. Drafting
-is on at every concurrency here (``disable_by_batch_size`` past the largest), so the table shows
-where it stops paying; the engine's default threshold (engines/speculative/config.py) comes from it.
-Prints a markdown table and writes ``benchmarks/results/speculative.json``.
+- n-gram (prompt lookup) on stories260K (tests/fixtures, a trained model) with a repetitive workload:
+  each prompt is a random phrase repeated, decoded greedily with ``ignore_eos``; the trained model
+  goes on repeating, which prompt lookup drafts. Drafting is on at every concurrency here
+  (``disable_by_batch_size`` past the largest), so the table shows where it stops paying; the
+  engine's default threshold (engines/speculative/config.py) comes from it. ``--random-llama``: the
+  old workload, a random ~5M-parameter Llama.
+- MTP's cost per step: a tiny DeepSeek-V3 whose MTP layer is random (a trained MTP head is not
+  available offline, so its acceptance here says nothing), decode steps with k MTP drafts against
+  plain decode steps: the step time, which includes the MTP layer's catch-up and its k - 1 chained
+  decode forwards besides the 1 + k-row verification.
+Prints markdown tables and writes ``benchmarks/results/speculative.json``.
 
-    python benchmarks/speculative.py           # a ~5M-parameter Llama
-    python benchmarks/speculative.py --quick   # the tiny test model, short outputs
+    python benchmarks/speculative.py           # stories260K n-gram, then MTP's cost
+    python benchmarks/speculative.py --quick   # shorter outputs
 """
 
 import argparse
@@ -36,15 +41,15 @@ from engines import LLM, SamplingParams
 from server.embedded_model.factory import make_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "speculative.json"
+STORIES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260K"
 FIRST_ID = 7  # past the tiny tokenizer's special tokens
 MEDIUM = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 768}
-QUICK = {}
 
 
 @dataclass
 class Row:
     concurrency: int
-    speculative: str  # "off" or "ngram k=K"
+    speculative: str  # "off", "ngram k=K" or "mtp k=K"
     output_tok_s: float
     tpot_ms: float  # mean over requests: (last token - first token) / (tokens - 1)
     step_ms: float  # mean wall time of one engine step
@@ -99,26 +104,8 @@ def measure(llm: LLM, label: str, concurrency: int, vocab: int, max_tokens: int,
     return Row(concurrency, label, concurrency * max_tokens / wall, tpot * 1e3, step * 1e3, steps, rate, per_step)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the tiny test model, 32-token outputs")
-    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    args = parser.parse_args()
-    hf_logging.set_verbosity_error()
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    max_tokens = 32 if args.quick else 96
-    path = make_tiny_model(tempfile.mkdtemp(prefix="xinserve-spec-"), "llama", **(QUICK if args.quick else MEDIUM))
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
-            "disable_by_batch_size": max(args.concurrency)}
-    common = {"num_kv_blocks": 4096, "block_size": 16, "max_num_seqs": max(args.concurrency)}
-    rows = []
-    for label, options in (("off", {}), (f"ngram k={args.k}", {"speculative_config": spec})):
-        llm = LLM(path, **common, **options)
-        vocab = llm.engine.vocab_size
-        rows += [measure(llm, label, c, vocab, max_tokens, args.repeats) for c in args.concurrency]
-        llm.close()
+def table(rows: list[Row], model: str) -> None:
+    print(f"\n{model}\n")
     print("| concurrency | speculation | out tok/s | TPOT ms | step ms | steps | acceptance | tokens/step |")
     print("|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r.concurrency, r.speculative)):
@@ -126,12 +113,50 @@ def main() -> None:
         per = "-" if r.tokens_per_draft_step is None else f"{r.tokens_per_draft_step:.2f}"
         print(f"| {r.concurrency} | {r.speculative} | {r.output_tok_s:.0f} | {r.tpot_ms:.2f} | {r.step_ms:.2f} "
               f"| {r.steps} | {rate} | {per} |")
+
+
+def compare(path: Path, spec: dict, label: str, concurrency: list[int], max_tokens: int, repeats: int) -> list[Row]:
+    """Rows without and with ``spec`` at each concurrency."""
+    common = {"num_kv_blocks": 4096, "block_size": 16, "max_num_seqs": max(concurrency)}
+    rows = []
+    for name, options in (("off", {}), (label, {"speculative_config": spec})):
+        llm = LLM(path, **common, **options)
+        vocab = llm.engine.vocab_size
+        rows += [measure(llm, name, c, vocab, max_tokens, repeats) for c in concurrency]
+        llm.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="32-token outputs")
+    parser.add_argument("--random-llama", action="store_true", help="n-gram on a random ~5M Llama, not stories260K")
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    args = parser.parse_args()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    max_tokens = 32 if args.quick else 96
+    ngram_model = STORIES
+    if args.random_llama:
+        ngram_model = make_tiny_model(tempfile.mkdtemp(prefix="xinserve-spec-"), "llama", **MEDIUM)
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+             "disable_by_batch_size": max(args.concurrency)}
+    ngram_rows = compare(ngram_model, ngram, f"ngram k={args.k}", args.concurrency, max_tokens, args.repeats)
+    table(ngram_rows, "n-gram: random Llama" if args.random_llama else "n-gram: stories260K")
+    mtp_model = make_tiny_model(tempfile.mkdtemp(prefix="xinserve-mtp-"), "deepseek_v3", mtp=True)
+    mtp = {"method": "mtp", "num_speculative_tokens": args.k, "disable_by_batch_size": max(args.concurrency)}
+    mtp_concurrency = [c for c in args.concurrency if c <= 8]
+    mtp_rows = compare(mtp_model, mtp, f"mtp k={args.k}", mtp_concurrency, max_tokens, args.repeats)
+    table(mtp_rows, "MTP's cost per step: tiny DeepSeek-V3, random MTP layer")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch": torch.__version__, "load_average": os.getloadavg()},
-        "model": "quick" if args.quick else MEDIUM, "max_tokens": max_tokens, "k": args.k,
-        "rows": [asdict(r) for r in rows],
+        "ngram_model": "random llama" if args.random_llama else "stories260K", "max_tokens": max_tokens, "k": args.k,
+        "rows": [asdict(r) for r in ngram_rows],
+        "mtp_model": "tiny deepseek_v3, random MTP layer", "mtp_rows": [asdict(r) for r in mtp_rows],
     }, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from engines.kv_events import KVEventsConfig
 from engines.parallel_config import ParallelConfig
-from engines.speculative.config import parse_speculative_config
+from engines.speculative.config import parse_speculative_config, uses_mtp
 from kernels.kv_quant import KV_CACHE_DTYPES
 
 COMPILE_MODES = ("auto", "off", "on")
@@ -80,7 +80,8 @@ class EngineConfig:
         "(engines/warmup.py); off: do both before ready"))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
         "speculative decoding, as vLLM spells it (JSON on the command line): "
-        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '
+        '{"method": "mtp", "num_speculative_tokens": 2} (the checkpoint\'s MTP layer: DeepSeek-V3, GLM-4.5, GLM-5); '
         "disable_by_batch_size: no drafts while more sequences run (engines/speculative/)",
         check=parse_speculative_config))
     kv_events_config: dict[str, Any] | None = field(default=None, metadata=setting(
@@ -110,6 +111,11 @@ class EngineConfig:
                              "(each rank holds a shard of the KV cache)")
         if self.kv_offloading_size is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching: the tier is keyed by its block hashes")
+
+    @property
+    def uses_mtp(self) -> bool:
+        """Whether speculative decoding drafts with the checkpoint's MTP layer (engines/speculative/)."""
+        return uses_mtp(self.speculative_config)
 
 
 def check_setting(name: str, value: Any, meta: dict[str, Any]) -> None:

@@ -88,6 +88,22 @@ class IncrementalDetokenizer:
         self._take(end)
         return self._release()
 
+    def add_each(self, new_token_ids: list[int], ends_with_stop_token: bool = False) -> tuple[str, bool, int]:
+        """``add`` one token at a time, exactly as steps of one token each would: several tokens come
+        at once from a speculative step, and the output must end at the token whose text completes a
+        stop string, not after the step's later tokens. Returns (new text, stopped, how many of
+        ``new_token_ids`` the output keeps)."""
+        if len(new_token_ids) < 2:
+            text, stopped = self.add(new_token_ids, ends_with_stop_token)
+            return text, stopped, len(new_token_ids)
+        text = ""
+        for i, token in enumerate(new_token_ids):
+            delta, stopped = self.add([token], ends_with_stop_token and i == len(new_token_ids) - 1)
+            text += delta
+            if stopped:
+                return text, True, i + 1
+        return text, False, len(new_token_ids)
+
     def flush(self) -> str:
         """Once generation has ended: everything held back, an incomplete character's bytes included
         (as the tokenizer decodes them: U+FFFD)."""

@@ -18,7 +18,7 @@ from engines.sampling_params import SamplingParams
 from engines.scheduler import SampledTokens, ScheduledSeq, Scheduler
 from engines.sequence import Sequence, SequenceStatus
 from engines.speculative.config import parse_speculative_config
-from engines.speculative.ngram import NgramProposer
+from engines.speculative.proposer import make_proposer
 from engines.structured.compiler import GrammarCompiler, PendingGrammar
 from engines.structured.schema import check_json_schema
 from engines.tp_runner import make_runner
@@ -52,7 +52,7 @@ class LLMEngine:
                                    self.eos_token_ids, self.max_model_len)
         self.speculative = None if config.speculative_config is None else parse_speculative_config(
             config.speculative_config)
-        self.proposer = None if self.speculative is None else NgramProposer(self.speculative)
+        self.proposer = None if self.speculative is None else make_proposer(self.speculative)
         self.requests: dict[str, list[Sequence]] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         # request_id -> (its grammar being compiled, its sequences): held back from the scheduler

@@ -72,14 +72,15 @@ class LLM:
             step = self.engine.step()
             for out in step.outputs:
                 choice = results[out.request_id].outputs[out.index]
-                choice.token_ids.extend(out.new_token_ids)
-                if out.logprobs is not None:
-                    choice.logprobs.extend(out.logprobs)
                 if out.prompt_logprobs is not None:
                     results[out.request_id].prompt_logprobs = out.prompt_logprobs
                 detok = detokenizers[out.request_id, out.index]
-                # The engine's own "stop" is always a stop token (EOS or stop_token_ids).
-                _, stopped = detok.add(out.new_token_ids, out.finished and out.finish_reason == "stop")
+                # The engine's own "stop" is always a stop token (EOS or stop_token_ids). A stop string
+                # ends the output at its token, even inside a step's accepted drafts.
+                _, stopped, kept = detok.add_each(out.new_token_ids, out.finished and out.finish_reason == "stop")
+                choice.token_ids.extend(out.new_token_ids[:kept])
+                if out.logprobs is not None:
+                    choice.logprobs.extend(out.logprobs[:kept])
                 if stopped and not out.finished:
                     self.engine.abort_request(out.request_id, out.index)
                 if stopped or out.finished:

@@ -25,6 +25,7 @@ from engines.pipeline_parallel import check_pipeline, rank_role, stage_collectiv
 from engines.platforms import Platform
 from engines.runner import ModelRunner, StepBatch
 from engines.sequence import needs_prompt_logits
+from engines.speculative.mtp_runner import MTPModelRunner
 from engines.step_message import ALLOCATE, PROFILE, STOP, encode_command, encode_step
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ def spawn_rank(config: EngineConfig, rank: int, master_port: int, threads: int |
 def make_runner(config: EngineConfig, platform: Platform, block_size: int, eos_token_ids: list[int]) -> ModelRunner:
     """The runner of an engine: plain on one device, else rank 0 of a tensor-parallel group."""
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
-        return ModelRunner(config, platform, block_size, eos_token_ids)
+        runner = MTPModelRunner if config.uses_mtp else ModelRunner
+        return runner(config, platform, block_size, eos_token_ids)
     parallel = parallel_config(config)
     if config.tensor_parallel_size > 1:
         check_model_splits(config.model, config.tensor_parallel_size, config.enable_expert_parallel)

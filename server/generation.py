@@ -190,16 +190,17 @@ class Generation:
             delta = by_index[item.index] = Delta(item.index, "", [], None, None)
         # The engine's own "stop" is always a stop token (EOS or stop_token_ids): its text is left out.
         ends_with_stop_token = item.finished and item.finish_reason == "stop"
-        text, stopped = choice.detokenizer.add(item.new_token_ids, ends_with_stop_token)
-        choice.token_ids.extend(item.new_token_ids)
-        delta.token_ids.extend(item.new_token_ids)
+        # A stop string ends the output at its token, even inside a speculative step's accepted drafts.
+        text, stopped, kept = choice.detokenizer.add_each(item.new_token_ids, ends_with_stop_token)
+        choice.token_ids.extend(item.new_token_ids[:kept])
+        delta.token_ids.extend(item.new_token_ids[:kept])
         if item.logprobs is not None:
             if choice.logprobs is None:
                 choice.logprobs = []
             if delta.logprobs is None:
                 delta.logprobs = []
-            choice.logprobs.extend(item.logprobs)
-            delta.logprobs.extend(item.logprobs)
+            choice.logprobs.extend(item.logprobs[:kept])
+            delta.logprobs.extend(item.logprobs[:kept])
         if stopped:
             choice.finish_reason = "stop"
             if not item.finished and not self.done:

@@ -186,6 +186,7 @@ class CausalLM(nn.Module):
         self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Pipeline parallel: checkpoint name prefixes another stage holds (engines/pipeline_parallel.py)
         self.absent_weights: tuple[str, ...] = ()
+        self.mtp: nn.Module | None = None  # the checkpoint's MTP layer, with speculative method mtp (models/mtp.py)
 
     @staticmethod
     def config_head_dim(config: Any) -> int:
@@ -225,14 +226,19 @@ class CausalLM(nn.Module):
         )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> tuple[int, ...]:
-        """The worker's one KV tensor: [2 (key, value), layers, blocks, block_size, kv_heads, head_dim], the
+        """The worker's one KV tensor: [2 (key, value), KV layers, blocks, block_size, kv_heads, head_dim], the
         last dim head_dim + 4 for an 8-bit ``dtype`` (each head's codes, then its scale: kernels/kv_quant.py)."""
         width = self.head_dim if dtype is None else kv_quant.head_width(self.head_dim, dtype)
-        return (2, self.num_layers, num_blocks, block_size, self.num_kv_heads, width)
+        return (2, self.num_kv_layers, num_blocks, block_size, self.num_kv_heads, width)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """What one token costs in that tensor (stored in ``dtype``), over every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * kv_quant.head_bytes(self.head_dim, dtype)
+        return 2 * self.num_kv_layers * self.num_kv_heads * kv_quant.head_bytes(self.head_dim, dtype)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache layer: the decoder's, plus the MTP layer's when it is loaded."""
+        return self.num_layers + (self.mtp is not None)
 
     def _build_rope_cache(self) -> torch.Tensor:
         dim = rotary_dim(self.config, self.head_dim)

@@ -7,7 +7,8 @@ best ``topk_group`` of ``n_group`` groups, weighted by their unbiased scores (re
 see every token. The router stays in float32, as in transformers.
 
 Its checkpoints also hold the multi-token-prediction layers (``model.layers.<num_hidden_layers>...``)
-used for speculative decoding; they are not part of the model's forward and are skipped."""
+used for speculative decoding; they are skipped unless speculative method ``mtp`` loads them
+(engines/models/mtp.py)."""
 
 from typing import Any
 

@@ -17,6 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 from engines.models import MODEL_REGISTRY
 from engines.models.config_check import unsupported_config_fields
 from engines.models.expert_parallel import make_exchange, place_experts
+from engines.models.mtp import attach_mtp, mtp_parameter_name
 from engines.models.tensor_parallel import Collectives, check_tensor_parallel, read_shard, shard_model
 from engines.quantization.install import load_quantized, quant_shapes, swap_quantized_modules
 from engines.quantization.reader import checkpoint_reader
@@ -47,6 +48,7 @@ def load_model(
     pipeline: Any | None = None,
     quantization: str | None = None,
     choose_ep_exchange: Callable[[ModelShapes, torch.dtype], str] | None = None,
+    mtp: bool = False,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Load the model at ``path`` onto ``device`` in ``dtype`` (None: the config's dtype, else
     float32), in eval mode without gradients. ``choose_ops`` picks the kernels for the model's
@@ -75,6 +77,9 @@ def load_model(
     shapes = model_cls.kernel_shapes(config)
     name = f"{architecture} at {path!r}"
     reader = checkpoint_reader(path, config, quantization, model_cls.FLOAT_WEIGHTS)
+    if mtp and (reader is not None or group is not None or pipeline is not None):
+        raise ValueError(f"{name}: speculative method 'mtp' is not implemented with quantized weights, tensor, "
+                         "expert or pipeline parallel yet; use method 'ngram' there")
     if group is not None:
         check_tensor_parallel(config, group.world_size, name)
         shapes = local_shapes(shapes, group.world_size)
@@ -97,11 +102,17 @@ def load_model(
     model = build(ops, exchange)
     with torch.device("meta"):
         swap_quantized_modules(model, (key for key, _ in records), ops)
+        if mtp:
+            attach_mtp(model, config, ops, _checkpoint_names(path), name)
     model = model.to(dtype=dtype)
     model.keep_float32_parameters()
     model = model.to_empty(device=torch.device(device))
     read = None if group is None and pipeline is None else partial(read_shard, model)
-    model.load_weights(weights if weights is not None else _iter_safetensors(path, read))
+    weights = weights if weights is not None else _iter_safetensors(path, read)
+    if mtp:  # the MTP layer's checkpoint names -> model.mtp's
+        index = config.num_hidden_layers
+        weights = ((mtp_parameter_name(key, index) or key, value) for key, value in weights)
+    model.load_weights(weights)
     load_quantized(model, records, torch.device(device), dtype)
     model.reset_buffers()
     model.eval().requires_grad_(False)
@@ -138,11 +149,17 @@ def local_shapes(shapes: ModelShapes, tp: int) -> ModelShapes:
     )
 
 
-def _iter_safetensors(
-    path: str, read: Callable[[str, Any], torch.Tensor] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) over every shard, on the host; the index file names the shards when present.
-    ``read(name, slice)`` reads only a part of a tensor (a tensor-parallel rank's shard)."""
+def _checkpoint_names(path: str) -> set[str]:
+    """Every tensor name of the checkpoint at ``path``, without reading a tensor."""
+    names: set[str] = set()
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
+def _safetensors_files(path: str) -> list[str]:
+    """The checkpoint's shard files; the index file names them when present."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -151,6 +168,15 @@ def _iter_safetensors(
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights found in {path!r}")
+    return files
+
+
+def _iter_safetensors(
+    path: str, read: Callable[[str, Any], torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) over every shard, on the host; the index file names the shards when present.
+    ``read(name, slice)`` reads only a part of a tensor (a tensor-parallel rank's shard)."""
+    files = _safetensors_files(path)
     # Progress on stderr, one tick per shard: a 9B checkpoint takes a while to read.
     for file in tqdm(files, desc=f"loading {os.path.basename(os.path.normpath(path))}", unit="shard",
                      disable=len(files) < 2):

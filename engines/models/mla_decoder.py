@@ -107,6 +107,7 @@ class MLACausalLM(CausalLM):
         self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
         self.logits_gather = None  # tensor parallel: engines/models/tensor_parallel.py sets the gather
         self.absent_weights: tuple[str, ...] = ()  # pipeline parallel: another stage's weights
+        self.mtp: nn.Module | None = None  # with speculative method mtp (engines/models/mtp.py)
 
     @staticmethod
     def spec(config: Any) -> DecoderSpec:
@@ -158,8 +159,8 @@ class MLACausalLM(CausalLM):
         return super()._target(name)
 
     def _skipped(self, name: str) -> bool:
-        """Also the multi-token-prediction layers (``model.layers.<num_hidden_layers>...``), used for
-        speculative decoding, not by the forward."""
+        """Also the multi-token-prediction layers (``model.layers.<num_hidden_layers>...``) when MTP is
+        off (on, the loader renames them to ``mtp.*`` first: engines/models/mtp.py)."""
         parts = name.split(".")
         is_mtp_layer = parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= self.config.num_hidden_layers
         return is_mtp_layer or super()._skipped(name)

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
@@ -79,6 +80,9 @@ ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
     "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM, {**_MLA, **_DSA, "num_hidden_layers": 3}),
     "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, {**_MLA, **_DSA, "num_hidden_layers": 3}),
 }
+
+
+ARCHS_BY_CONFIG = {config_cls: model_cls for config_cls, model_cls, _ in ARCHS.values()}
 
 
 def make_config(
@@ -168,6 +172,8 @@ def make_tiny_model(
     max_position_embeddings: int = 2048,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    mtp: bool = False,
+    mtp_own_head: bool = False,
     **config_kwargs,
 ) -> Path:
     """Build a random tiny model plus tokenizer into ``path`` (created if needed); returns ``path``.
@@ -175,12 +181,17 @@ def make_tiny_model(
     ``config_kwargs``: ``make_config``'s (hidden_size, num_layers, num_heads, ..., overrides).
     ``vocab_size`` defaults to the tokenizer's size; a larger one adds embedding rows that the
     tokenizer never produces (as real checkpoints pad their vocabularies).
+    ``mtp`` (the MTP archs: deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa): also write a random
+    multi-token-prediction layer at ``model.layers.<num_layers>.*`` (``_add_mtp_layer``), sharing the
+    target's embedding and head unless ``mtp_own_head``.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(path, model_max_length=max_position_embeddings)
     if vocab_size is not None and vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
+    if mtp:
+        config_kwargs["num_nextn_predict_layers"] = 1
     config = make_config(
         arch, vocab_size=vocab_size or len(tokenizer), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -196,7 +207,40 @@ def make_tiny_model(
         pad_token_id=config.pad_token_id,
     )
     model.save_pretrained(str(path))
+    if mtp:
+        _add_mtp_layer(path, config, dtype, seed, mtp_own_head)
     return path
+
+
+def _add_mtp_layer(path: Path, config: PretrainedConfig, dtype: torch.dtype, seed: int, own_head: bool) -> None:
+    """Append a random MTP layer to ``path/model.safetensors``, named as DeepSeek-V3's and GLM's
+    checkpoints name it: ``model.layers.<N>.`` + the decoder layer of a model one layer deeper (MoE or
+    dense as that architecture's rule says for layer N), ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.norm`` and, with ``own_head``, ``shared_head.head`` and ``embed_tokens``."""
+    n = config.num_hidden_layers
+    # per-layer lists are rebuilt for n + 1 layers by the config class itself
+    values = {key: None if key.endswith("layer_types") or key == "indexer_types" else value
+              for key, value in config.to_dict().items()}
+    deeper = type(config)(**{**values, "num_hidden_layers": n + 1})
+    with torch.random.fork_rng(devices=[]):
+        model = ARCHS_BY_CONFIG[type(config)](deeper)
+    _randomize(model, config.initializer_range, seed + 1)
+    prefix = f"model.layers.{n}."
+    extra = {key: value for key, value in model.state_dict().items() if key.startswith(prefix)}
+    hidden, std = config.hidden_size, config.initializer_range
+    gen = torch.Generator().manual_seed(seed + 2)
+    extra[prefix + "enorm.weight"] = 1.0 + 0.2 * torch.randn(hidden, generator=gen)
+    extra[prefix + "hnorm.weight"] = 1.0 + 0.2 * torch.randn(hidden, generator=gen)
+    extra[prefix + "shared_head.norm.weight"] = 1.0 + 0.2 * torch.randn(hidden, generator=gen)
+    extra[prefix + "eh_proj.weight"] = std * torch.randn(hidden, 2 * hidden, generator=gen)
+    if own_head:
+        extra[prefix + "shared_head.head.weight"] = LM_HEAD_GAIN * std * torch.randn(config.vocab_size, hidden,
+                                                                                     generator=gen)
+        extra[prefix + "embed_tokens.weight"] = std * torch.randn(config.vocab_size, hidden, generator=gen)
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors.update({key: value.to(dtype).contiguous() for key, value in extra.items()})
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 def ensure_tiny_model(cache_dir: str | Path, name: str = "xinserve-tiny", **kwargs) -> Path:

@@ -40,5 +40,5 @@ def test_the_proposer_drafts_only_for_eligible_decoding_sequences():
     proposer.propose([plain, prefilling, penalised, stop, short])  # five running: more than 4
     assert plain.draft_token_ids == []
     proposer.propose([plain, prefilling, penalised, stop])
-    assert plain.draft_token_ids == [2, 1]
-    assert [s.draft_token_ids for s in (prefilling, penalised, stop, short)] == [[], [], [], []]
+    assert plain.draft_token_ids == stop.draft_token_ids == [2, 1]  # stop strings are checked per token
+    assert [s.draft_token_ids for s in (prefilling, penalised, short)] == [[], [], []]

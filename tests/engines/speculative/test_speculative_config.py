@@ -18,9 +18,15 @@ def test_an_ngram_config_is_parsed_with_vllm_defaults_for_the_missing_bound():
     assert (got.prompt_lookup_min, got.prompt_lookup_max, got.disable_by_batch_size) == (2, 4, 4)
 
 
+@pytest.mark.parametrize("method", ["mtp", "deepseek_mtp", "glm4_moe_mtp"])
+def test_mtp_and_vllm_aliases_of_it_are_parsed(method):
+    assert parse_speculative_config({"method": method, "num_speculative_tokens": 2}) == SpeculativeConfig("mtp", 2)
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ({"method": "medusa", "num_speculative_tokens": 3}, "method must be one of ngram"),
-    ({"method": "mtp", "num_speculative_tokens": 3}, "'mtp' (the checkpoint's MTP layers) is not supported yet"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' (EAGLE heads) is not supported yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "are the ngram method's"),
     ({"model": "/m", "num_speculative_tokens": 3}, "'draft_model' (a separate draft model) is not supported yet"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be in [1, 16], got 0"),
