@@ -44,21 +44,44 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-// One stored element widened to float. fp8 goes through a 256-entry table (exact, and cheaper than
-// c10's bit-twiddling conversion in the inner loop).
+// One stored element widened to float. The 16- and 8-bit conversions are written as branchless integer
+// arithmetic on the bits (c10's conversions are scalar calls and table lookups), so the dot-product and
+// value loops that call them still vectorise.
+inline float from_bits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 template <typename cache_t>
 struct Widen {
   inline float operator()(cache_t x) const { return static_cast<float>(x); }
 };
 
 template <>
-struct Widen<c10::Float8_e4m3fn> {
-  float table[256];
-  Widen() {
-    for (int i = 0; i < 256; ++i) table[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i),
-                                                                                     c10::Float8_e4m3fn::from_bits()));
+struct Widen<at::BFloat16> {  // the high half of a float32
+  inline float operator()(at::BFloat16 x) const { return from_bits(static_cast<uint32_t>(x.x) << 16); }
+};
+
+template <>
+struct Widen<at::Half> {  // IEEE half: 1 sign, 5 exponent (bias 15), 10 mantissa bits
+  inline float operator()(at::Half x) const {
+    const uint32_t h = x.x, sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    const float normal = from_bits(sign | ((exp + 112u) << 23) | (mant << 13));
+    const float special = from_bits(sign | 0x7F800000u | (mant << 13));  // inf / nan
+    const float subnormal = static_cast<float>(mant) * 5.9604645e-8f;  // mant * 2^-24
+    return exp == 0 ? (sign ? -subnormal : subnormal) : (exp == 31 ? special : normal);
   }
-  inline float operator()(c10::Float8_e4m3fn x) const { return table[x.x]; }
+};
+
+template <>
+struct Widen<c10::Float8_e4m3fn> {  // 1 sign, 4 exponent (bias 7), 3 mantissa bits; no inf (the write clamps)
+  inline float operator()(c10::Float8_e4m3fn x) const {
+    const uint32_t b = x.x, sign = (b & 0x80u) << 24, exp = (b >> 3) & 0xFu, mant = b & 0x7u;
+    const float normal = from_bits(sign | ((exp + 120u) << 23) | (mant << 20));
+    const float subnormal = static_cast<float>(mant) * 1.953125e-3f;  // mant * 2^-9
+    return exp == 0 ? (sign ? -subnormal : subnormal) : normal;
+  }
 };
 
 // The row's scale: the 4 bytes after its D codes (8-bit caches), else 1.
