@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -44,21 +45,44 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-// One stored element widened to float. fp8 goes through a 256-entry table (exact, and cheaper than
-// c10's bit-twiddling conversion in the inner loop).
+// One stored element widened to float. The 16- and 8-bit conversions are written as branchless integer
+// arithmetic on the bits (c10's conversions are scalar calls and table lookups), so the dot-product and
+// value loops that call them still vectorise.
+inline float from_bits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 template <typename cache_t>
 struct Widen {
   inline float operator()(cache_t x) const { return static_cast<float>(x); }
 };
 
 template <>
-struct Widen<c10::Float8_e4m3fn> {
-  float table[256];
-  Widen() {
-    for (int i = 0; i < 256; ++i) table[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i),
-                                                                                     c10::Float8_e4m3fn::from_bits()));
+struct Widen<at::BFloat16> {  // the high half of a float32
+  inline float operator()(at::BFloat16 x) const { return from_bits(static_cast<uint32_t>(x.x) << 16); }
+};
+
+template <>
+struct Widen<at::Half> {  // IEEE half: 1 sign, 5 exponent (bias 15), 10 mantissa bits
+  inline float operator()(at::Half x) const {
+    const uint32_t h = x.x, sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    const float normal = from_bits(sign | ((exp + 112u) << 23) | (mant << 13));
+    const float special = from_bits(sign | 0x7F800000u | (mant << 13));  // inf / nan
+    const float subnormal = static_cast<float>(mant) * 5.9604645e-8f;  // mant * 2^-24
+    return exp == 0 ? (sign ? -subnormal : subnormal) : (exp == 31 ? special : normal);
   }
-  inline float operator()(c10::Float8_e4m3fn x) const { return table[x.x]; }
+};
+
+template <>
+struct Widen<c10::Float8_e4m3fn> {  // 1 sign, 4 exponent (bias 7), 3 mantissa bits; no inf (the write clamps)
+  inline float operator()(c10::Float8_e4m3fn x) const {
+    const uint32_t b = x.x, sign = (b & 0x80u) << 24, exp = (b >> 3) & 0xFu, mant = b & 0x7u;
+    const float normal = from_bits(sign | ((exp + 120u) << 23) | (mant << 20));
+    const float subnormal = static_cast<float>(mant) * 1.953125e-3f;  // mant * 2^-9
+    return exp == 0 ? (sign ? -subnormal : subnormal) : normal;
+  }
 };
 
 // The row's scale: the 4 bytes after its D codes (8-bit caches), else 1.
@@ -73,13 +97,26 @@ inline float row_scale(const cache_t* row, int64_t head_dim) {
   }
 }
 
+// A stored K or V row as floats: float32 rows are read where they lie; any other dtype is widened once
+// into ``buffer`` (then shared by the G query heads), in a plain loop the compiler vectorises.
+template <typename cache_t>
+inline const float* widened_row(const cache_t* row, int64_t head_dim, const Widen<cache_t>& widen, float* buffer) {
+  if constexpr (std::is_same_v<cache_t, float>) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < head_dim; ++d) buffer[d] = widen(row[d]);
+    return buffer;
+  }
+}
+
 template <typename scalar_t, typename cache_t, bool quantized>
 void decode_group(const scalar_t* q, const cache_t* key_cache, const cache_t* value_cache,
                   const int32_t* table, int64_t seq_len, int64_t kv_head, int64_t group, int64_t head_dim,
                   int64_t width, int64_t block_size, int64_t num_kv_heads, float scale, scalar_t* out,
                   const Widen<cache_t>& widen, std::vector<float>& qf, std::vector<float>& acc,
-                  std::vector<float>& scores) {
-  // qf: [G, D] scaled queries; acc: [G, D] unnormalised output; scores: [G, BS] one block's logits.
+                  std::vector<float>& scores, std::vector<float>& buffer) {
+  // qf: [G, D] scaled queries; acc: [G, D] unnormalised output; scores: [G, BS] one block's logits;
+  // buffer: [D] the current K or V row widened to float.
   for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q[i]) * scale;
   std::fill(acc.begin(), acc.end(), 0.0f);
   std::vector<float> running_max(group, -std::numeric_limits<float>::infinity());
@@ -90,12 +127,13 @@ void decode_group(const scalar_t* q, const cache_t* key_cache, const cache_t* va
     const int64_t tokens = std::min(block_size, seq_len - b * block_size);
     const int64_t base = static_cast<int64_t>(table[b]) * block_size * row_stride + kv_head * width;
     for (int64_t t = 0; t < tokens; ++t) {
-      const cache_t* k = key_cache + base + t * row_stride;
-      const float k_scale = row_scale<cache_t, quantized>(k, head_dim);
+      const cache_t* k_row = key_cache + base + t * row_stride;
+      const float k_scale = row_scale<cache_t, quantized>(k_row, head_dim);
+      const float* k = widened_row(k_row, head_dim, widen, buffer.data());
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = qf.data() + g * head_dim;
         float dot = 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * widen(k[d]);
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
         scores[g * block_size + t] = dot * k_scale;
       }
     }
@@ -118,12 +156,13 @@ void decode_group(const scalar_t* q, const cache_t* key_cache, const cache_t* va
     }
     // Each value row is read once for the whole group.
     for (int64_t t = 0; t < tokens; ++t) {
-      const cache_t* v = value_cache + base + t * row_stride;
-      const float v_scale = row_scale<cache_t, quantized>(v, head_dim);
+      const cache_t* v_row = value_cache + base + t * row_stride;
+      const float v_scale = row_scale<cache_t, quantized>(v_row, head_dim);
+      const float* v = widened_row(v_row, head_dim, widen, buffer.data());
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * block_size + t] * v_scale;
         float* a = acc.data() + g * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * widen(v[d]);
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
       }
     }
   }
@@ -148,13 +187,13 @@ void run(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Te
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const Widen<cache_t> widen;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores(group * block_size);
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores(group * block_size), buffer(head_dim);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / num_kv_heads, h = i % num_kv_heads;
       const int64_t offset = (s * num_heads + h * group) * head_dim;  // the group's first query head
       decode_group<scalar_t, cache_t, quantized>(q_ptr + offset, k_ptr, v_ptr, table_ptr + s * table_width,
                                                  len_ptr[s], h, group, head_dim, width, block_size, num_kv_heads,
-                                                 scale, out_ptr + offset, widen, qf, acc, scores);
+                                                 scale, out_ptr + offset, widen, qf, acc, scores, buffer);
     }
   });
 }

@@ -133,3 +133,29 @@ def test_the_registry_probes_with_the_kv_dtype_and_chooses_a_kernel_that_reads_i
     assert "cpp" not in [name for name, _ in selection.rejected.get("decode_attention", [])]
     assert triton_unsupported("decode_attention", _shapes(dtype), torch.float32).startswith("KV cache dtype")
     assert triton_unsupported("decode_attention", _shapes(None), torch.float32) is None
+
+
+def _read_back_by_cpp(value_rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The C++ kernel's reading of each stored row [N, W]: a one-token context per sequence, whose attention
+    output is that token's value exactly (its softmax weight is exp(0) = 1)."""
+    num_rows = value_rows.shape[0]
+    caches = (torch.zeros_like(value_rows).view(num_rows, 1, 1, -1), value_rows.reshape(num_rows, 1, 1, -1))
+    tables = torch.arange(num_rows, dtype=torch.int32)[:, None]
+    query = torch.zeros(num_rows, 1, head_dim)
+    return cpp.paged_decode_attention(query, *caches, tables, torch.ones(num_rows, dtype=torch.int32), 1.0)[:, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpp_widens_every_finite_half_precision_value_exactly(dtype):
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = bits[torch.isfinite(bits.float())]
+    values = values[: len(values) // 64 * 64].view(-1, 64)
+    assert torch.equal(_read_back_by_cpp(values, 64), values.float())
+
+
+def test_cpp_reads_every_fp8_code_exactly():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    codes = torch.where(torch.isnan(codes.float()), torch.zeros_like(codes.float()), codes.float()).to(codes.dtype)
+    scale = torch.full((4, 1), 0.5).view(torch.int8)  # every row scaled by 0.5
+    rows = torch.cat((codes.view(torch.int8).view(4, 64), scale.view(4, 4)), dim=-1).view(torch.float8_e4m3fn)
+    assert torch.equal(_read_back_by_cpp(rows, 64), codes.float().view(4, 64) * 0.5)
