@@ -79,7 +79,9 @@ def test_health_is_open_and_reports_workers(server):
     assert [(w["model"], w["worker"], w["state"]) for w in body["workers"]] == [(MODEL, "cpu", "ready")]
     kernels = body["workers"][0]["kernels"]  # the kernel registry's choice on the worker's device
     assert kernels["rms_norm"] == {"chosen": "reference", "rejected": []}
-    assert kernels["decode_attention"]["chosen"] in kernels["decode_attention"]["timings_ms"]
+    decode = kernels["decode_attention"]
+    # By speed among the built candidates; the reference alone while the C++ kernel builds (a fresh machine).
+    assert decode["chosen"] in decode.get("timings_ms", {"reference": None})
     # one device: rank 0 of a one-rank replica, the whole model
     assert body["workers"][0]["ranks"][0]["role"] == {"tp_rank": 0, "pp_stage": 0, "expert_range": None, "layers": None}
 
