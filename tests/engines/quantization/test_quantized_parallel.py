@@ -13,7 +13,6 @@ from typing import ClassVar
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from engines import LLM, SamplingParams
 from engines.capacity import Layout, plan
@@ -26,7 +25,7 @@ from kernels.quantized_weight import dequantize
 from tests.engines.quantization.checkpoints import fp8_blocks, write_quantized
 from tests.engines.quantization.int4_checkpoints import write_int4_model
 from tests.engines.quantization.modelslim_checkpoints import write_w4a8_moe, write_w8a8_dynamic
-from tests.engines.test_tensor_parallel import LoadOnly
+from tests.engines.test_tensor_parallel import LoadOnly, RecordingSafeOpen
 
 CPU = torch.device("cpu")
 PROMPTS = [[1, 17, 42, 99, 7, 250], [1, 5, 300, 12, 8, 8, 31]]
@@ -109,23 +108,10 @@ def test_experts_over_two_ranks_hold_whole_quantized_experts(quantized) -> None:
         assert torch.equal(experts.weights[1].scale, w2.scale[mine])
 
 
-class CountingSafeOpen:
-    """safe_open that counts the bytes of every tensor read (``get_tensor``), by name."""
+class CountingSafeOpen(RecordingSafeOpen):
+    """safe_open that counts the bytes of every whole tensor read (``get_tensor``), by name."""
 
     reads: ClassVar[dict[str, int]] = {}
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.file = safe_open(*args, **kwargs)
-
-    def __enter__(self):
-        self.handle = self.file.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.file.__exit__(*exc)
-
-    def keys(self):
-        return self.handle.keys()
 
     def get_tensor(self, name):
         tensor = self.handle.get_tensor(name)
