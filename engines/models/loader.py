@@ -21,7 +21,7 @@ from engines.models.mtp import attach_mtp, mtp_parameter_name
 from engines.models.tensor_parallel import Collectives, check_tensor_parallel, read_shard, shard_model
 from engines.quantization.install import load_quantized, quant_shapes, swap_quantized_modules
 from engines.quantization.reader import checkpoint_reader
-from engines.quantization.sharding import read_rank_part
+from engines.quantization.sharding import keeps, read_rank_part
 from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
 
@@ -92,7 +92,8 @@ def load_model(
         # is read through its reader first, each record cut to this rank's part as it arrives (by the
         # model split on the meta device with the reference kernels), then the model built.
         layout = None if group is None and pipeline is None else build(REFERENCE_OPS, None)
-        weights, records = read_rank_part(layout, model_cls, reader[1](_iter_safetensors(path)), name)
+        stream = _iter_safetensors(path, keep=None if layout is None else partial(keeps, layout))
+        weights, records = read_rank_part(layout, model_cls, reader[1](stream), name)
         local_experts = shapes.num_experts // (group.world_size if group is not None and expert_parallel else 1)
         shapes = replace(shapes, quant_shapes=quant_shapes(records, local_experts))
     ops = REFERENCE_OPS if choose_ops is None else choose_ops(shapes, dtype)
@@ -172,15 +173,16 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def _iter_safetensors(
-    path: str, read: Callable[[str, Any], torch.Tensor] | None = None
+    path: str, read: Callable[[str, Any], torch.Tensor] | None = None, keep: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) over every shard, on the host; the index file names the shards when present.
-    ``read(name, slice)`` reads only a part of a tensor (a tensor-parallel rank's shard)."""
+    ``read(name, slice)`` reads only a part of a tensor (a tensor-parallel rank's shard); ``keep(name)``
+    False: the tensor is not read at all (another stage's or expert-parallel rank's)."""
     files = _safetensors_files(path)
     # Progress on stderr, one tick per shard: a 9B checkpoint takes a while to read.
     for file in tqdm(files, desc=f"loading {os.path.basename(os.path.normpath(path))}", unit="shard",
                      disable=len(files) < 2):
         with safe_open(file, framework="pt", device="cpu") as f:
             names = f.keys()  # the handle itself is not iterable
-            for name in names:
+            for name in (n for n in names if keep is None or keep(n)):
                 yield name, f.get_tensor(name) if read is None else read(name, f.get_slice(name))

@@ -10,7 +10,9 @@ their whole experts and drop the others, a pipeline stage drops the other stages
 checkpoint tensor (GLM-4's gate_up_proj) is cut per part and put back together.
 
 The records are cut as the checkpoint reader yields them, so a rank holds its own part of the
-quantized checkpoint plus one whole tensor at a time, never all of it.
+quantized checkpoint plus one whole tensor at a time, never all of it. What a rank keeps none of
+(another stage's layers, another rank's experts) is not read at all (``keeps``); a tensor it keeps a
+slice of is still read whole, as each format's reader converts whole tensors.
 """
 
 from collections.abc import Iterable
@@ -84,6 +86,22 @@ def shard_record(model: Any, name: str, record: QuantizedWeight, model_name: str
     if isinstance(module, RowParallelLinear):
         return slice_cols(record, module.start, module.in_features, what)
     return record
+
+
+def keeps(model: Any, name: str) -> bool:
+    """Whether this rank reads checkpoint tensor ``name`` at all (any leaf: a weight, its scales, its
+    zero points): not when it belongs to another pipeline stage or to another rank's whole expert, so an
+    expert-parallel rank reads about 1 / EP of the routed experts' bytes and a stage its own layers'."""
+    if name.startswith(model.absent_weights):
+        return False
+    parts = name.split(".")
+    if "experts" not in parts[:-2]:
+        return True
+    at = parts.index("experts")
+    if not parts[at + 1].isdigit():
+        return True
+    experts = model.get_submodule(".".join(parts[: at + 1]))
+    return not isinstance(experts, Experts) or experts.slot(int(parts[at + 1])) is not None
 
 
 def read_rank_part(model: Any, model_cls: type, entries: Iterable[tuple[str, Any]], model_name: str

@@ -1,7 +1,7 @@
 """Quantized checkpoints split over ranks. Loading only (no collective): each of two tensor-parallel
 ranks holds exactly its rows / columns of every quantized weight (block FP8, online w8a8, GPTQ and AWQ
 int4, msModelSlim W8A8), its whole experts under expert parallel (msModelSlim W4A8), its layers'
-records only at pipeline stage 1; a cut that misses the scale blocks names the model, the weight and
+records only at pipeline stage 1, and an expert-parallel rank reads only its experts' tensors; a cut that misses the scale blocks names the model, the weight and
 its shape. Then greedy tokens on real gloo ranks equal the same checkpoint's on one device: online
 w8a8 Llama at TP 2 (row-parallel per-token scales over the whole row), block-FP8 DeepSeek-V3 at TP 2
 (MLA heads, experts split along their intermediate dim), W4A8 Qwen3-MoE with experts over 2 ranks,
@@ -9,12 +9,14 @@ block-FP8 Llama at PP 2. The planner's weight bytes per device (``xinserve plan`
 w8a8 rank at TP 2 holds, and what every rank loads under expert and pipeline parallel."""
 
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 
 from engines import LLM, SamplingParams
 from engines.capacity import Layout, plan
+from engines.models import loader
 from engines.models.loader import load_model
 from engines.quantization.experts import QuantExperts
 from engines.quantization.install import weights_report
@@ -23,7 +25,7 @@ from kernels.quantized_weight import dequantize
 from tests.engines.quantization.checkpoints import fp8_blocks, write_quantized
 from tests.engines.quantization.int4_checkpoints import write_int4_model
 from tests.engines.quantization.modelslim_checkpoints import write_w4a8_moe, write_w8a8_dynamic
-from tests.engines.test_tensor_parallel import LoadOnly
+from tests.engines.test_tensor_parallel import LoadOnly, RecordingSafeOpen
 
 CPU = torch.device("cpu")
 PROMPTS = [[1, 17, 42, 99, 7, 250], [1, 5, 300, 12, 8, 8, 31]]
@@ -104,6 +106,35 @@ def test_experts_over_two_ranks_hold_whole_quantized_experts(quantized) -> None:
         mine = slice(4 * rank, 4 * rank + 4)  # 8 experts, contiguous placement
         assert torch.equal(experts.weights[0].qweight, w13.qweight[mine])
         assert torch.equal(experts.weights[1].scale, w2.scale[mine])
+
+
+class CountingSafeOpen(RecordingSafeOpen):
+    """safe_open that counts the bytes of every whole tensor read (``get_tensor``), by name."""
+
+    reads: ClassVar[dict[str, int]] = {}
+
+    def get_tensor(self, name):
+        tensor = self.handle.get_tensor(name)
+        CountingSafeOpen.reads[name] = tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def test_an_expert_parallel_rank_reads_only_its_experts_tensors(quantized, monkeypatch) -> None:
+    """Bytes read, not held: each of 2 ranks reads half the routed experts' tensors (weights, scales,
+    offsets) and nothing of the other rank's experts."""
+    path, _ = quantized("modelslim_w4a8_moe")
+    monkeypatch.setattr(loader, "safe_open", CountingSafeOpen)
+    load_model(str(path), None, CPU)
+    every = dict(CountingSafeOpen.reads)
+    experts = sum(n for name, n in every.items() if ".experts." in name)
+    for rank in range(2):
+        CountingSafeOpen.reads = {}
+        load_model(str(path), None, CPU, group=LoadOnly(rank, 2), expert_parallel=True)
+        read = CountingSafeOpen.reads
+        assert {int(name.split(".experts.")[1].split(".")[0]) for name in read if ".experts." in name} == set(
+            range(4 * rank, 4 * rank + 4))
+        assert sum(n for name, n in read.items() if ".experts." in name) == experts // 2
+        assert sum(read.values()) == sum(every.values()) - experts // 2
 
 
 def test_a_pipeline_stage_keeps_only_its_layers_records(quantized) -> None:
