@@ -95,16 +95,20 @@ def main(argv: list[str] | None = None) -> int:
                         results[label].setdefault(f"{words}w c={conc}", []).append(r)
                         print(f"rep {rep} {words:>3}w c={conc:<2} {label:<12} {r['output_tok_s']:8.1f} tok/s "
                               f"TTFT {r['ttft_ms']:8.1f} ms TPOT {r['tpot_ms']:7.1f} ms", flush=True)
+                    _write(args, arms, results, None)  # what is done so far survives an interrupted run
         finally:
             for proc, _, _ in procs.values():
                 launch.stop(proc)
-    table = _summary(results, [label for label, _, _ in arms])
+    _write(args, arms, results, _summary(results, [label for label, _, _ in arms]))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _write(args: argparse.Namespace, arms: list, results: dict, table: dict | None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine(), "load_average": os.getloadavg(), "arms": [
         {"label": label, "root": str(root), "pythonpath": pp} for label, root, pp in arms],
         "output_tokens": args.output_tokens, "runs": results, "summary": table}, indent=2))
-    print(f"wrote {args.out}")
-    return 0
 
 
 def _summary(results: dict[str, dict[str, list[dict]]], labels: list[str]) -> dict[str, dict]:
