@@ -58,8 +58,22 @@ class Row:
     tokens_per_draft_step: float | None  # accepted drafts + 1 per verified sequence-step
 
 
-def prompts_for(count: int, vocab: int, seed: int, phrase: int = 8, repeats: int = 8) -> list[list[int]]:
+# stories260K writes children's stories: a story's sentence repeated makes it go on repeating itself
+STORY_LINES = [
+    "Once upon a time, there was a little girl named Lily. She loved to play in the park.",
+    "Tom had a big red ball. He liked to throw the ball to his dog, Max.",
+    "The sun was shining and the birds were singing. Sue went outside to play with her friends.",
+    "One day, a little cat found a box. The cat was very happy and jumped into the box.",
+]
+
+
+def prompts_for(count: int, vocab: int, seed: int, phrase: int = 8, repeats: int = 8,
+                tokenizer: object | None = None) -> list[list[int]]:
+    """Each prompt a phrase repeated: a random one, or (``tokenizer``: stories260K) a story line, 3 times."""
     rng = random.Random(seed)
+    if tokenizer is not None:
+        lines = [tokenizer.encode(" ".join([STORY_LINES[(seed + i) % len(STORY_LINES)]] * 3)) for i in range(count)]
+        return [line[: 8 * phrase] for line in lines]
     return [[rng.randrange(FIRST_ID, vocab) for _ in range(phrase)] * repeats for _ in range(count)]
 
 
@@ -85,8 +99,9 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, flo
     return wall, tpot, wall / steps, steps
 
 
-def measure(llm: LLM, label: str, concurrency: int, vocab: int, max_tokens: int, repeats: int) -> Row:
-    prompts = prompts_for(concurrency, vocab, seed=concurrency)
+def measure(llm: LLM, label: str, concurrency: int, vocab: int, max_tokens: int, repeats: int,
+            stories: bool = False) -> Row:
+    prompts = prompts_for(concurrency, vocab, seed=concurrency, tokenizer=llm.tokenizer if stories else None)
     run(llm, prompts[:1], 4)  # warm-up
     before = llm.engine.stats().spec_decode
     best = None
@@ -122,7 +137,7 @@ def compare(path: Path, spec: dict, label: str, concurrency: list[int], max_toke
     for name, options in (("off", {}), (label, {"speculative_config": spec})):
         llm = LLM(path, **common, **options)
         vocab = llm.engine.vocab_size
-        rows += [measure(llm, name, c, vocab, max_tokens, repeats) for c in concurrency]
+        rows += [measure(llm, name, c, vocab, max_tokens, repeats, path == STORIES) for c in concurrency]
         llm.close()
     return rows
 

@@ -52,6 +52,10 @@ class MTPModelRunner(ModelRunner):
     def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
         self._hidden = output
 
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        super().allocate_kv_cache(num_blocks)
+        self.seeds.clear()  # a new pool (after the warm-up step) holds none of the seeds' KV
+
     def release(self, seq: Sequence) -> None:
         super().release(seq)
         self.seeds.pop(seq.seq_id, None)

@@ -87,6 +87,23 @@ def test_stop_string_cuts_and_aborts(tiny_tokenizer):
     assert worker.calls == [("abort", "r")]  # the engine never finished it: free it now
 
 
+def test_a_stop_string_inside_a_multi_token_output_ends_the_choice_at_its_token(tiny_tokenizer):
+    """A speculative step hands over its accepted drafts at once: the tokens after the one that
+    completes the stop string are not the choice's (as one token per step, they never existed)."""
+    async def go(chunk: int):
+        gen, worker = make(tiny_tokenizer, stop=["runs"])
+        ids = text_ids(tiny_tokenizer)
+        for i in range(0, len(ids), chunk):
+            worker.feed(0, ids[i : i + chunk])
+        return gen, await drain(gen)
+
+    one_by_one, pieces = asyncio.run(go(1))
+    drafted, drafted_pieces = asyncio.run(go(len(text_ids(tiny_tokenizer))))  # one output: every token
+    assert "".join(drafted_pieces) == "".join(pieces) == "The river "
+    assert drafted.choices[0].token_ids == one_by_one.choices[0].token_ids
+    assert drafted.completion_tokens == one_by_one.completion_tokens < len(text_ids(tiny_tokenizer))
+
+
 def test_held_back_text_is_flushed_at_the_end(tiny_tokenizer):
     async def go():
         gen, worker = make(tiny_tokenizer, stop=["sea!"])
