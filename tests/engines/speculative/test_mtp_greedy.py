@@ -19,7 +19,7 @@ def test_greedy_with_mtp_equals_transformers(tiny_models, arch):
     path = tiny_models(arch, mtp=True)
     reference = Reference(path)
     prefix = [17, 230, 45, 8, 190, 66, 3, 120, 99]
-    prompts = repetitive_prompts(4, reference.vocab_size, seed=4, prefix=prefix)
+    prompts = repetitive_prompts(5, reference.vocab_size, seed=4, prefix=prefix)
     # 20 blocks of 4 hold about two of these sequences: the rest wait or are preempted; the budget
     # of 16 chunks the prompts; the shared prefix hits the cache after the first prompt.
     llm = LLM(path, num_kv_blocks=20, block_size=4, max_num_batched_tokens=16, speculative_config=MTP)
