@@ -89,7 +89,6 @@ class DecodeGraphs:
         # and the latest step's bucket.
         self.demand: Counter[int] = Counter()
         self.last_bucket: int | None = None
-        self.settled = compiler is None  # nothing left to compile
 
     def next_to_compile(self) -> int | None:
         """The bucket to compile next: the latest step's, else the most used, else the smallest."""
@@ -110,8 +109,8 @@ class DecodeGraphs:
         self.states[size] = "compiled"
 
     def report(self) -> dict:
-        """For /health: the kind, whether compiling is over, and each bucket's state."""
-        return {"kind": self.kind, "settled": self.settled, "buckets": {
+        """For /health: the kind and each bucket's state."""
+        return {"kind": self.kind, "buckets": {
             str(size): {"state": state, "error": self.errors.get(size)} for size, state in self.states.items()}}
 
     @property

@@ -40,7 +40,9 @@ class Warmup:
         self.done = threading.Event()
         self.stopping = threading.Event()  # set by ``stop``: no further build or compile starts
         self.thread: threading.Thread | None = None
-        if background:
+        graphs = runner.decode_graphs
+        pending = bool(runner.kernels.deferred) or (graphs is not None and graphs.compiler is not None)
+        if background and pending:
             self.thread = threading.Thread(target=self._run, name="xinserve-warmup", daemon=True)
             self.thread.start()
         else:
@@ -51,10 +53,11 @@ class Warmup:
         self.stopping.set()
 
     def report(self) -> dict:
-        """For /health: the compile mode, whether compiling is over, and each decode bucket's state."""
+        """For /health: the compile mode, whether the warm-up is over (``settled``: kernels built,
+        every bucket compiled or given up), and each decode bucket's state."""
         graphs = self.runner.decode_graphs
-        body = graphs.report() if graphs is not None else {"kind": "eager", "settled": True, "buckets": {}}
-        return {"mode": self.runner.compile_mode, **body}
+        body = graphs.report() if graphs is not None else {"kind": "eager", "buckets": {}}
+        return {"mode": self.runner.compile_mode, "settled": self.done.is_set(), **body}
 
     def _run(self) -> None:
         try:
@@ -117,7 +120,6 @@ class Warmup:
                                size, type(exc).__name__, first_line(exc))
                 graphs.states[size], graphs.errors[size] = "failed", first_line(exc)
             self.version += 1
-        graphs.settled = True
         logger.info("decode buckets %s run compiled; the others eagerly", sorted(graphs.steps))
 
 
