@@ -52,7 +52,7 @@ def run(root: Path, files: list[str], extra: list[str]) -> dict:
         load_before = os.getloadavg()
         cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                                f"--junitxml={report}", *extra, *files], check=False, cwd=root,
                               env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
         wall = time.monotonic() - start
