@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -28,16 +29,20 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "test_suite_durations.json"
 
 
-def per_file_seconds(junit_xml: Path) -> dict[str, dict[str, float]]:
-    """``{file: {"seconds": total, "tests": count}}`` from a JUnit XML report."""
+def per_file_seconds(junit_xml: Path) -> tuple[dict[str, dict[str, float]], list[str]]:
+    """``{file: {"seconds": total, "tests": count}}`` from a JUnit XML report, and the tests that
+    failed or errored (``file::name``)."""
     files: dict[str, dict[str, float]] = defaultdict(lambda: {"seconds": 0.0, "tests": 0})
+    failed = []
     for case in ET.parse(junit_xml).getroot().iter("testcase"):
         # classname is the dotted module path, plus the class for tests in a class
         module = case.get("classname", "").split(".")
         name = "/".join(part for part in module if not part[:1].isupper()) + ".py"
         files[name]["seconds"] += float(case.get("time", 0))
         files[name]["tests"] += 1
-    return {name: {"seconds": round(v["seconds"], 1), "tests": int(v["tests"])} for name, v in files.items()}
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(f"{name}::{case.get('name')}")
+    return {name: {"seconds": round(v["seconds"], 1), "tests": int(v["tests"])} for name, v in files.items()}, failed
 
 
 def run(root: Path, files: list[str], extra: list[str]) -> dict:
@@ -47,14 +52,18 @@ def run(root: Path, files: list[str], extra: list[str]) -> dict:
         load_before = os.getloadavg()
         cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+        done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                                f"--junitxml={report}", *extra, *files], check=False, cwd=root,
                               env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True)
         wall = time.monotonic() - start
         cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
+        files, failed = per_file_seconds(report) if report.exists() else ({}, [])
+        # pytest's closing line: "N passed, M failed ... in S s"
+        summary = next((line.strip("= ") for line in reversed(done.stdout.splitlines())
+                        if re.search(r"\d+ (passed|failed|errors?) ", line)), done.stderr[-500:])
         return {
-            "files": per_file_seconds(report) if report.exists() else {},
+            "files": files,
+            "failed": failed,
             "summary": summary,
             "wall_s": round(wall, 1),
             "cpu_s": round(cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime, 1),
