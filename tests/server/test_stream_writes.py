@@ -1,5 +1,5 @@
 """Streamed chat and completions through the app in-process: the ASGI body messages (one per write)
-carry whole events in order, the chunks that were ready together in one message, usage last."""
+carry whole events in order, the chunks that were ready together in one message (chat), usage last."""
 
 import asyncio
 import json
@@ -106,7 +106,7 @@ def test_chat_role_and_first_delta_share_a_write_and_usage_ends_the_last(tok):
     assert done == [b"data: [DONE]"]
 
 
-def test_completions_choices_of_one_step_share_a_write(tok):
+def test_completions_n2_stream_keeps_every_choice_and_ends_with_usage(tok):
     steps = [tok.encode(w, add_special_tokens=False) for w in ("Hello", " there")]
     writes = _writes(tok, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 2,
                                               "stream_options": {"include_usage": True}}, steps)
