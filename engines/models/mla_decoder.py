@@ -90,7 +90,8 @@ class MLACausalLM(CausalLM):
 
     FLOAT32_PARAMETERS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
     INDEXER_ROPE_IS_NEOX: ClassVar[bool] = False
-    FLOAT_WEIGHTS: ClassVar[tuple[str, ...]] = ("kv_b_proj.weight",)  # absorbed into the attention (mla.py)
+    # kv_b_proj is absorbed into the attention (mla.py); the DSA indexer reads weights_proj's float32 weight
+    FLOAT_WEIGHTS: ClassVar[tuple[str, ...]] = ("kv_b_proj.weight", "indexer.weights_proj.weight")
 
     def __init__(self, config: Any, ops: KernelOps = REFERENCE_OPS) -> None:
         nn.Module.__init__(self)
