@@ -3,7 +3,7 @@ ranks holds exactly its rows / columns of every quantized weight (block FP8, onl
 int4, msModelSlim W8A8), its whole experts under expert parallel (msModelSlim W4A8), its layers'
 records only at pipeline stage 1, and an expert-parallel rank reads only its experts' tensors; a cut that misses the scale blocks names the model, the weight and
 its shape. Then greedy tokens on real gloo ranks equal the same checkpoint's on one device: online
-w8a8 Llama at TP 2 (row-parallel per-token scales over the whole row), block-FP8 DeepSeek-V3 at TP 2
+w8a8 Llama at TP 2 (row-parallel per-token scales over the whole row), block-FP8 DeepSeek-V3 and GLM-5 at TP 2
 (MLA heads, experts split along their intermediate dim), W4A8 Qwen3-MoE with experts over 2 ranks,
 block-FP8 Llama at PP 2. The planner's weight bytes per device (``xinserve plan``) are what a started
 w8a8 rank at TP 2 holds, and what every rank loads under expert and pipeline parallel."""
@@ -171,6 +171,7 @@ def _greedy(path: Path, scheme: str | None, **parallel) -> tuple[list[list[int]]
 @pytest.mark.parametrize(("kind", "parallel"), [
     ("w8a8", {"tensor_parallel_size": 2}),
     ("fp8_deepseek_v3_16", {"tensor_parallel_size": 2}),
+    ("fp8_glm_moe_dsa_16", {"tensor_parallel_size": 2}),  # GLM-5: MLA + the DSA indexer, replicated
     ("modelslim_w4a8_moe", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
     ("fp8_llama_32", {"pipeline_parallel_size": 2}),
 ])
