@@ -16,9 +16,12 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from server.bench import launch, report
 from server.bench.cli import machine
@@ -83,6 +86,24 @@ def bench(url: str, label: str, args: argparse.Namespace, out: Path | None, conc
         raise RuntimeError(f"bench against {label} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
 
 
+def wait_warmed_up(url: str, timeout: float) -> None:
+    """Until every xinserve worker's background warm-up has settled (C++ kernels built, decode buckets
+    compiled: ``info.decode_graphs.settled`` on /health), so no figure is taken while it compiles. A
+    server whose /health has no such field (a peer, an older xinserve) is taken as warmed up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            health = httpx.get(f"{url}/health", timeout=10).json()
+        except (httpx.HTTPError, ValueError):
+            health = {}
+        workers = health.get("workers") if isinstance(health, dict) else None
+        graphs = [((w.get("info") or {}).get("decode_graphs") or {}) for w in workers or []]
+        if all(g.get("settled", True) for g in graphs):
+            return
+        time.sleep(2)
+    raise TimeoutError(f"{url}: the warm-up did not settle within {timeout:.0f} s")
+
+
 def run_server(server: Server, model: Path, args: argparse.Namespace, scratch: Path, label: str = "") -> Path | None:
     """Start, warm up, bench and stop one server; its JSON document, or None when it is not installed.
     ``label``: the server's name in the results (default: its own)."""
@@ -98,6 +119,7 @@ def run_server(server: Server, model: Path, args: argparse.Namespace, scratch: P
     proc = launch.start(cmd, log, server.cwd, env)
     try:
         launch.wait_ready(url, proc, log, timeout=args.start_timeout)
+        wait_warmed_up(url, args.start_timeout)
         bench(url, label, args, None, "4", 8)  # warm-up: first-call costs out of the figures
         result = args.out_dir / f"{label}.json".replace(" ", "_")
         bench(url, label, args, result, args.concurrency, args.num_prompts)
