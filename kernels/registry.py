@@ -126,12 +126,14 @@ def select(
     shapes: ModelShapes,
     forced: dict[str, str] | None = None,
     defer_builds: bool = False,
+    time_candidates: bool = True,
 ) -> KernelSelection:
     """Probe the platform's candidates for every op and return the selection.
 
     ``forced`` (a model's ``kernels:`` config) wins over ``XINSERVE_KERNELS``, which wins over the
     platform's preference. Raises KernelSelectionError when a forced choice cannot be used.
     ``defer_builds``: skip unforced candidates that are not built yet (see the module's docstring).
+    ``time_candidates`` False: the preference order decides, as with ``XINSERVE_KERNEL_TIMING=off``.
     """
     if platform not in PREFERENCE:
         raise KernelSelectionError(f"unknown platform {platform!r}; expected one of {', '.join(PREFERENCE)}")
@@ -161,7 +163,7 @@ def select(
                                            f"{device} in {dtype}: {reason}")
             raise KernelSelectionError(f"no implementation of {op} on {platform}")  # reference is last
         name = next(iter(correct))
-        if len(correct) > 1 and op in WORKLOADS and timing_enabled():
+        if len(correct) > 1 and op in WORKLOADS and time_candidates and timing_enabled():
             measured = {n: _timed(timings, op, n, f, shapes, device, dtype) for n, f in correct.items()}
             selection.timings_ms[op] = {n: round(seconds * 1000, 4) for n, seconds in measured.items()}
             name = fastest(measured, names)
