@@ -88,7 +88,6 @@ class ModelRunner:
         self.platform = platform
         self.device = platform.device
         self.block_size = block_size
-        self.kernels: KernelSelection | None = None
         # A C++ kernel not built yet is built after the engine is ready (engines/warmup.py), on one CPU device.
         self.defer_builds = config.warm_up_in_background and platform.kind == "cpu" and not (group or pipeline)
         self.step_lock = threading.Lock()  # held by a step: the warm-up swaps kernels and buckets in between
@@ -131,7 +130,7 @@ class ModelRunner:
         self.kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)  # the KV pool's (kernels/kv_quant.py)
         shapes = replace(shapes, block_size=self.block_size, kv_cache_dtype=self.kv_dtype)
         self.kernel_request = (shapes, dtype, config.kernels)  # the warm-up selects again once its builds are done
-        self.kernels = select(self.platform.kind, self.device, dtype, shapes, config.kernels, self.defer_builds)
+        self.kernels: KernelSelection = select(self.platform.kind, self.device, dtype, shapes, config.kernels, self.defer_builds)
         logger.info("kernels on %s (%s):\n%s", self.device, str(dtype).removeprefix("torch."), self.kernels.table())
         return self.kernels.ops
 
