@@ -17,6 +17,13 @@ multiples of 256, MATE's own tests cover pages of 1 to 111 tokens (64 takes its 
 MATE is built for MP31 (Pinghu) GPUs; where ``mate`` does not import, decode is declared
 unsupported here and the registry falls through to Triton, then the reference.
 
+An 8-bit KV cache (``--kv-cache-dtype fp8`` / ``int8``: codes and a float32 scale per token and head in
+one row, kernels/kv_quant.py) is read back in the model's dtype: prefill widens each sequence's gathered
+context; decode gathers the step's blocks into a compact half-precision pool (kernels/kv_compact.py)
+that MATE reads through renumbered page tables. MATE's fp8 path (FlashAttention-3's ``k_descale`` /
+``v_descale``) takes one scale per sequence and KV head, not one per token, and wants an fp8 query too,
+so it cannot read these rows. The reference writes the cache (torch ops on the device).
+
 Same signatures as ``kernels.reference``. Importing this module needs torch_musa.
 """
 
@@ -24,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import torch_musa  # noqa: F401  registers the musa device and routes SDPA to muDNN's flash kernel
 
+from kernels import kv_compact, kv_quant
 from kernels.attention_metadata import DecodeGather
 from kernels.model_shapes import ModelShapes
 from kernels.reference import prefill_context
@@ -41,10 +49,13 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
                             block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                             scale: float) -> torch.Tensor:
     """Causal attention for P prefill (or chunked-prefill) sequences; see the reference for the
-    layouts. query: [T, H, D]; key_cache, value_cache: [N, BS, KVH, D]; block_tables: [P, B] int32.
+    layouts. query: [T, H, D]; key_cache, value_cache: [N, BS, KVH, D (+ 4)]; block_tables: [P, B] int32.
     Returns [T, H, D]."""
     out = torch.empty_like(query)
+    head_dim = query.shape[2]
     for start, end, k, v, mask in prefill_context(key_cache, value_cache, block_tables, query_start_loc, seq_lens):
+        # an 8-bit context read back in the query's dtype (a half-precision one is returned as it is)
+        k, v = (kv_quant.dequantize(t, head_dim, query.dtype) for t in (k, v))
         # k, v: [L, KVH, D] -> [KVH, L, D]; q: [H, q_len, D], the H / KVH query heads of a group share k, v
         q = query[start:end].transpose(0, 1)
         o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
@@ -56,8 +67,15 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            gather: DecodeGather) -> torch.Tensor:
     """One new token per sequence over its cached context, read in place by MATE (``gather``, the
-    reference's plan, is not needed). query: [S, H, D]; key_cache, value_cache: [N, BS, KVH, D];
-    block_tables: [S, B] int32; seq_lens: [S] int32. Returns [S, H, D]."""
+    reference's plan, is not needed, except for an 8-bit cache: its ``block_ids`` name the blocks to read
+    back). query: [S, H, D]; key_cache, value_cache: [N, BS, KVH, D (+ 4)]; block_tables: [S, B] int32;
+    seq_lens: [S] int32. Returns [S, H, D]."""
+    if kv_quant.is_quantized(key_cache.dtype):
+        # [S * W, BS, KVH, D] in the query's dtype, W = the blocks gathered per sequence
+        head_dim, num_seqs = query.shape[2], query.shape[0]
+        key_cache = kv_compact.read_back(key_cache, gather.block_ids, head_dim, query.dtype)
+        value_cache = kv_compact.read_back(value_cache, gather.block_ids, head_dim, query.dtype)
+        block_tables = kv_compact.compact_tables(num_seqs, key_cache.shape[0] // num_seqs, query.device)
     # q: [S, 1, H, D], MATE's (batch, seqlen_q, heads, head_dim). A lone query sees its whole
     # context, so no causal mask is needed.
     out = flash_attn_with_kvcache(
@@ -69,8 +87,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     """Why this module cannot serve ``op`` for the model, or None (the registry then probes it)."""
-    if op in ("write_kv", "prefill_attention", "decode_attention") and shapes.kv_cache_dtype not in (None, dtype):
-        return f"KV cache dtype {shapes.kv_cache_dtype} unsupported (its kernels read a cache in the model's dtype)"
+    kv = shapes.kv_cache_dtype
+    if op in ("prefill_attention", "decode_attention") and kv not in (None, dtype) and not kv_quant.is_quantized(kv):
+        return f"KV cache dtype {kv} unsupported (its kernels read an 8-bit cache or one in the model's dtype)"
     head_dim = shapes.head_dim
     if shapes.sliding_window is not None:  # both attention kernels here attend to the whole context
         return "sliding window unsupported (not implemented for MUSA attention here)"

@@ -21,6 +21,22 @@ from kernels.probe_inputs import ProbeInputs, max_error, pool_size, scrambled_bl
 
 # Largest tolerated max-abs error against the float32 reference, for inputs of order one.
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+# A KV cache write may round a token to a neighbouring stored value (an 8-bit code computed on the device
+# rounds its own way): about one step of the kind for inputs of order one (int8: absmax / 127; e4m3: 3
+# mantissa bits, 0.25 just below 4).
+WRITE_TOLERANCE = {torch.int8: 3e-2, torch.float8_e4m3fn: 2.5e-1}
+
+
+def probe_tolerance(op: str, shapes: ModelShapes, dtype: torch.dtype) -> float:
+    """The largest error a candidate for ``op`` may show: the model dtype's, or the KV cache dtype's where
+    a kernel may compute in it (a float32 model's attention over a bfloat16 cache reads bfloat16 queries)."""
+    tolerance = TOLERANCE[dtype]
+    kv = shapes.kv_cache_dtype
+    if op in ("write_kv", "prefill_attention", "decode_attention") and kv is not None:
+        tolerance = max(tolerance, TOLERANCE.get(kv, 0.0))
+        if op == "write_kv":
+            tolerance = max(tolerance, WRITE_TOLERANCE.get(kv, 0.0))
+    return tolerance
 
 
 def applies(op: str, shapes: ModelShapes) -> bool:

@@ -27,16 +27,18 @@ import torch
 
 from kernels.model_shapes import ModelShapes
 from kernels.ops import OP_FUNCTIONS, OPS, KernelOps
-from kernels.probes import TOLERANCE, applies, probe
+from kernels.probes import applies, probe, probe_tolerance
 from kernels.timing import WORKLOADS, TimingCache, fastest, measure
 
-# implementation name -> module exposing ``OPS`` (and optionally ``unsupported(op, shapes, dtype)``)
+# implementation name -> module exposing ``OPS`` (and optionally ``unsupported(op, shapes, dtype)``, and
+# ``serves(op, shapes, dtype)``: False where it is no candidate at all, so nothing is reported)
 MODULES = {
     "reference": "kernels.reference",
     "cpp": "kernels.cpp",
     "triton": "kernels.triton",
     "grouped_mm": "kernels.grouped_mm",
     "npu": "kernels.npu",
+    "npu_kv": "kernels.npu_kv",
     "musa": "kernels.musa",
     "int8mm": "kernels.quant_int8",
     "dequant": "kernels.quant_dequant",
@@ -48,7 +50,7 @@ BUILT_FROM_SOURCE = {"cpp": "kernels.cpp_build"}
 PREFERENCE = {
     "cpu": ("cpp", "int8mm", "dequant", "reference"),
     "cuda": ("triton", "grouped_mm", "int8mm", "dequant", "reference"),
-    "npu": ("npu", "dequant", "reference"),
+    "npu": ("npu", "npu_kv", "dequant", "reference"),
     "musa": ("musa", "triton", "dequant", "reference"),
 }
 ENV_VAR = "XINSERVE_KERNELS"
@@ -219,6 +221,8 @@ def _try(
     available = getattr(module, "OPS", {})
     if not all(f in available for f in OP_FUNCTIONS[op]):
         return None, None
+    if not getattr(module, "serves", lambda *_: True)(op, shapes, dtype):
+        return None, None
     functions = {f: available[f] for f in OP_FUNCTIONS[op]}
     if name == "reference":
         return functions, None
@@ -230,7 +234,7 @@ def _try(
     except Exception as exc:  # noqa: BLE001  a vendor op may raise anything: that is the finding
         first_line = (str(exc).strip().splitlines() or [""])[0][:200]
         return None, f"raised {type(exc).__name__}: {first_line}"
-    tolerance = TOLERANCE[dtype]
+    tolerance = probe_tolerance(op, shapes, dtype)
     if not error <= tolerance:  # also catches NaN
         return None, f"max abs err {error:.1e} > {tolerance:.0e}"
     return functions, None

@@ -11,8 +11,10 @@ from types import ModuleType
 import pytest
 import torch
 
+import engines.engine
 import kernels
-from kernels.registry import TIMING_ENV_VAR
+from engines.platforms import Platform
+from kernels.registry import ENV_VAR, TIMING_ENV_VAR
 
 FAKES_DIR = Path(__file__).resolve().parents[1] / "fakes"
 
@@ -29,14 +31,35 @@ def npu() -> Iterator[ModuleType]:
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(FAKES_DIR))
         mp.delattr(kernels, "npu", raising=False)
-        for name in ("torch_npu", "torch_npu.npu", "kernels.npu", "kernels.npu_mla", "kernels.npu_quant"):
+        for name in ("torch_npu", "torch_npu.npu", "kernels.npu", "kernels.npu_mla", "kernels.npu_quant",
+                     "kernels.npu_kv"):
             mp.delitem(sys.modules, name, raising=False)
         module = importlib.import_module("kernels.npu")
         assert module.torch_npu.__file__.startswith(str(FAKES_DIR))  # never a real one by accident
         yield module
-        for name in ("torch_npu", "torch_npu.npu", "kernels.npu", "kernels.npu_mla", "kernels.npu_quant"):
+        for name in ("torch_npu", "torch_npu.npu", "kernels.npu", "kernels.npu_mla", "kernels.npu_quant",
+                     "kernels.npu_kv"):
             sys.modules.pop(name, None)
         if hasattr(torch, "npu"):  # set by the fake's import, as the real torch_npu sets it
             delattr(torch, "npu")
-        if hasattr(kernels, "npu"):
-            delattr(kernels, "npu")
+        for name in ("npu", "npu_kv"):
+            if hasattr(kernels, name):
+                delattr(kernels, name)
+
+
+@pytest.fixture
+def no_forced_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+
+
+@pytest.fixture
+def npu_platform(npu, no_forced_kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """get_platform("npu...") answers an Ascend platform whose device is the CPU (block size 128, as
+    Ascend's paged kernels want), so the runner chooses kernels for "npu" while every tensor stays on
+    the host."""
+    cpu = torch.device("cpu")
+    platform = Platform(kind="npu", device=cpu, default_block_size=128, default_kv_cache_memory_fraction=0.1,
+                        free_memory=lambda: 2**30, synchronize=lambda: None)
+    real = engines.engine.get_platform
+    monkeypatch.setattr(engines.engine, "get_platform",
+                        lambda device: platform if device.startswith("npu") else real(device))

@@ -13,9 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import engines.engine
 from engines import LLM, SamplingParams
-from engines.platforms import Platform
 from kernels import reference, registry
 from kernels.attention_metadata import build_decode_gather
 from kernels.model_shapes import ModelShapes
@@ -27,11 +25,6 @@ BS = 128  # Ascend's paged kernels want 128
 @pytest.fixture
 def fake(npu) -> ModuleType:
     return npu.torch_npu
-
-
-@pytest.fixture
-def no_forced_kernels(monkeypatch) -> None:
-    monkeypatch.delenv(registry.ENV_VAR, raising=False)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -312,17 +305,6 @@ def test_a_failing_operator_falls_back_to_the_reference_with_its_error(fake, no_
 
 
 # ---- a whole generation on the npu path ----
-
-@pytest.fixture
-def npu_platform(npu, no_forced_kernels, monkeypatch):
-    """get_platform("npu...") answers an Ascend platform whose device is the CPU, so the runner
-    chooses kernels for "npu" while every tensor stays on the host."""
-    platform = Platform(kind="npu", device=CPU, default_block_size=BS, default_kv_cache_memory_fraction=0.1,
-                        free_memory=lambda: 2**30, synchronize=lambda: None)
-    real = engines.engine.get_platform
-    monkeypatch.setattr(engines.engine, "get_platform",
-                        lambda device: platform if device.startswith("npu") else real(device))
-
 
 def prompts(vocab_size: int, seed: int) -> list[list[int]]:
     """Three prompts of 241-248 tokens sharing a 130-token prefix (one whole block of 128)."""

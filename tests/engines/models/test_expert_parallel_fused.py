@@ -45,7 +45,7 @@ def fake_npu(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delitem(sys.modules, name, raising=False)
     yield
     for name in ("torch_npu", "torch_npu.npu", "torch_npu.moe_distribute", "torch_npu.mla", "torch_npu.quant",
-                 "kernels.npu_moe_dispatch"):
+                 "torch_npu.kv_int8", "kernels.npu_moe_dispatch"):
         sys.modules.pop(name, None)
     for module, attr in ((torch, "npu"), (kernels, "npu_moe_dispatch")):
         if hasattr(module, attr):

@@ -27,6 +27,7 @@ from kernels.attention_metadata import build_decode_gather
 from kernels.routing import MoeRouting
 
 from . import npu  # graphs and streams; the real torch_npu registers its npu module as torch.npu too
+from .kv_int8 import antiquant_paged_decode
 from .mla import (  # noqa: F401  the MLA / DSA operators, part of this fake module's API
     mla_fused_infer_attention_score,
     npu_lightning_indexer,
@@ -132,7 +133,9 @@ def npu_fused_infer_attention_score(
     query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
     actual_seq_lengths_kv=None, block_table=None, num_heads=1, scale=1.0, pre_tokens=MAX_INT32,
     next_tokens=MAX_INT32, input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0,
-    block_size=0, softmax_lse_flag=False, query_rope=None, key_rope=None,
+    block_size=0, softmax_lse_flag=False, query_rope=None, key_rope=None, key_antiquant_scale=None,
+    key_antiquant_offset=None, value_antiquant_scale=None, value_antiquant_offset=None, key_antiquant_mode=0,
+    value_antiquant_mode=0,
 ):
     """Modelled: input_layout "TND" with PageAttention and sparse_mode 3 (what kernels/npu.py uses).
     query [T, H, D]; key and value caches [N, BS, KVH * D] (BnBsH) or [N, KVH, BS, D] (BnNBsD);
@@ -145,9 +148,17 @@ def npu_fused_infer_attention_score(
             block_size=block_size, actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
             atten_mask=atten_mask,
         )
+    if key.dtype == torch.int8:  # the int8 KV ("C8") decode form (fakes/torch_npu/kv_int8.py)
+        return antiquant_paged_decode(
+            query, key, value, key_antiquant_scale=key_antiquant_scale, value_antiquant_scale=value_antiquant_scale,
+            key_antiquant_offset=key_antiquant_offset, value_antiquant_offset=value_antiquant_offset,
+            key_antiquant_mode=key_antiquant_mode, value_antiquant_mode=value_antiquant_mode, block_table=block_table,
+            actual_seq_lengths_kv=actual_seq_lengths_kv, num_heads=num_heads, num_key_value_heads=num_key_value_heads,
+            scale=scale, input_layout=input_layout, block_size=block_size,
+        )
     op = "aclnnFusedInferAttentionScore"
     if input_layout != "TND" or block_table is None or sparse_mode != 3 or pse_shift is not None \
-            or softmax_lse_flag:
+            or softmax_lse_flag or key_antiquant_scale is not None or value_antiquant_scale is not None:
         raise NotImplementedError("the fake models input_layout 'TND', PageAttention and sparse_mode 3 only")
     _dense(op, "query", query, 3, HALF)
     tokens, heads, head_dim = query.shape
