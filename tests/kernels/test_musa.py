@@ -16,7 +16,7 @@ import torch
 import engines.engine
 from engines import LLM, SamplingParams
 from engines.platforms import get_platform
-from kernels import reference, registry
+from kernels import kv_quant, reference, registry
 from kernels.attention_metadata import build_decode_gather
 from kernels.model_shapes import ModelShapes
 from kernels.probes import TOLERANCE, scrambled_block_tables
@@ -284,3 +284,57 @@ def test_greedy_generation_on_musa_equals_cpu(on_musa, tiny_models):
     assert llm.engine.runner.kernels.ops.paged_decode_attention is on_musa.paged_decode_attention
     assert len(llm.tokenizer.encode(batches[0][0])) > options["max_num_batched_tokens"]  # so prefill was chunked
     assert [out.token_ids for out in runs["musa:0"]] == [out.token_ids for out in runs["cpu"]]
+
+
+# ---- an 8-bit KV cache (--kv-cache-dtype fp8 / int8), read back in the model's dtype ----
+
+EIGHT_BIT = [torch.float8_e4m3fn, torch.int8]
+
+
+def stored_cache(seq_lens: list[int], block_size: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype):
+    """As ``paged_cache``, with the values stored as the pool stores them (kernels/kv_quant.py)."""
+    key_cache, value_cache, tables = paged_cache(seq_lens, block_size, kv_heads, head_dim, torch.float32)
+    return kv_quant.quantize(key_cache, kv_dtype), kv_quant.quantize(value_cache, kv_dtype), tables
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT, ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES[2:], ids=SHAPE_IDS[2:])
+def test_8bit_cache_attention_equals_the_reference_over_the_same_stored_cache(musa, kv_dtype, heads, kv_heads,
+                                                                                head_dim, block_size):
+    torch.manual_seed(0)
+    bs, dtype = block_size, torch.bfloat16
+    lens = [1, bs + 1, 2 * bs + 3, 5]
+    key_cache, value_cache, tables = stored_cache(lens, bs, kv_heads, head_dim, kv_dtype)
+    assert key_cache.shape[-1] == head_dim + 4  # codes, then the scale's 4 bytes
+    query = torch.randn(len(lens), heads, head_dim).to(dtype)
+    lens_np = np.array(lens, np.int32)
+    args = (torch.from_numpy(tables), torch.from_numpy(lens_np), head_dim**-0.5,
+            build_decode_gather(tables, lens_np, bs, CPU))
+    got = musa.paged_decode_attention(query, key_cache, value_cache, *args)
+    assert got.dtype == dtype and error(got, reference.paged_decode_attention(query.float(), key_cache, value_cache,
+                                                                              *args)) <= TOLERANCE[dtype]
+    q_lens, seq_lens = [7, 5, 2], [7, bs + 8, 3]  # a whole prompt, chunks after cached prefixes
+    key_cache, value_cache, tables = stored_cache(seq_lens, bs, kv_heads, head_dim, kv_dtype)
+    query = torch.randn(sum(q_lens), heads, head_dim).to(dtype)
+    args = (torch.from_numpy(tables), [0, 7, 12, 14], seq_lens, head_dim**-0.5)
+    got = musa.paged_prefill_attention(query, key_cache, value_cache, *args)
+    want = reference.paged_prefill_attention(query.float(), key_cache, value_cache, *args)
+    assert got.dtype == dtype and error(got, want) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("kv_dtype", EIGHT_BIT, ids=str)
+def test_the_registry_chooses_the_musa_attention_for_an_8bit_cache(musa, kv_dtype):
+    selection = select("musa", CPU, torch.bfloat16, replace(MODEL_SHAPES, kv_cache_dtype=kv_dtype))
+    assert selection.chosen["prefill_attention"] == "musa" and selection.chosen["decode_attention"] == "musa"
+    assert selection.chosen["write_kv"] == "reference" and not selection.rejected  # torch ops quantize on the card
+    # a half-precision cache in the other half dtype has no reader here: the reference serves, and says why
+    selection = select("musa", CPU, torch.bfloat16, replace(MODEL_SHAPES, kv_cache_dtype=torch.float16))
+    assert selection.chosen["decode_attention"] == "reference"
+    assert selection.rejected["decode_attention"] == [
+        ("musa", "KV cache dtype torch.float16 unsupported (its kernels read an 8-bit cache or one in the model's dtype)")]
+
+
+def test_without_mate_an_8bit_cache_decodes_on_the_reference_and_says_why(musa_without_mate):
+    selection = select("musa", CPU, torch.bfloat16, replace(MODEL_SHAPES, kv_cache_dtype=torch.float8_e4m3fn))
+    assert selection.chosen["prefill_attention"] == "musa" and selection.chosen["decode_attention"] == "reference"
+    assert selection.rejected["decode_attention"][0][1].startswith("not installed (mate")
