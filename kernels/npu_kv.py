@@ -93,7 +93,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     value_codes, value_scales = kv_compact.codes_and_scales(value_cache, gather.block_ids, head_dim)
     num_blocks = key_codes.shape[0]
     out, _ = torch_npu.npu_fused_infer_attention_score(
-        query.unsqueeze(1),  # [S, 1, H, D]: BSND, one query token per sequence
+        query.contiguous().unsqueeze(1),  # [S, 1, H, D]: BSND, one query token per sequence
         # PageAttention with BSND reads the blocks as [blocks, BS, KVH * D]
         key_codes.view(num_blocks, block_size, num_kv_heads * head_dim),
         value_codes.view(num_blocks, block_size, num_kv_heads * head_dim),
