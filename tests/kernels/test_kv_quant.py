@@ -10,6 +10,7 @@ import torch
 from kernels import cpp, kv_quant, mla_reference, reference
 from kernels.attention_metadata import build_decode_gather
 from kernels.model_shapes import ModelShapes
+from kernels.probes import TOLERANCE, probe_tolerance
 from kernels.registry import select
 from kernels.triton import unsupported as triton_unsupported
 
@@ -159,3 +160,14 @@ def test_cpp_reads_every_fp8_code_exactly():
     scale = torch.full((4, 1), 0.5).view(torch.int8)  # every row scaled by 0.5
     rows = torch.cat((codes.view(torch.int8).view(4, 64), scale.view(4, 4)), dim=-1).view(torch.float8_e4m3fn)
     assert torch.equal(_read_back_by_cpp(rows, 64), codes.float().view(4, 64) * 0.5)
+
+
+def test_a_candidate_is_held_to_the_kv_dtypes_tolerance_where_it_is_looser():
+    # a float32 model's attention over a bfloat16 cache may read bfloat16 queries; an 8-bit write may
+    # round a token to the neighbouring code; everything else keeps the model dtype's tolerance
+    assert probe_tolerance("decode_attention", _shapes(torch.bfloat16), torch.float32) == TOLERANCE[torch.bfloat16]
+    assert probe_tolerance("decode_attention", _shapes(torch.int8), torch.bfloat16) == TOLERANCE[torch.bfloat16]
+    assert probe_tolerance("decode_attention", _shapes(torch.float8_e4m3fn), torch.float32) == TOLERANCE[torch.float32]
+    assert probe_tolerance("write_kv", _shapes(torch.float8_e4m3fn), torch.float32) == 0.25
+    assert probe_tolerance("write_kv", _shapes(torch.int8), torch.float16) == 3e-2
+    assert probe_tolerance("rms_norm", _shapes(torch.bfloat16), torch.float32) == TOLERANCE[torch.float32]
