@@ -24,6 +24,18 @@ if str(REPO_ROOT) not in sys.path:  # so a bare `pytest` imports the in-tree pac
 STORIES_DIR = REPO_ROOT / "tests" / "fixtures" / "stories260K"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-report", type=Path, metavar="PATH",
+                     help="write CPU seconds per test file and shared fixture to PATH (tests/cpu_times.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("cpu_report"):
+        from tests.cpu_times import CpuTimes
+
+        config.pluginmanager.register(CpuTimes(config.getoption("cpu_report")), "cpu_times")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``get(arch="llama", **kwargs) -> Path``: ``make_tiny_model`` memoised per (arch, kwargs)."""
