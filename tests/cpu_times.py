@@ -72,7 +72,6 @@ class CpuTimes:
             self._charge(self.fixtures, f"{fixturedef.argname} ({fixturedef.scope})")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        self._charge(self.fixtures, "(session teardown)")
         worker = getattr(session.config, "workerinput", {}).get("workerid")
         path = self.path.with_name(f"{self.path.name}.{worker}") if worker else self.path
         if not worker:  # under xdist the controller runs no test: merge its workers' files
@@ -83,8 +82,11 @@ class CpuTimes:
                         into[name] += seconds
                 part.unlink()
         # the controller's descendants are its workers: its total is the whole run's
+        total = cpu_seconds() - self.start
+        self.fixtures["(rest: imports, collection, workers' start)"] += (
+            total - sum(self.files.values()) - sum(self.fixtures.values()))
         report = {
-            "total_cpu_s": round(cpu_seconds() - self.start, 1),
+            "total_cpu_s": round(total, 1),
             "files": {k: round(v, 1) for k, v in sorted(self.files.items(), key=lambda kv: -kv[1])},
             "fixtures": {k: round(v, 1) for k, v in sorted(self.fixtures.items(), key=lambda kv: -kv[1])},
         }
