@@ -7,6 +7,9 @@ worker processes, which end only with the session). A sample is taken when the n
 another file, and around each module/session fixture's set-up, so a shared server's start-up is
 charged to its fixture and its later work to the files whose tests use it.
 
+A descendant that leaves the tree without being reaped by it (an orphaned worker, re-parented to
+init) takes its CPU seconds with it: the file during which it left can show less, even below zero.
+
 Writes ``{"files": {file: cpu_s}, "fixtures": {name: cpu_s}, "total_cpu_s"}`` to PATH (under
 pytest-xdist, one file per worker: ``PATH.gw0`` ...) and prints the 15 costliest files.
 """
