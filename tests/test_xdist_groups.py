@@ -40,15 +40,16 @@ def test_files_sharing_a_session_server_are_one_unit_and_the_others_one_each():
     }
 
 
-def test_units_with_a_slow_test_run_first_then_the_largest():
+def test_units_with_a_slow_test_run_first_then_those_starting_a_server_then_the_largest():
     items = [
         item("tests/a.py::t1"), item("tests/a.py::t2"),
         item("tests/b.py::t1"), item("tests/b.py::t2"), item("tests/b.py::t3"),
         item("tests/c.py::t1"), item("tests/c.py::t2", slow=True),
+        item("tests/d.py::t1", "server", "start_server"),
     ]
     xdist_groups.order(items, xdist_groups.units(items))
-    assert [i.nodeid for i in items] == ["tests/c.py::t1", "tests/c.py::t2", "tests/b.py::t1", "tests/b.py::t2",
-                                         "tests/b.py::t3", "tests/a.py::t1", "tests/a.py::t2"]
+    assert [i.nodeid for i in items] == ["tests/c.py::t1", "tests/c.py::t2", "tests/d.py::t1", "tests/b.py::t1",
+                                         "tests/b.py::t2", "tests/b.py::t3", "tests/a.py::t1", "tests/a.py::t2"]
 
 
 def test_the_controller_schedules_the_units_the_workers_wrote(tmp_path, monkeypatch):

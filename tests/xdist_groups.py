@@ -2,8 +2,8 @@
 
 A test file is one unit of work, so its module-scoped server starts once. Files that share a
 session-scoped server (``SHARED_SERVERS``) are one unit too, so that server starts on one worker,
-not on each. Units holding a ``slow`` test go first, then the others by size: the last unit to run
-is a short one, and the two workers end close together.
+not on each. Units holding a ``slow`` test go first, then those that start a server, then the others
+by size: the last unit to run is a short one, and the two workers end close together.
 
 The units are computed where the tests are collected (each worker, from the tests' fixtures and
 marks) and read where they are scheduled (the controller, which collects nothing): each worker
@@ -53,16 +53,24 @@ def units(items: Iterable[pytest.Item]) -> dict[str, str]:
 
 
 def order(items: list[pytest.Item], unit_of: dict[str, str]) -> None:
-    """Units with a ``slow`` test first, then by number of tests (in place; a unit's tests keep
-    their order)."""
+    """Units with a ``slow`` test first, then those that start a server (~20 s each, however few
+    their tests), then by number of tests (in place; a unit's tests keep their order)."""
     size: dict[str, int] = {}
     slow: set[str] = set()
+    serving: set[str] = set()
     for item in items:
         unit = unit_of[file_of(item.nodeid)]
         size[unit] = size.get(unit, 0) + 1
         if item.get_closest_marker("slow"):
             slow.add(unit)
-    items.sort(key=lambda item: (unit_of[file_of(item.nodeid)] not in slow, -size[unit_of[file_of(item.nodeid)]]))
+        if "start_server" in item.fixturenames:  # fixturenames is the closure: a server fixture's too
+            serving.add(unit)
+
+    def key(item: pytest.Item) -> tuple[bool, bool, int]:
+        unit = unit_of[file_of(item.nodeid)]
+        return unit not in slow, unit not in serving, -size[unit]
+
+    items.sort(key=key)
 
 
 def units_file() -> Path:
