@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint bench
+.PHONY: serve test test-fast lint bench
 
 # --no-compile: pip would byte-compile all ~250 MB of installed Python, ~80 CPU s on one core (measured:
 # installing transformers alone, 54 MB of .py, 19.7 -> 2.7 CPU s). Python compiles what is imported on
@@ -23,9 +23,19 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/xinserve serve
 
+# Two xdist workers (one per core of the 2-core reference machine; `make test TEST_WORKERS=4` on more);
+# files that share a server run on one worker, slow ones first (tests/xdist_groups.py). The 15 slowest
+# tests are listed at the end. `make test-fast` leaves out the tests marked `slow`.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest --durations=15
+	$(PYTEST)
+
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(PYTEST) -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py

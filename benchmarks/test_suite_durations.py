@@ -1,6 +1,8 @@
 """Where the test suite's time goes, per test file: wall seconds (setup + call + teardown of its tests,
-from pytest's JUnit XML) for one pytest run over the given files, plus the run's CPU seconds (user +
-sys of pytest and every server, worker and rank process it started) and the load average around it.
+from pytest's JUnit XML) and CPU seconds (``pytest --cpu-report``, tests/cpu_times.py, where the
+checkout has it) for one pytest run over the given files, plus the run's CPU seconds (user + sys of
+pytest and every server, worker and rank process it started) and the load average around it. Extra
+arguments go to pytest (``-n 2 --dist loadfile`` for `make test`'s two workers).
 
 The machine is shared, so wall seconds alone mislead: read them with the load average, and compare
 CPU seconds between runs. Each run is stored under its label (``before`` / ``after``) and source tree
@@ -49,6 +51,9 @@ def run(root: Path, files: list[str], extra: list[str]) -> dict:
     """One pytest run of ``files`` in ``root``; its per-file seconds, outcome, CPU and load."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
+        cpu_report = Path(tmp) / "cpu.json"
+        if (root / "tests" / "cpu_times.py").exists():  # per-file CPU seconds (older checkouts lack it)
+            extra = [*extra, f"--cpu-report={cpu_report}"]
         load_before = os.getloadavg()
         cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.monotonic()
@@ -58,6 +63,9 @@ def run(root: Path, files: list[str], extra: list[str]) -> dict:
         wall = time.monotonic() - start
         cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
         files, failed = per_file_seconds(report) if report.exists() else ({}, [])
+        cpu_files = json.loads(cpu_report.read_text())["files"] if cpu_report.exists() else {}
+        for name, entry in files.items():
+            entry["cpu_s"] = cpu_files.get(name)
         # pytest's closing line: "N passed, M failed ... in S s"
         summary = next((line.strip("= ") for line in reversed(done.stdout.splitlines())
                         if re.search(r"\d+ (passed|failed|errors?) ", line)), done.stderr[-500:])
@@ -82,9 +90,10 @@ def main() -> None:
     args, extra = parser.parse_known_args()
     result = {**run(args.root, args.files, extra), "root": str(args.root), "note": args.note,
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"}
-    print(f"{'file':60} {'tests':>5} {'seconds':>8}")
+    print(f"{'file':60} {'tests':>5} {'seconds':>8} {'CPU s':>8}")
     for name, entry in sorted(result["files"].items(), key=lambda kv: -kv[1]["seconds"]):
-        print(f"{name:60} {entry['tests']:5} {entry['seconds']:8.1f}")
+        cpu = "" if entry.get("cpu_s") is None else f"{entry['cpu_s']:8.1f}"
+        print(f"{name:60} {entry['tests']:5} {entry['seconds']:8.1f} {cpu:>8}")
     print(f"{args.label}/{args.group}: {result['summary']}; wall {result['wall_s']} s, CPU {result['cpu_s']} s, "
           f"load {result['load_before']} -> {result['load_after']}")
     stored = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}

@@ -4,6 +4,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,12 +17,54 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Compiling decode buckets costs seconds per engine: only tests/engines/test_decode_graphs.py (which
 # asks for it) compiles; every other engine, in-process or a server's worker, decodes eagerly.
 os.environ.setdefault("XINSERVE_COMPILE", "off")
+# Under pytest-xdist each worker gets its share of the cores for torch (set before torch is imported;
+# servers started by tests pick their own threads), so two workers on two cores do not oversubscribe.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS)))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # so a bare `pytest` imports the in-tree packages too
     sys.path.insert(0, str(REPO_ROOT))
 
 STORIES_DIR = REPO_ROOT / "tests" / "fixtures" / "stories260K"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-report", type=Path, metavar="PATH",
+                     help="write CPU seconds per test file and shared fixture to PATH (tests/cpu_times.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("cpu_report"):
+        from tests.cpu_times import CpuTimes
+
+        config.pluginmanager.register(CpuTimes(config.getoption("cpu_report")), "cpu_times")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "xinserve_units_file" in getattr(config, "workerinput", {}):  # a worker of `make test`'s xdist
+        from tests.xdist_groups import on_worker_collected
+
+        on_worker_collected(config, items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist's controller, per worker: where to write the units (tests/xdist_groups.py)."""
+    from tests.xdist_groups import UNITS_KEY, units_file
+
+    node.workerinput[UNITS_KEY] = str(units_file())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` schedules units of files that share a server (tests/xdist_groups.py)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.xdist_groups import UnitScheduling
+
+    return UnitScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
 
 
+@pytest.mark.slow
 def test_compare_with_no_peers_installed(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(

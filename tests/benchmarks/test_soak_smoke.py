@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
+@pytest.mark.slow
 def test_small_soak_leaves_the_server_idle(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "soak.json"
     proc = subprocess.run(

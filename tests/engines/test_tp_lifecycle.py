@@ -52,6 +52,7 @@ def _expected(reference: Reference, prompts: list[list[int]]) -> list[list[int]]
     return [reference.generate(p) for p in prompts]
 
 
+@pytest.mark.slow
 def test_three_engines_in_a_loop_each_work_and_leave_nothing_behind(tiny_model_dir):
     """Before: the second engine failed with "trying to initialize the default process group twice"
     after ``del`` of the first, whose group nothing released."""
@@ -99,6 +100,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_ranks_started_from_an_ended_thread_serve_and_leave_when_rank_0_dies(tiny_model_dir):
     """Before: PR_SET_PDEATHSIG killed the ranks as soon as the thread that started them ended."""
     reference = Reference(tiny_model_dir)

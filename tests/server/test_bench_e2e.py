@@ -58,6 +58,7 @@ def test_levels_categories_json_and_plot(server, tmp_path):
         assert image.format == "PNG" and image.size == PNG_SIZE
 
 
+@pytest.mark.slow
 def test_open_loop_and_a_plot_of_two_servers(server, tmp_path):
     a = tmp_path / "rate.json"
     proc = xinserve("bench", "--base-url", f"{server.url}/v1", "--request-rate", "20,40", "--num-prompts", "6",

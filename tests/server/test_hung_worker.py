@@ -18,6 +18,8 @@ from tests.server.conftest import first_tails, open_stream, serve_config, wait_f
 
 HEARTBEAT_TIMEOUT_S = 2.0
 
+pytestmark = pytest.mark.slow  # a server of its own; workers stopped and restarted
+
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_model_dir, tmp_path_factory):

@@ -14,6 +14,8 @@ from tests.server.test_tensor_parallel_server import chat_ids, health
 
 MODEL = "tiny"
 
+pytestmark = pytest.mark.slow  # a two-stage server of its own
+
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_model_dir):

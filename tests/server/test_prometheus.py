@@ -31,6 +31,8 @@ DASHBOARD = REPO / "config" / "grafana" / "dashboards" / "xinserve.json"
 ADAPTER_RULES = REPO / "deploy" / "kubernetes" / "prometheus-adapter" / "config.yaml"
 KEY = "sk-prometheus-test"
 PREFIX = "vllm"
+
+pytestmark = pytest.mark.slow  # a server of its own and a Prometheus scraping it
 # Grafana's variables, as Grafana would fill them in for "All" and a short range.
 GRAFANA_VARIABLES = {"${prefix}": PREFIX, "$__rate_interval": "1m", "$model": ".*", "$worker": ".*"}
 METRIC_NAME = re.compile(r"(?<![\w:])((?:vllm:|xinserve:|http_)[A-Za-z0-9_:]+)")

@@ -18,6 +18,8 @@ from tests.server.conftest import ServerProcess, free_port, wait_for
 
 ROUTER = Path(sys.executable).with_name("sglang-router")
 
+pytestmark = pytest.mark.slow  # two servers and the gateway
+
 
 class Gateway:
     """A running ``sglang-router launch``; stopped by ``stop()``."""

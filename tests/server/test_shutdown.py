@@ -53,6 +53,7 @@ def assert_gone(pid: int) -> None:
         os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_sigterm_lets_a_running_stream_finish_and_refuses_new_requests(
     start_server, tiny_model_dir, tmp_path_factory, schemas
 ):
@@ -81,6 +82,7 @@ def test_sigterm_lets_a_running_stream_finish_and_refuses_new_requests(
     assert NO_CUT not in srv.log()
 
 
+@pytest.mark.slow
 def test_a_stream_longer_than_the_shutdown_timeout_ends_with_an_error_frame(
     start_server, tiny_model_dir, tmp_path_factory, schemas
 ):

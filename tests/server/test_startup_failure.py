@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,6 +19,7 @@ def serve(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_every_worker_failing_exits_non_zero_with_the_device_error(tiny_model_dir):
     start = time.monotonic()
     done = serve("--model", str(tiny_model_dir), "--device", "npu:0")
@@ -34,6 +36,7 @@ def test_a_missing_model_directory_exits_non_zero():
     assert done.returncode == 1 and "/nonexistent/model-dir does not exist" in done.stderr
 
 
+@pytest.mark.slow
 def test_one_failed_device_leaves_the_others_serving(start_server, tiny_model_dir):
     srv = start_server(["--model", str(tiny_model_dir), "--device", "cpu", "--device", "musa:0",
                         "--served-model-name", "tiny"])

@@ -14,6 +14,8 @@ from tests.server.conftest import concurrent_greedy_chats, free_port
 
 MODEL = "tiny"
 
+pytestmark = pytest.mark.slow  # a two-rank server of its own, and two-node runs
+
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_model_dir):
