@@ -118,36 +118,79 @@ inline const float* block_rows(const cache_t* first, int64_t tokens, int64_t row
   }
 }
 
-constexpr int64_t kLanes = 8;   // one AVX2 register of floats; AVX-512 machines fuse two
-constexpr int64_t kChunk = 32;  // output floats kept in registers across a block's tokens (4 AVX2 registers)
+// Eight floats in one vector register (AVX2's ymm, half an AVX-512 zmm), written with GCC's and Clang's
+// generic vector extension rather than one instruction set's intrinsics: the accumulators below are
+// named registers, so the hot loops do not depend on what the auto-vectoriser makes of them.
+typedef float Vec8 __attribute__((vector_size(32)));
 
-// q . k over D floats: eight independent partial sums (one vector register), then one horizontal sum.
+inline Vec8 load8(const float* p) {
+  Vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float sum8(Vec8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// q . k over D floats: two vector accumulators (two FMA chains in flight), one horizontal sum.
 template <int64_t kFixedDim>
 inline float dot(const float* q, const float* k, int64_t head_dim) {
   const int64_t dim = kFixedDim ? kFixedDim : head_dim;
-  float part[kLanes] = {};
+  Vec8 a = {}, b = {};
   int64_t d = 0;
-  for (; d + kLanes <= dim; d += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) part[j] += q[d + j] * k[d + j];
+  for (; d + 16 <= dim; d += 16) {
+    a += load8(q + d) * load8(k + d);
+    b += load8(q + d + 8) * load8(k + d + 8);
   }
-  float sum = 0.0f;
+  if (d + 8 <= dim) {
+    a += load8(q + d) * load8(k + d);
+    d += 8;
+  }
+  float sum = sum8(a + b);
   for (; d < dim; ++d) sum += q[d] * k[d];
-  for (int64_t j = 0; j < kLanes; ++j) sum += part[j];
   return sum;
 }
 
-// acc[c] += sum_t p[t] * v[t][c] for c < width (<= kChunk): the chunk stays in registers over the tokens.
-template <int64_t kWidth>
-inline void weighted_rows(float* acc, const float* p, const float* v, int64_t stride, int64_t tokens, int64_t width) {
-  const int64_t n = kWidth ? kWidth : width;
-  float r[kChunk];
-  for (int64_t c = 0; c < n; ++c) r[c] = acc[c];
+// acc[c] += sum_t p[t] * v[t][c] for c < 8 kVecs: the output chunk stays in kVecs registers over the
+// block's tokens (independent FMA chains), each value row read once per query head.
+template <int64_t kVecs>
+inline void weighted_rows(float* acc, const float* p, const float* v, int64_t stride, int64_t tokens) {
+  Vec8 r[kVecs];
+  for (int64_t i = 0; i < kVecs; ++i) r[i] = load8(acc + 8 * i);
   for (int64_t t = 0; t < tokens; ++t) {
-    const float w = p[t];
+    const Vec8 w = Vec8{} + p[t];
     const float* row = v + t * stride;
-    for (int64_t c = 0; c < n; ++c) r[c] += w * row[c];
+    for (int64_t i = 0; i < kVecs; ++i) r[i] += w * load8(row + 8 * i);
   }
-  for (int64_t c = 0; c < n; ++c) acc[c] = r[c];
+  for (int64_t i = 0; i < kVecs; ++i) store8(acc + 8 * i, r[i]);
+}
+
+// The same over D floats: chunks of 64, 32 and 8, then the last D % 8 one at a time.
+inline void weighted_sum(float* acc, const float* p, const float* v, int64_t stride, int64_t tokens, int64_t dim) {
+  int64_t c = 0;
+  for (; c + 64 <= dim; c += 64) weighted_rows<8>(acc + c, p, v + c, stride, tokens);
+  if (c + 32 <= dim) {
+    weighted_rows<4>(acc + c, p, v + c, stride, tokens);
+    c += 32;
+  }
+  for (; c + 8 <= dim; c += 8) weighted_rows<1>(acc + c, p, v + c, stride, tokens);
+  for (; c < dim; ++c) {
+    float r = acc[c];
+    for (int64_t t = 0; t < tokens; ++t) r += p[t] * v[t * stride + c];
+    acc[c] = r;
+  }
+}
+
+// Asks for a block's rows of one KV head ahead of use: block tables scatter blocks over the pool, so the
+// hardware prefetcher cannot guess the next block; its rows are fetched while this one is computed.
+template <typename cache_t>
+inline void prefetch_rows(const cache_t* first, int64_t tokens, int64_t row_stride, int64_t width) {
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const char* row = reinterpret_cast<const char*>(first + t * row_stride);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset);
+  }
 }
 
 // Scratch of one thread, reused over its (sequence, KV head) items. Shapes in floats: qf [G, D] scaled
@@ -177,6 +220,12 @@ void decode_group(const int32_t* table, int64_t seq_len, const cache_t* key_cach
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t tokens = std::min(block_size, seq_len - b * block_size);
     const int64_t base = static_cast<int64_t>(table[b]) * block_size * row_stride + kv_head * width;
+    if (b + 1 < num_blocks) {
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * block_size * row_stride + kv_head * width;
+      const int64_t next_tokens = std::min(block_size, seq_len - (b + 1) * block_size);
+      prefetch_rows(key_cache + next, next_tokens, row_stride, width);
+      prefetch_rows(value_cache + next, next_tokens, row_stride, width);
+    }
     int64_t k_stride, v_stride;
     const float* k = block_rows<cache_t, quantized>(key_cache + base, tokens, row_stride, dim, widen,
                                                     w.k_tile.data(), k_stride);
@@ -205,10 +254,7 @@ void decode_group(const int32_t* table, int64_t seq_len, const cache_t* key_cach
                                                     w.v_tile.data(), v_stride);
     for (int64_t g = 0; g < group; ++g) {
       const float* p = w.scores.data() + g * block_size;
-      float* a = w.acc.data() + g * dim;
-      int64_t c = 0;
-      for (; c + kChunk <= dim; c += kChunk) weighted_rows<kChunk>(a + c, p, v + c, v_stride, tokens, kChunk);
-      if (c < dim) weighted_rows<0>(a + c, p, v + c, v_stride, tokens, dim - c);
+      weighted_sum(w.acc.data() + g * dim, p, v, v_stride, tokens, dim);
     }
   }
 }
