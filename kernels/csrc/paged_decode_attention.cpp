@@ -23,6 +23,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__F16C__) && defined(__SSE4_1__)
+#include <immintrin.h>
+#define XINSERVE_F16C 1
+#endif
+
 namespace {
 
 // exp(x) for the softmax's x <= 0: 2^(x log2 e) as an integer power of two (built in the exponent
@@ -97,6 +102,32 @@ inline float row_scale(const cache_t* row, int64_t head_dim) {
   }
 }
 
+#ifdef XINSERVE_F16C
+// Eight stored values widened with the CPU's half-to-float instruction (F16C, on every AVX2 machine):
+// cheaper than the bit arithmetic of Widen. An e4m3 code becomes the half with the same sign, exponent
+// and mantissa bits moved up (s eeee mmm -> s 0eeee mmm0000000), whose value is the code's / 2^8 (the
+// exponent biases differ by 8; subnormals map to subnormals; like Widen it has no NaN, which the write
+// never stores); ``block_rows`` folds the 2^8 back into the row's scale.
+inline __m256 widen8(const at::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
+inline __m256 widen8(const c10::Float8_e4m3fn* x) {
+  int64_t bytes;
+  std::memcpy(&bytes, x, sizeof(bytes));
+  const __m128i b = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(bytes));  // 8 x uint16
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+  const __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+  return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+}
+
+template <typename cache_t>
+constexpr bool kHasWiden8 = std::is_same_v<cache_t, at::Half> || std::is_same_v<cache_t, c10::Float8_e4m3fn>;
+#else
+template <typename cache_t>
+constexpr bool kHasWiden8 = false;
+#endif
+
 // A block's K or V rows of one KV head as floats, [tokens, D] at the returned stride. Float32 rows are
 // read where they lie (stride: one token of the block, all KV heads); any other dtype is widened once
 // into ``tile`` (stride D), 8-bit codes multiplied by their row's scale, then shared by the G query heads.
@@ -111,7 +142,15 @@ inline const float* block_rows(const cache_t* first, int64_t tokens, int64_t row
       const cache_t* row = first + t * row_stride;
       const float scale = row_scale<cache_t, quantized>(row, head_dim);
       float* dst = tile + t * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) dst[d] = widen(row[d]) * scale;
+      int64_t d = 0;
+#ifdef XINSERVE_F16C
+      if constexpr (kHasWiden8<cache_t>) {
+        const float factor = std::is_same_v<cache_t, at::Half> ? scale : scale * 256.0f;
+        const __m256 s = _mm256_set1_ps(factor);
+        for (; d + 8 <= head_dim; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(widen8(row + d), s));
+      }
+#endif
+      for (; d < head_dim; ++d) dst[d] = widen(row[d]) * scale;
     }
     stride = head_dim;
     return tile;

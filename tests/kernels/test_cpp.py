@@ -140,6 +140,8 @@ def holey_case(kind: str | None, head_dim: int, lens: list[int], block_size: int
     shape = (num_blocks, block_size, kv_heads, head_dim)
     clean = [kv_quant.quantize(torch.randn(shape, generator=g), dtype) for _ in range(2)]
     poison = kv_quant.quantize(torch.full((len(holes), *shape[1:]), float("nan")), dtype)
+    if kv_quant.is_quantized(dtype):  # an 8-bit code has no NaN: the rows' scales are NaN
+        poison[..., head_dim:] = torch.full((*poison.shape[:-1], 1), float("nan")).view(torch.int8).view(dtype)
     holed = [c.clone() for c in clean]
     for c in holed:
         c[torch.from_numpy(holes)] = poison
