@@ -71,5 +71,5 @@ def test_an_engine_times_its_decode_step_at_start_and_reports_it(tiny_models, tm
     again = choose_cpu_threads(llm.engine.runner, 2, 8, llm.engine.max_model_len)
     assert again.source == "cached" and again.seconds == choice.seconds
     # No choice to make: nothing is timed.
-    assert for_engine(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, max_cpu_threads=2),
+    assert for_engine(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, max_cpu_threads=2, max_num_seqs=8),
                       SimpleNamespace(kind="cpu"), llm.engine.runner, 128).source == "fixed"
