@@ -72,14 +72,14 @@ def main() -> None:
     result = {"batch": BATCH, "context": CONTEXT, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
               "block_size": BLOCK, "cpu": model, "avx512": "avx512f" in lscpu,
               "read_bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
+    lines = [f"one thread summing 256 MB: {bandwidth / 1e9:.1f} GB/s ({model}, AVX-512: {result['avx512']})", "",
+             "| KV dtype | threads | ms per layer | K/V MB | GB/s | floor ms | over floor |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['kv_cache_dtype']} | {r['threads']} | {r['ms']:.3f} | {r['kv_mb']:.2f} | {r['gb_s']:.1f} | "
+              f"{r['floor_ms']:.3f} | {r['ms'] / r['floor_ms']:.2f}x |" for r in rows]
+    print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"one thread summing 256 MB: {bandwidth / 1e9:.1f} GB/s ({model}, AVX-512: {result['avx512']})\n")
-    print("| KV dtype | threads | ms per layer | K/V MB | GB/s | floor ms | over floor |\n|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['kv_cache_dtype']} | {r['threads']} | {r['ms']:.3f} | {r['kv_mb']:.2f} | {r['gb_s']:.1f} | "
-              f"{r['floor_ms']:.3f} | {r['ms'] / r['floor_ms']:.2f}x |")
-
 
 if __name__ == "__main__":
     main()
