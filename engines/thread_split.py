@@ -67,7 +67,7 @@ def decode_step_timer(runner, batch: int, context: int) -> Callable[[], float]:
     tokens, over the runner's KV pool. Nothing has been admitted yet, so the step may read any block
     and write its new tokens' K/V into them (a block is written before anyone reads it)."""
     bs = runner.block_size
-    num_blocks = runner.kv_cache.shape[2]  # [2, layers, blocks, BS, KVH, D]
+    num_blocks = runner.scratch_block  # the pool's blocks (the model's cache layout may be dense or MLA's)
     per_seq = -(-context // bs)
     tables = (np.arange(batch * per_seq, dtype=np.int64).reshape(batch, per_seq) % num_blocks).astype(np.int32)
     lens = np.full(batch, context, np.int32)
@@ -106,7 +106,7 @@ def choose_cpu_threads(runner, most: int | None, max_num_seqs: int, max_model_le
     counts = candidates(torch.get_num_threads(), most)
     if len(counts) == 1:
         return ThreadChoice(counts[0], "fixed")
-    num_blocks = runner.kv_cache.shape[2]
+    num_blocks = runner.scratch_block
     batch = min(BATCH, max_num_seqs)
     context = max(1, min(CONTEXT, max_model_len - 1, num_blocks * runner.block_size // batch))
     # The key names the machine, the model's shapes and dtypes and the decode kernel (a rebuilt one
@@ -116,8 +116,13 @@ def choose_cpu_threads(runner, most: int | None, max_num_seqs: int, max_model_le
     key = TimingCache.key("threads", str(runner.kernels.chosen.get("decode_attention")), ops, shapes, runner.device,
                           dtype)
     key = f"{key}:{batch}x{context}"
-    choice = choose(counts, decode_step_timer(runner, batch, context), key,
-                    cache or TimingCache(cache_dir() / "thread_timings.json"))
+    try:
+        choice = choose(counts, decode_step_timer(runner, batch, context), key,
+                        cache or TimingCache(cache_dir() / "thread_timings.json"))
+    except Exception:  # a model whose decode this synthetic step does not fit must still start
+        logger.exception("timing the decode step failed; keeping %d CPU thread(s)", counts[0])
+        torch.set_num_threads(counts[0])
+        return ThreadChoice(counts[0], "fixed")
     logger.info("CPU threads: %d (%s; decode step at batch %d x %d tokens: %s)", choice.threads, choice.source,
                 batch, context, ", ".join(f"{n} thread(s) {s * 1e3:.2f} ms" for n, s in sorted(choice.seconds.items())))
     return choice

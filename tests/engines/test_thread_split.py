@@ -73,3 +73,10 @@ def test_an_engine_times_its_decode_step_at_start_and_reports_it(tiny_models, tm
     # No choice to make: nothing is timed.
     assert for_engine(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, max_cpu_threads=2, max_num_seqs=8),
                       SimpleNamespace(kind="cpu"), llm.engine.runner, 128).source == "fixed"
+
+
+def test_an_mla_engine_times_its_latent_cache_too(tiny_models, tmp_path, monkeypatch, restore_threads):
+    monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
+    torch.set_num_threads(1)
+    llm = LLM(tiny_models("deepseek_v3"), num_kv_blocks=32, max_num_seqs=4, max_model_len=64, max_cpu_threads=2)
+    assert llm.engine.thread_choice.source == "measured"  # not the fallback of a failed timing
