@@ -10,7 +10,7 @@
 // The cache may be stored in another dtype than the query (--kv-cache-dtype, kernels/kv_quant.py):
 // float32 / bfloat16 / float16 rows of W = D, or 8-bit rows (int8, float8_e4m3fn) of W = D + 4: D
 // codes, then the row's float32 scale in the last 4 bytes. Accumulation is float32 whatever the
-// storage dtype; an 8-bit row's scale multiplies its dot product (keys) or its weight (values) once.
+// storage dtype; an 8-bit row's codes are multiplied by its scale as the row is widened.
 
 #include <torch/extension.h>
 
@@ -313,6 +313,7 @@ void run(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Te
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   // Items are (sequence, KV head) pairs, split into one contiguous range per thread holding about the
   // same number of context tokens (sequences differ in length; an equal count of items would not balance).
+  // A single sequence still splits over its KV heads.
   const int64_t items = num_seqs * num_kv_heads;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   std::vector<int64_t> bounds(parts + 1, items);
@@ -320,10 +321,11 @@ void run(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Te
   if (parts > 1) {
     int64_t total = 0;
     for (int64_t s = 0; s < num_seqs; ++s) total += len_ptr[s];
+    total *= num_kv_heads;
     int64_t seen = 0, part = 1;
-    for (int64_t s = 0; s < num_seqs && part < parts; ++s) {
-      seen += len_ptr[s];
-      while (part < parts && seen * parts >= total * part) bounds[part++] = (s + 1) * num_kv_heads;
+    for (int64_t i = 0; i < items && part < parts; ++i) {
+      seen += len_ptr[i / num_kv_heads];
+      while (part < parts && seen * parts >= total * part) bounds[part++] = i + 1;
     }
   }
   at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
