@@ -162,6 +162,9 @@ def test_every_kv_dtype_and_thread_count_equals_the_reference_over_tables_with_h
     torch.set_num_threads(threads)
     got = cpp.paged_decode_attention(query, *holed, tables, seq_lens, 0.2)
     assert (got - want).abs().max() < 1e-5  # float32 accumulation of the same stored values, no NaN read
+    # One sequence alone: its KV heads are split over the threads.
+    one = cpp.paged_decode_attention(query[4:5], *holed, tables[4:5], seq_lens[4:5], 0.2)
+    assert (one - want[4:5]).abs().max() < 1e-5
     torch.set_num_threads(1)
     # Each (sequence, KV head) is computed alone, whichever thread takes it: the same bits.
     assert torch.equal(cpp.paged_decode_attention(query, *holed, tables, seq_lens, 0.2), got)
