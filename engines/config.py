@@ -78,6 +78,10 @@ class EngineConfig:
         "report ready once the model is loaded and the eager path warmed, then compile the CPU decode buckets "
         "and build C++ kernels not built yet in a background thread, swapping each in between steps "
         "(engines/warmup.py); off: do both before ready"))
+    max_cpu_threads: int | None = field(default=None, metadata=setting(
+        "a CPU engine times its decode step at start with its torch threads and with this many and keeps the faster, "
+        "cached per machine and shape under $XINSERVE_CACHE_DIR (engines/thread_split.py); the server sets it to "
+        "the cores a CPU worker may use unless cpu_threads is set; None: no timing", ge=1))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
         "speculative decoding, as vLLM spells it (JSON on the command line): "
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '

@@ -7,6 +7,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 
 from transformers import AutoTokenizer, GenerationConfig
 
+from engines import thread_split
 from engines.config import EngineConfig
 from engines.kv_cache import BlockManager
 from engines.kv_connector.host import make_host_tier
@@ -41,6 +42,8 @@ class LLMEngine:
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.init_decode_graphs(config.max_num_seqs, self.max_model_len)
+        # Torch threads timed before the warm-up thread competes for the cores (engines/thread_split.py).
+        self.thread_choice = thread_split.for_engine(config, self.platform, self.runner, self.max_model_len)
         # Deferred C++ kernel builds, then the CPU decode buckets: after ready unless asked otherwise.
         self.warmup = Warmup(self.runner, config.warm_up_in_background)
         # A host tier below the pool (kv_offloading_size) and KV events for routers (kv_events_config).

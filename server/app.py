@@ -29,7 +29,7 @@ from server.drain import Drain, DrainMiddleware
 from server.errors import install_error_handlers
 from server.key_usage import KeyUsageMiddleware
 from server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics
-from server.pool import ModelPool, default_cpu_threads, local_cpu_ranks
+from server.pool import ModelPool, cpu_thread_share, default_cpu_threads, local_cpu_ranks
 from server.request_log import RequestLogMiddleware
 from server.router import Router
 from server.routes import chat, completions, health, models, responses_api, sglang_worker, tokenize
@@ -44,7 +44,8 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     threads = default_cpu_threads(num_cpu_workers)
     first_groups = itertools.accumulate([len(m.groups) for m in config.models], initial=0)
     pools = {m.name: ModelPool(m, threads, log_level, config.distributed, first,
-                               heartbeat_timeout_s=config.server.heartbeat_timeout_s)
+                               heartbeat_timeout_s=config.server.heartbeat_timeout_s,
+                               max_cpu_threads=cpu_thread_share(num_cpu_workers))
              for m, first in zip(config.models, first_groups)}
 
     @contextlib.asynccontextmanager

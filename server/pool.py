@@ -49,17 +49,26 @@ def local_cpu_ranks(group: list[str], distributed: DistributedSettings) -> int:
     return group[distributed.node_rank * per_node : (distributed.node_rank + 1) * per_node].count("cpu")
 
 
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def default_cpu_threads(num_cpu_workers: int) -> int:
     """Cores left after one for the HTTP process, shared between CPU workers (at least one each).
 
     On two cores a single CPU worker gets one thread: the event loop detokenising and streaming
     on the other core measured faster than both fighting over two.
     """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, (cores - 1) // max(1, num_cpu_workers))
+    return max(1, (available_cores() - 1) // max(1, num_cpu_workers))
+
+
+def cpu_thread_share(num_cpu_workers: int) -> int:
+    """Every core, shared between CPU workers: the most threads a worker times its decode step with at
+    start before keeping the faster of that and ``default_cpu_threads`` (engines/thread_split.py)."""
+    return max(1, available_cores() // max(1, num_cpu_workers))
 
 
 # transformers imports its classes lazily, and that import is not thread-safe: two models loading
@@ -77,6 +86,7 @@ class ModelPool:
     def __init__(
         self, settings: ModelSettings, cpu_threads: int, log_level: int,
         distributed: DistributedSettings | None = None, first_group: int = 0, heartbeat_timeout_s: float = 10.0,
+        max_cpu_threads: int | None = None,
     ) -> None:
         self.settings = settings
         self.distributed = distributed or DistributedSettings()
@@ -86,6 +96,7 @@ class ModelPool:
         self.error: str | None = None
         self._progress: asyncio.Task | None = None
         self.cpu_threads = cpu_threads
+        self.max_cpu_threads = max_cpu_threads  # timed against cpu_threads at start unless the model fixes its own
         self.log_level = log_level
         self.heartbeat_timeout_s = heartbeat_timeout_s
         # One worker per replica, labelled by its device ("npu:0+npu:1" for a tensor-parallel group).
@@ -140,6 +151,8 @@ class ModelPool:
         engine_kwargs = {**self.settings.engine_kwargs(), "tokenizer": tokenizer_path,
                          "data_parallel_rank": self.workers.index(worker)}
         group = self.groups[worker.label]
+        if threads and len(group) == 1 and not self.settings.cpu_threads and self.settings.max_cpu_threads is None:
+            engine_kwargs["max_cpu_threads"] = self.max_cpu_threads
         if len(group) > 1:
             index = self.first_group + list(self.groups).index(worker.label)
             engine_kwargs.update(group_engine_kwargs(group, self.distributed, index, threads,

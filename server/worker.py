@@ -201,6 +201,8 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         "kv_cache_dtype": str(engine.runner.kv_dtype).removeprefix("torch."),
         "kv_cache_bytes_per_token": engine.runner.bytes_per_block() // engine.block_manager.block_size,
         "kernels": engine.runner.kernels.report(),
+        # a CPU engine's torch threads, timed at start or fixed (engines/thread_split.py)
+        "cpu_threads": engine.thread_choice.report() if engine.thread_choice else None,
         # a tensor-parallel replica's ranks (engines/tp_runner.py); a single device is rank 0
         "ranks": getattr(engine.runner, "ranks", lambda: [
             {"rank": 0, "device": spec.device, "pid": os.getpid(), "node": 0, "role": RankRole(0).as_dict()}])(),

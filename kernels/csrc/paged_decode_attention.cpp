@@ -10,7 +10,7 @@
 // The cache may be stored in another dtype than the query (--kv-cache-dtype, kernels/kv_quant.py):
 // float32 / bfloat16 / float16 rows of W = D, or 8-bit rows (int8, float8_e4m3fn) of W = D + 4: D
 // codes, then the row's float32 scale in the last 4 bytes. Accumulation is float32 whatever the
-// storage dtype; an 8-bit row's scale multiplies its dot product (keys) or its weight (values) once.
+// storage dtype; an 8-bit row's codes are multiplied by its scale as the row is widened.
 
 #include <torch/extension.h>
 
@@ -22,6 +22,11 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if defined(__F16C__) && defined(__SSE4_1__)
+#include <immintrin.h>
+#define XINSERVE_F16C 1
+#endif
 
 namespace {
 
@@ -97,82 +102,203 @@ inline float row_scale(const cache_t* row, int64_t head_dim) {
   }
 }
 
-// A stored K or V row as floats: float32 rows are read where they lie; any other dtype is widened once
-// into ``buffer`` (then shared by the G query heads), in a plain loop the compiler vectorises.
+#ifdef XINSERVE_F16C
+// Eight stored values widened with the CPU's half-to-float instruction (F16C, on every AVX2 machine):
+// cheaper than the bit arithmetic of Widen. An e4m3 code becomes the half with the same sign, exponent
+// and mantissa bits moved up (s eeee mmm -> s 0eeee mmm0000000), whose value is the code's / 2^8 (the
+// exponent biases differ by 8; subnormals map to subnormals; like Widen it has no NaN, which the write
+// never stores); ``block_rows`` folds the 2^8 back into the row's scale.
+inline __m256 widen8(const at::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
+inline __m256 widen8(const c10::Float8_e4m3fn* x) {
+  int64_t bytes;
+  std::memcpy(&bytes, x, sizeof(bytes));
+  const __m128i b = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(bytes));  // 8 x uint16
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+  const __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+  return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+}
+
 template <typename cache_t>
-inline const float* widened_row(const cache_t* row, int64_t head_dim, const Widen<cache_t>& widen, float* buffer) {
+constexpr bool kHasWiden8 = std::is_same_v<cache_t, at::Half> || std::is_same_v<cache_t, c10::Float8_e4m3fn>;
+#else
+template <typename cache_t>
+constexpr bool kHasWiden8 = false;
+#endif
+
+// A block's K or V rows of one KV head as floats, [tokens, D] at the returned stride. Float32 rows are
+// read where they lie (stride: one token of the block, all KV heads); any other dtype is widened once
+// into ``tile`` (stride D), 8-bit codes multiplied by their row's scale, then shared by the G query heads.
+template <typename cache_t, bool quantized>
+inline const float* block_rows(const cache_t* first, int64_t tokens, int64_t row_stride, int64_t head_dim,
+                               const Widen<cache_t>& widen, float* tile, int64_t& stride) {
   if constexpr (std::is_same_v<cache_t, float>) {
-    return row;
+    stride = row_stride;
+    return first;
   } else {
-    for (int64_t d = 0; d < head_dim; ++d) buffer[d] = widen(row[d]);
-    return buffer;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const cache_t* row = first + t * row_stride;
+      const float scale = row_scale<cache_t, quantized>(row, head_dim);
+      float* dst = tile + t * head_dim;
+      int64_t d = 0;
+#ifdef XINSERVE_F16C
+      if constexpr (kHasWiden8<cache_t>) {
+        const float factor = std::is_same_v<cache_t, at::Half> ? scale : scale * 256.0f;
+        const __m256 s = _mm256_set1_ps(factor);
+        for (; d + 8 <= head_dim; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(widen8(row + d), s));
+      }
+#endif
+      for (; d < head_dim; ++d) dst[d] = widen(row[d]) * scale;
+    }
+    stride = head_dim;
+    return tile;
   }
 }
 
-template <typename scalar_t, typename cache_t, bool quantized>
-void decode_group(const scalar_t* q, const cache_t* key_cache, const cache_t* value_cache,
-                  const int32_t* table, int64_t seq_len, int64_t kv_head, int64_t group, int64_t head_dim,
-                  int64_t width, int64_t block_size, int64_t num_kv_heads, float scale, scalar_t* out,
-                  const Widen<cache_t>& widen, std::vector<float>& qf, std::vector<float>& acc,
-                  std::vector<float>& scores, std::vector<float>& buffer) {
-  // qf: [G, D] scaled queries; acc: [G, D] unnormalised output; scores: [G, BS] one block's logits;
-  // buffer: [D] the current K or V row widened to float.
-  for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = static_cast<float>(q[i]) * scale;
-  std::fill(acc.begin(), acc.end(), 0.0f);
-  std::vector<float> running_max(group, -std::numeric_limits<float>::infinity());
-  std::vector<float> running_sum(group, 0.0f);
+// Eight floats in one vector register (AVX2's ymm, half an AVX-512 zmm), written with GCC's and Clang's
+// generic vector extension rather than one instruction set's intrinsics: the accumulators below are
+// named registers, so the hot loops do not depend on what the auto-vectoriser makes of them.
+typedef float Vec8 __attribute__((vector_size(32)));
+
+inline Vec8 load8(const float* p) {
+  Vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float sum8(Vec8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+// q . k over D floats: two vector accumulators (two FMA chains in flight), one horizontal sum.
+template <int64_t kFixedDim>
+inline float dot(const float* q, const float* k, int64_t head_dim) {
+  const int64_t dim = kFixedDim ? kFixedDim : head_dim;
+  Vec8 a = {}, b = {};
+  int64_t d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    a += load8(q + d) * load8(k + d);
+    b += load8(q + d + 8) * load8(k + d + 8);
+  }
+  if (d + 8 <= dim) {
+    a += load8(q + d) * load8(k + d);
+    d += 8;
+  }
+  float sum = sum8(a + b);
+  for (; d < dim; ++d) sum += q[d] * k[d];
+  return sum;
+}
+
+// acc[c] += sum_t p[t] * v[t][c] for c < 8 kVecs: the output chunk stays in kVecs registers over the
+// block's tokens (independent FMA chains), each value row read once per query head.
+template <int64_t kVecs>
+inline void weighted_rows(float* acc, const float* p, const float* v, int64_t stride, int64_t tokens) {
+  Vec8 r[kVecs];
+  for (int64_t i = 0; i < kVecs; ++i) r[i] = load8(acc + 8 * i);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const Vec8 w = Vec8{} + p[t];
+    const float* row = v + t * stride;
+    for (int64_t i = 0; i < kVecs; ++i) r[i] += w * load8(row + 8 * i);
+  }
+  for (int64_t i = 0; i < kVecs; ++i) store8(acc + 8 * i, r[i]);
+}
+
+// The same over D floats: chunks of 64, 32 and 8, then the last D % 8 one at a time.
+inline void weighted_sum(float* acc, const float* p, const float* v, int64_t stride, int64_t tokens, int64_t dim) {
+  int64_t c = 0;
+  for (; c + 64 <= dim; c += 64) weighted_rows<8>(acc + c, p, v + c, stride, tokens);
+  if (c + 32 <= dim) {
+    weighted_rows<4>(acc + c, p, v + c, stride, tokens);
+    c += 32;
+  }
+  for (; c + 8 <= dim; c += 8) weighted_rows<1>(acc + c, p, v + c, stride, tokens);
+  for (; c < dim; ++c) {
+    float r = acc[c];
+    for (int64_t t = 0; t < tokens; ++t) r += p[t] * v[t * stride + c];
+    acc[c] = r;
+  }
+}
+
+// Asks for a block's rows of one KV head ahead of use: block tables scatter blocks over the pool, so the
+// hardware prefetcher cannot guess the next block; its rows are fetched while this one is computed.
+template <typename cache_t>
+inline void prefetch_rows(const cache_t* first, int64_t tokens, int64_t row_stride, int64_t width) {
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const char* row = reinterpret_cast<const char*>(first + t * row_stride);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset);
+  }
+}
+
+// Scratch of one thread, reused over its (sequence, KV head) items. Shapes in floats: qf [G, D] scaled
+// queries; acc [G, D] unnormalised outputs; scores [G, BS] one block's logits, then weights; k_tile and
+// v_tile [BS, D] a block's widened rows (unused for a float32 cache).
+struct Scratch {
+  std::vector<float> qf, acc, scores, k_tile, v_tile, running_max, running_sum;
+  Scratch(int64_t group, int64_t head_dim, int64_t block_size)
+      : qf(group * head_dim), acc(group * head_dim), scores(group * block_size), k_tile(block_size * head_dim),
+        v_tile(block_size * head_dim), running_max(group), running_sum(group) {}
+};
+
+// One (sequence, KV head): the G query heads sharing the KV head walk the block table together, one
+// online-softmax update per block. kFixedDim is D when it is a common size (loops of known length
+// unroll fully), else 0.
+template <typename cache_t, bool quantized, int64_t kFixedDim>
+void decode_group(const int32_t* table, int64_t seq_len, const cache_t* key_cache, const cache_t* value_cache,
+                  int64_t kv_head, int64_t group, int64_t head_dim, int64_t width, int64_t block_size,
+                  int64_t num_kv_heads, Scratch& w) {
+  const int64_t dim = kFixedDim ? kFixedDim : head_dim;
+  const Widen<cache_t> widen;
+  std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+  std::fill(w.running_max.begin(), w.running_max.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.running_sum.begin(), w.running_sum.end(), 0.0f);
   const int64_t row_stride = num_kv_heads * width;  // one token of one block, all KV heads
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t tokens = std::min(block_size, seq_len - b * block_size);
     const int64_t base = static_cast<int64_t>(table[b]) * block_size * row_stride + kv_head * width;
-    for (int64_t t = 0; t < tokens; ++t) {
-      const cache_t* k_row = key_cache + base + t * row_stride;
-      const float k_scale = row_scale<cache_t, quantized>(k_row, head_dim);
-      const float* k = widened_row(k_row, head_dim, widen, buffer.data());
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = qf.data() + g * head_dim;
-        float dot = 0.0f;
-        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
-        scores[g * block_size + t] = dot * k_scale;
-      }
+    if (b + 1 < num_blocks) {
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * block_size * row_stride + kv_head * width;
+      const int64_t next_tokens = std::min(block_size, seq_len - (b + 1) * block_size);
+      prefetch_rows(key_cache + next, next_tokens, row_stride, width);
+      prefetch_rows(value_cache + next, next_tokens, row_stride, width);
+    }
+    int64_t k_stride, v_stride;
+    const float* k = block_rows<cache_t, quantized>(key_cache + base, tokens, row_stride, dim, widen,
+                                                    w.k_tile.data(), k_stride);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = w.qf.data() + g * dim;
+      float* s = w.scores.data() + g * block_size;
+      for (int64_t t = 0; t < tokens; ++t) s[t] = dot<kFixedDim>(qg, k + t * k_stride, dim);
     }
     // Per query head: the block's max, the rescale of what came before, the block's weights.
     for (int64_t g = 0; g < group; ++g) {
-      float* s = scores.data() + g * block_size;
+      float* s = w.scores.data() + g * block_size;
       const float block_max = *std::max_element(s, s + tokens);
-      const float new_max = std::max(running_max[g], block_max);
-      const float rescale = std::exp(running_max[g] - new_max);  // exp(-inf) = 0 on the first block
-      float* a = acc.data() + g * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale;
-      running_sum[g] *= rescale;
+      const float new_max = std::max(w.running_max[g], block_max);
+      const float rescale = std::exp(w.running_max[g] - new_max);  // exp(-inf) = 0 on the first block
+      float* a = w.acc.data() + g * dim;
+      for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
       float sum = 0.0f;
       for (int64_t t = 0; t < tokens; ++t) {
         s[t] = fast_exp(s[t] - new_max);
         sum += s[t];
       }
-      running_sum[g] += sum;
-      running_max[g] = new_max;
+      w.running_sum[g] = w.running_sum[g] * rescale + sum;
+      w.running_max[g] = new_max;
     }
-    // Each value row is read once for the whole group.
-    for (int64_t t = 0; t < tokens; ++t) {
-      const cache_t* v_row = value_cache + base + t * row_stride;
-      const float v_scale = row_scale<cache_t, quantized>(v_row, head_dim);
-      const float* v = widened_row(v_row, head_dim, widen, buffer.data());
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * block_size + t] * v_scale;
-        float* a = acc.data() + g * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
-      }
+    const float* v = block_rows<cache_t, quantized>(value_cache + base, tokens, row_stride, dim, widen,
+                                                    w.v_tile.data(), v_stride);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* p = w.scores.data() + g * block_size;
+      weighted_sum(w.acc.data() + g * dim, p, v, v_stride, tokens, dim);
     }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.0f / running_sum[g];
-    for (int64_t d = 0; d < head_dim; ++d) out[g * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv);
   }
 }
 
-template <typename scalar_t, typename cache_t, bool quantized>
+template <typename scalar_t, typename cache_t, bool quantized, int64_t kFixedDim>
 void run(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
          const torch::Tensor& tables, const torch::Tensor& lens, float scale, torch::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -185,17 +311,49 @@ void run(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Te
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const Widen<cache_t> widen;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores(group * block_size), buffer(head_dim);
-    for (int64_t i = begin; i < end; ++i) {
+  // Items are (sequence, KV head) pairs, split into one contiguous range per thread holding about the
+  // same number of context tokens (sequences differ in length; an equal count of items would not balance).
+  // A single sequence still splits over its KV heads.
+  const int64_t items = num_seqs * num_kv_heads;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::vector<int64_t> bounds(parts + 1, items);
+  bounds[0] = 0;
+  if (parts > 1) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) total += len_ptr[s];
+    total *= num_kv_heads;
+    int64_t seen = 0, part = 1;
+    for (int64_t i = 0; i < items && part < parts; ++i) {
+      seen += len_ptr[i / num_kv_heads];
+      while (part < parts && seen * parts >= total * part) bounds[part++] = i + 1;
+    }
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
+    Scratch w(group, head_dim, block_size);
+    for (int64_t i = bounds[first_part]; i < bounds[last_part]; ++i) {
       const int64_t s = i / num_kv_heads, h = i % num_kv_heads;
       const int64_t offset = (s * num_heads + h * group) * head_dim;  // the group's first query head
-      decode_group<scalar_t, cache_t, quantized>(q_ptr + offset, k_ptr, v_ptr, table_ptr + s * table_width,
-                                                 len_ptr[s], h, group, head_dim, width, block_size, num_kv_heads,
-                                                 scale, out_ptr + offset, widen, qf, acc, scores, buffer);
+      for (int64_t j = 0; j < group * head_dim; ++j) w.qf[j] = static_cast<float>(q_ptr[offset + j]) * scale;
+      decode_group<cache_t, quantized, kFixedDim>(table_ptr + s * table_width, len_ptr[s], k_ptr, v_ptr, h, group,
+                                                  head_dim, width, block_size, num_kv_heads, w);
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.0f / w.running_sum[g];
+        for (int64_t d = 0; d < head_dim; ++d) {
+          out_ptr[offset + g * head_dim + d] = static_cast<scalar_t>(w.acc[g * head_dim + d] * inv);
+        }
+      }
     }
   });
+}
+
+template <typename scalar_t, typename cache_t, bool quantized>
+void run_dim(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+             const torch::Tensor& tables, const torch::Tensor& lens, float scale, torch::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: run<scalar_t, cache_t, quantized, 64>(q, key_cache, value_cache, tables, lens, scale, out); break;
+    case 128: run<scalar_t, cache_t, quantized, 128>(q, key_cache, value_cache, tables, lens, scale, out); break;
+    default: run<scalar_t, cache_t, quantized, 0>(q, key_cache, value_cache, tables, lens, scale, out);
+  }
 }
 
 }  // namespace
@@ -219,12 +377,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     switch (kind) {
-      case at::kFloat: run<scalar_t, float, false>(q, key_cache, value_cache, tables, lens, s, out); break;
-      case at::kBFloat16: run<scalar_t, at::BFloat16, false>(q, key_cache, value_cache, tables, lens, s, out); break;
-      case at::kHalf: run<scalar_t, at::Half, false>(q, key_cache, value_cache, tables, lens, s, out); break;
-      case at::kChar: run<scalar_t, int8_t, true>(q, key_cache, value_cache, tables, lens, s, out); break;
+      case at::kFloat: run_dim<scalar_t, float, false>(q, key_cache, value_cache, tables, lens, s, out); break;
+      case at::kBFloat16: run_dim<scalar_t, at::BFloat16, false>(q, key_cache, value_cache, tables, lens, s, out); break;
+      case at::kHalf: run_dim<scalar_t, at::Half, false>(q, key_cache, value_cache, tables, lens, s, out); break;
+      case at::kChar: run_dim<scalar_t, int8_t, true>(q, key_cache, value_cache, tables, lens, s, out); break;
       case at::kFloat8_e4m3fn:
-        run<scalar_t, c10::Float8_e4m3fn, true>(q, key_cache, value_cache, tables, lens, s, out);
+        run_dim<scalar_t, c10::Float8_e4m3fn, true>(q, key_cache, value_cache, tables, lens, s, out);
         break;
       default: TORCH_CHECK(false, "unsupported KV cache dtype ", kind);
     }

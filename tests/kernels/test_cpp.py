@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engines import LLM, SamplingParams
-from kernels import cpp, cpp_build, reference
+from kernels import cpp, cpp_build, kv_quant, reference
 from kernels.attention_metadata import build_decode_gather
 
 # (head dim, KV heads, query heads, block size)
@@ -115,3 +115,56 @@ def test_a_builder_killed_mid_build_does_not_block_the_next_load(tmp_path):
     finally:
         builder.kill()
         builder.join()
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def holey_case(kind: str | None, head_dim: int, lens: list[int], block_size: int = 16, kv_heads: int = 2):
+    """A pool whose blocks not in any live context (holes between them, and the tables' padding) hold
+    NaN: a kernel that reads past a context or off its table returns NaN. Returns (query, the clean
+    caches, the holed caches, tables, lens), the caches stored in ``kind`` (kernels/kv_quant.py)."""
+    g = torch.Generator().manual_seed(head_dim)
+    per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = 2 * sum(per_seq) + 1
+    order = np.random.default_rng(1).permutation(num_blocks)
+    live, holes = order[: sum(per_seq)], order[sum(per_seq) :]
+    tables = np.full((len(lens), max(per_seq)), holes[0], np.int32)
+    for i, start in enumerate(np.cumsum([0, *per_seq[:-1]])):
+        tables[i, : per_seq[i]] = live[start : start + per_seq[i]]
+    dtype = kv_quant.storage_dtype(kind, torch.float32)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    clean = [kv_quant.quantize(torch.randn(shape, generator=g), dtype) for _ in range(2)]
+    poison = kv_quant.quantize(torch.full((len(holes), *shape[1:]), float("nan")), dtype)
+    if kv_quant.is_quantized(dtype):  # an 8-bit code has no NaN: the rows' scales are NaN
+        poison[..., head_dim:] = torch.full((*poison.shape[:-1], 1), float("nan")).view(torch.int8).view(dtype)
+    holed = [c.clone() for c in clean]
+    for c in holed:
+        c[torch.from_numpy(holes)] = poison
+    query = torch.randn(len(lens), 2 * kv_heads, head_dim, generator=g)
+    return query, clean, holed, tables, np.array(lens, np.int32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", [None, "bfloat16", "float16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("head_dim", [64, 40])  # 64: the unrolled path; 40: a 32-float chunk and a tail
+def test_every_kv_dtype_and_thread_count_equals_the_reference_over_tables_with_holes(kind, head_dim, threads,
+                                                                                     restore_threads):
+    lens = [1, 15, 16, 17, 200, 513, 3]
+    query, clean, holed, tables_np, lens_np = holey_case(kind, head_dim, lens)
+    tables, seq_lens = torch.from_numpy(tables_np), torch.from_numpy(lens_np)
+    gather = build_decode_gather(tables_np, lens_np, 16, torch.device("cpu"))
+    want = reference.paged_decode_attention(query, *clean, tables, seq_lens, 0.2, gather)
+    torch.set_num_threads(threads)
+    got = cpp.paged_decode_attention(query, *holed, tables, seq_lens, 0.2)
+    assert (got - want).abs().max() < 1e-5  # float32 accumulation of the same stored values, no NaN read
+    # One sequence alone: its KV heads are split over the threads.
+    one = cpp.paged_decode_attention(query[4:5], *holed, tables[4:5], seq_lens[4:5], 0.2)
+    assert (one - want[4:5]).abs().max() < 1e-5
+    torch.set_num_threads(1)
+    # Each (sequence, KV head) is computed alone, whichever thread takes it: the same bits.
+    assert torch.equal(cpp.paged_decode_attention(query, *holed, tables, seq_lens, 0.2), got)

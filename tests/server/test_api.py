@@ -84,6 +84,9 @@ def test_health_is_open_and_reports_workers(server):
     assert decode["chosen"] in decode.get("timings_ms", {"reference": None})
     # one device: rank 0 of a one-rank replica, the whole model
     assert body["workers"][0]["ranks"][0]["role"] == {"tp_rank": 0, "pp_stage": 0, "expert_range": None, "layers": None}
+    # its torch threads: timed at start against every core unless set (engines/thread_split.py)
+    threads = body["workers"][0]["info"]["cpu_threads"]
+    assert threads["threads"] >= 1 and threads["source"] in ("measured", "cached", "fixed")
 
 
 # ---------------------------------------------------------------- chat
