@@ -34,6 +34,7 @@ from kernels.timing import WORKLOADS, TimingCache, fastest, measure
 MODULES = {
     "reference": "kernels.reference",
     "cpp": "kernels.cpp",
+    "sdpa": "kernels.sdpa_prefill",
     "triton": "kernels.triton",
     "grouped_mm": "kernels.grouped_mm",
     "npu": "kernels.npu",
@@ -46,7 +47,7 @@ MODULES = {
 BUILT_FROM_SOURCE = {"cpp": "kernels.cpp_build"}
 # Candidates per platform, most preferred first; "reference" always comes last.
 PREFERENCE = {
-    "cpu": ("cpp", "int8mm", "dequant", "reference"),
+    "cpu": ("cpp", "sdpa", "int8mm", "dequant", "reference"),
     "cuda": ("triton", "grouped_mm", "int8mm", "dequant", "reference"),
     "npu": ("npu", "dequant", "reference"),
     "musa": ("musa", "triton", "dequant", "reference"),
