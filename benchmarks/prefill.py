@@ -11,8 +11,9 @@ round computed) and each request's TTFT in CPU seconds from the round's start (t
 last); the best of ``--repeats`` rounds is kept (CPU time is not free of a loaded machine's noise:
 caches and frequency still move it).
 
-``--profile`` also runs one fresh round under ``torch.profiler`` and writes the breakdown of its CPU
-time by operator family to ``benchmarks/results/prefill_profile.json``.
+``--profile`` also runs one fresh round per implementation under ``torch.profiler`` and writes the
+breakdown of its CPU time by operator family to ``benchmarks/results/prefill_profile.json`` (the
+profiler's own overhead inflates the milliseconds; the shares are what it is for).
 
     python benchmarks/prefill.py [--quick] [--profile] [--label before|after]
 """
@@ -124,7 +125,7 @@ def main() -> None:
     impls += [name for name, _ in probe.engine.runner.kernels.rejected.get("prefill_attention", [])]
     probe.close()
     impls = list(dict.fromkeys(impls + ["reference"]))
-    rows = []
+    rows, profiles = [], {}
     with torch.inference_mode():
         for impl in impls:
             try:
@@ -141,24 +142,30 @@ def main() -> None:
                                          * llm.engine.scheduler.block_manager.block_size), repeats)
             for workload, row in (("fresh", fresh), ("cached prefix", cached)):
                 rows.append({"impl": impl, "workload": workload, **{k: round(v, 4) for k, v in row.items()}})
-            if args.profile and impl == impls[0]:
-                report = profile_round(llm, prompts(count, length, salt=7))
-                report.update({"model": LLAMA_5M, "dtype": "float32", "threads": 1, "requests": count,
-                               "prompt_tokens": length, "token_budget": budget, "impl": impl,
-                               "label": args.label})
-                out = RESULTS / "prefill_profile.json"
-                out.write_text(json.dumps(report, indent=2) + "\n")
-                print(json.dumps(report["families_percent"], indent=1), file=sys.stderr)
+            if args.profile:
+                profiles[impl] = profile_round(llm, prompts(count, length, salt=7))
+                print(impl, json.dumps(profiles[impl]["families_percent"], indent=1), file=sys.stderr)
             llm.close()
+    if profiles:
+        report = {"model": LLAMA_5M, "dtype": "float32", "threads": 1, "requests": count, "prompt_tokens": length,
+                  "token_budget": budget, "label": args.label, "by_prefill_attention": profiles}
+        (RESULTS / "prefill_profile.json").write_text(json.dumps(report, indent=2) + "\n")
     result = {"model": LLAMA_5M, "dtype": "float32", "threads": 1, "requests": count, "prompt_tokens": length,
               "prefix_tokens": args.prefix_tokens, "label": args.label, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print("| impl | workload | CPU s | prefill tok / CPU s | TTFT median CPU s | TTFT last CPU s | steps |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['impl']} | {r['workload']} | {r['cpu_s']:.3f} | {r['prefill_tokens_per_cpu_s']:.0f} | "
-              f"{r['ttft_median_s']:.3f} | {r['ttft_last_s']:.3f} | {r['steps']} |")
+    print(markdown_table(rows))
+
+
+# the table's columns: (heading, row key, format)
+COLUMNS = (("impl", "impl", "{}"), ("workload", "workload", "{}"), ("CPU s", "cpu_s", "{:.3f}"),
+           ("prefill tok / CPU s", "prefill_tokens_per_cpu_s", "{:.0f}"), ("TTFT median CPU s", "ttft_median_s",
+           "{:.3f}"), ("TTFT last CPU s", "ttft_last_s", "{:.3f}"), ("steps", "steps", "{}"))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(c[0] for c in COLUMNS) + " |", "|---|---|" + "---:|" * (len(COLUMNS) - 2)]
+    lines += ["| " + " | ".join(fmt.format(row[key]) for _, key, fmt in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -27,16 +27,9 @@ from kernels.reference import prefill_context
 PAD_SLACK = 1.25
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: list[int],
-    seq_lens: list[int],
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], scale: float,
+                            sliding_window: int | None = None) -> torch.Tensor:
     """The reference's signature and layouts (``kernels.reference.paged_prefill_attention``):
     query [T, H, D] -> [T, H, D]."""
     head_dim = query.shape[2]
