@@ -137,9 +137,10 @@ def main() -> None:
             run_round(llm, prompts(count, length, salt=99))  # warm-up: first-call allocations
             fresh = best_round(llm, lambda r: prompts(count, length, salt=r), count * length, repeats)
             run_round(llm, [prefix + [5]])  # puts the prefix's full blocks in the cache
+            block_size = llm.engine.scheduler.block_manager.block_size
+            hit = len(prefix) // block_size * block_size  # the prefix's full blocks are what the cache holds
             cached = best_round(llm, lambda r: [prefix + t for t in prompts(count, length - len(prefix), 100 + r)],
-                                count * (length - len(prefix) // llm.engine.scheduler.block_manager.block_size
-                                         * llm.engine.scheduler.block_manager.block_size), repeats)
+                                count * (length - hit), repeats)
             for workload, row in (("fresh", fresh), ("cached prefix", cached)):
                 rows.append({"impl": impl, "workload": workload, **{k: round(v, 4) for k, v in row.items()}})
             if args.profile:
