@@ -35,6 +35,7 @@ from kernels.timing import WORKLOADS, TimingCache, fastest, measure
 MODULES = {
     "reference": "kernels.reference",
     "cpp": "kernels.cpp",
+    "sdpa": "kernels.sdpa_prefill",
     "triton": "kernels.triton",
     "grouped_mm": "kernels.grouped_mm",
     "npu": "kernels.npu",
@@ -48,7 +49,7 @@ MODULES = {
 BUILT_FROM_SOURCE = {"cpp": "kernels.cpp_build"}
 # Candidates per platform, most preferred first; "reference" always comes last.
 PREFERENCE = {
-    "cpu": ("cpp", "int8mm", "dequant", "reference"),
+    "cpu": ("cpp", "sdpa", "int8mm", "dequant", "reference"),
     "cuda": ("triton", "grouped_mm", "int8mm", "dequant", "reference"),
     "npu": ("npu", "npu_kv", "dequant", "reference"),
     "musa": ("musa", "triton", "dequant", "reference"),

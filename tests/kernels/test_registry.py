@@ -58,12 +58,15 @@ def test_cpu_times_its_decode_candidates_and_keeps_the_reference_elsewhere(monke
     monkeypatch.setenv(registry.TIMING_ENV_VAR, "on")
     selection = select("cpu", CPU, torch.float32, SHAPES)
     assert not selection.rejected
-    assert set(selection.timings_ms) == {"decode_attention"}  # the only op with two correct candidates
+    # the only ops with two correct candidates: cpp decode, sdpa prefill (kernels/sdpa_prefill.py)
+    assert set(selection.timings_ms) == {"decode_attention", "prefill_attention"}
     timed = selection.timings_ms["decode_attention"]
     assert set(timed) == {"cpp", "reference"}
     assert selection.chosen["decode_attention"] == min(timed, key=timed.get)
-    assert {op: name for op, name in selection.chosen.items() if op != "decode_attention"} == {
-        op: "reference" for op in registry.OPS if op != "decode_attention"}
+    assert set(selection.timings_ms["prefill_attention"]) == {"sdpa", "reference"}
+    attention = ("decode_attention", "prefill_attention")
+    assert {op: name for op, name in selection.chosen.items() if op not in attention} == {
+        op: "reference" for op in registry.OPS if op not in attention}
     assert selection.ops.rms_norm is reference.rms_norm
     assert (tmp_path / "kernel_timings.json").is_file()
     assert "timed cpp" in selection.table() and selection.report()["decode_attention"]["timings_ms"] == timed
