@@ -78,6 +78,10 @@ class EngineConfig:
         "report ready once the model is loaded and the eager path warmed, then compile the CPU decode buckets "
         "and build C++ kernels not built yet in a background thread, swapping each in between steps "
         "(engines/warmup.py); off: do both before ready"))
+    async_scheduling: bool = field(default=True, metadata=setting(
+        "the server's worker queues each step's outputs to a sender thread and starts the next step at once, "
+        "so encoding, sending and the HTTP process's detokenising overlap the next step (server/output_sender.py); "
+        "off: the step loop sends them itself"))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
         "speculative decoding, as vLLM spells it (JSON on the command line): "
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '
