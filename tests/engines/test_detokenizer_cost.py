@@ -26,9 +26,9 @@ class CountingTokenizer:
         return self._tokenizer.decode(ids, **kwargs)
 
 
-def stream_cost(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
+def stream_cost(tokenizer, prompt: list[int], ids: list[int]) -> tuple[str, list[int]]:
     counting = CountingTokenizer(tokenizer)
-    detok = IncrementalDetokenizer(counting, ids[:8], stop=["never in this story"])
+    detok = IncrementalDetokenizer(counting, prompt, stop=["never in this story"])
     text = "".join(detok.add([t])[0] for t in ids)
     return text + detok.flush(), counting.decoded
 
@@ -36,12 +36,14 @@ def stream_cost(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
 @pytest.mark.parametrize("kind", ["sentencepiece", "byte_level"])
 def test_each_token_decodes_a_bounded_window(kind, stories_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(stories_dir) if kind == "sentencepiece" else make_tokenizer(tmp_path)
+    prompt = tokenizer.encode("A story.", add_special_tokens=False)
     ids = tokenizer.encode(STORY * 12, add_special_tokens=False)
-    text, decoded = stream_cost(tokenizer, ids)
-    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    text, decoded = stream_cost(tokenizer, prompt, ids)
+    whole = tokenizer.decode(prompt + ids, skip_special_tokens=True)
+    assert text == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
     # Each step decodes its new tokens after a few of context, never the output so far.
     window = CONTEXT_TOKENS + 2 * (MAX_HELD_TOKENS + 1)
     assert max(decoded, default=0) <= window
     assert sum(decoded) <= 3 * window * len(ids) // 4  # on average, a few ids per token
-    _, half = stream_cost(tokenizer, ids[: len(ids) // 2])
+    _, half = stream_cost(tokenizer, prompt, ids[: len(ids) // 2])
     assert sum(decoded) <= 2 * sum(half) + window  # twice the tokens: twice the work, not four times
