@@ -54,3 +54,7 @@ def test_failures_and_aborts_use_the_handle():
     client.abort(HTTP_ID)
     assert [m.targets for m in socket.sent if isinstance(m, Abort)] == [[(stream.handle, 1)], [(again.handle, None)]]
     assert again.handle != stream.handle and HTTP_ID not in client.requests
+    third = client.add(HTTP_ID, [1], SamplingParams(max_tokens=4))
+    # The aborted request's last step, still on its way: never delivered to the id's new request.
+    client._dispatch(Outputs([StepOutput(again.handle, 0, [65]), StepOutput(third.handle, 0, [66])]))
+    assert third.queue.get_nowait().new_token_ids == [66] and third.queue.empty()
