@@ -55,6 +55,10 @@ class OutputSender:
         self._thread.start()
 
     def put(self, message: messages.FromWorker) -> None:
+        """Queue ``message``; raises RuntimeError once the thread has stopped (its socket failed), so
+        the worker ends and is restarted instead of stepping on in silence."""
+        if not self._thread.is_alive():
+            raise RuntimeError(f"{self.label}: the output sender has stopped")
         self._queue.put(message)
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -85,7 +89,11 @@ class OutputSender:
         """Send pending messages in order until the socket refuses one; True when all went."""
         while self._pending:
             if self._head is None:
-                self._head = messages.encode(self._pending[0])
+                try:
+                    self._head = messages.encode(self._pending[0])
+                except (TypeError, ValueError, OverflowError):  # a value msgpack cannot carry: drop this one
+                    logger.exception("%s: %s not sendable; dropped", self.label, type(self._pending.pop(0)).__name__)
+                    continue
             try:
                 self.socket.send(self._head, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:

@@ -8,6 +8,7 @@ steps go on meanwhile, and once it opens, every token arrives in order in fewer 
 import threading
 import time
 
+import pytest
 import zmq
 
 from server import messages
@@ -112,3 +113,25 @@ def test_close_sends_what_is_queued():
     threading.Timer(0.05, out.gate.set).start()
     sender.close()
     assert [type(m).__name__ for m in out.messages()] == ["Failed", "Outputs"]
+
+
+def test_a_message_that_cannot_be_encoded_is_dropped_and_the_rest_go():
+    out = GatedSocket()
+    out.gate.set()
+    sender = OutputSender(out, "test")
+    sender.put(messages.InfoUpdate({"kernels": object()}))
+    sender.put(Outputs([], None, {"z": 1.0}))
+    sender.close()
+    assert [type(m).__name__ for m in out.messages()] == ["Outputs"]
+
+
+def test_a_failed_socket_ends_the_loop_instead_of_silence():
+    class BrokenSocket(GatedSocket):
+        def send(self, frame, flags: int = 0, copy: bool = True) -> None:
+            raise zmq.ZMQError(zmq.ETERM)
+
+    sender = OutputSender(BrokenSocket(), "test")
+    sender.put(Outputs([]))
+    wait_for(lambda: not sender._thread.is_alive(), "the sender never stopped")
+    with pytest.raises(RuntimeError, match="output sender has stopped"):
+        sender.put(Outputs([]))
