@@ -2,9 +2,10 @@
 greedy tokens still equal transformers' token for token: under batching and preemption, with n-gram
 speculative rows, and beside a request aborted mid-way, whose tokens are a prefix of its reference.
 
-A real engine on the tiny Llama runs in ``WorkerLoop`` over in-process sockets; the reading end
-takes nothing until the engine is done (high-water marks of one frame), so most steps' outputs go
-out merged, and every token must still arrive once, in order, with its finish reason.
+A real engine on the tiny Llama runs in ``WorkerLoop`` over in-process sockets, driven by the HTTP
+process's ``WorkerClient`` (requests known to the worker by handles); the reading end takes nothing
+until the engine is done (high-water marks of one frame), so most steps' outputs go out merged, and
+every token must still reach its request's stream once, in order, with its finish reason.
 """
 
 import random
@@ -18,8 +19,9 @@ from transformers import AutoModelForCausalLM
 
 from engines import LLM, SamplingParams
 from server import messages
-from server.messages import Abort, Outputs, Shutdown
+from server.messages import Abort, Shutdown
 from server.worker import WorkerLoop
+from server.worker_client import READY, WorkerClient
 
 MAX_TOKENS = 10
 LONG = 40  # the aborted request's budget
@@ -56,40 +58,39 @@ def test_greedy_equals_transformers_with_outputs_merged(tiny_model_dir, speculat
     recv.connect("inproc://exact-in")
     from_worker.bind("inproc://exact-out")
     send.connect("inproc://exact-out")
-    loop = WorkerLoop(llm.engine, recv, send, "test")
+    loop = WorkerLoop(llm.engine, recv, send, "test", heartbeat_s=60)  # no idle heartbeat while draining
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
+    client = WorkerClient("m", "cpu", "cpu", max_num_seqs=16, max_waiting_requests=16)
+    client.state, client._send = READY, to_worker
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     try:
-        for i, prompt in enumerate(prompts):
-            to_worker.send(messages.encode(messages.add_request(str(i), prompt, greedy)))
-        to_worker.send(messages.encode(messages.add_request("long", prompts[0], SamplingParams(
-            temperature=0, max_tokens=LONG, ignore_eos=True))))
+        streams = [client.add(f"chatcmpl-{i}", prompt, greedy) for i, prompt in enumerate(prompts)]
+        long = client.add("chatcmpl-long", prompts[0], SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True))
         seqs = llm.engine.requests
-        wait_for(lambda: "long" in seqs and seqs["long"][0].num_output_tokens >= 3, "the long request never ran")
-        to_worker.send(messages.encode(Abort([("long", None)])))
+        wait_for(lambda: long.handle in seqs and seqs[long.handle][0].num_output_tokens >= 3, "it never ran")
+        # Aborted in the worker, its stream kept here: what it produced before the abort still arrives.
+        to_worker.send(messages.encode(Abort([(long.handle, None)])))
         wait_for(lambda: not llm.engine.has_unfinished_requests(), "the requests never finished")
-        got: dict[str, list[int]] = {}
-        reasons: dict[str, str | None] = {}
         while from_worker.poll(1000):
-            message = messages.decode_from_worker(from_worker.recv())
-            for out in message.outputs if isinstance(message, Outputs) else []:
-                assert out.request_id not in reasons, "an output after the finished one"
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
-                if out.finished:
-                    reasons[out.request_id] = out.finish_reason
+            client._dispatch(messages.decode_from_worker(from_worker.recv()))
     finally:
         to_worker.send(messages.encode(Shutdown()))
         thread.join(TIMEOUT_S)
         for s in (to_worker, recv, send, from_worker):
             s.close(linger=0)
         ctx.term()
+    got, reasons = [], []
+    for stream in [*streams, long]:
+        outs = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+        got.append([t for out in outs for t in out.new_token_ids])
+        reasons.append([out.finish_reason for out in outs if out.finished])
     assert loop.sender.merged > 0
     assert llm.engine.stats().num_preemptions_total > 0
-    *expected, long = reference(tiny_model_dir, [*prompts, prompts[0]], [MAX_TOKENS] * len(prompts) + [LONG])
+    *expected, long_expected = reference(tiny_model_dir, [*prompts, prompts[0]], [MAX_TOKENS] * len(prompts) + [LONG])
     for i, tokens in enumerate(expected):
-        assert got[str(i)] == tokens, f"prompt {i} diverged"
-        assert reasons[str(i)] == ("length" if len(tokens) == MAX_TOKENS else "stop")
-    assert 3 <= len(got["long"]) < LONG and got["long"] == long[: len(got["long"])]
+        assert got[i] == tokens, f"prompt {i} diverged"
+        assert reasons[i] == ["length" if len(tokens) == MAX_TOKENS else "stop"]
+    assert 3 <= len(got[-1]) < LONG and got[-1] == long_expected[: len(got[-1])] and reasons[-1] == []
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # the abort leaked no block
