@@ -85,8 +85,12 @@ def main(argv: list[str] | None = None) -> int:
                         http_pid, worker_pid = pids[label]
                         before = cpu_s(http_pid), cpu_s(worker_pid)
                         prompts = 2 * conc
-                        r = _bench(procs[label][1], conc, args.input_words, prompts, args.output_tokens,
-                                   scratch / "run.json")
+                        try:
+                            r = _bench(procs[label][1], conc, args.input_words, prompts, args.output_tokens,
+                                       scratch / "run.json")
+                        except RuntimeError as exc:  # e.g. a worker the heartbeat gave up on under load
+                            print(f"rep {rep} c={conc} {label}: {str(exc)[-300:]}", flush=True)
+                            continue
                         tokens = prompts * args.output_tokens
                         r["http_cpu_us_per_token"] = (cpu_s(http_pid) - before[0]) / tokens * 1e6
                         r["worker_cpu_us_per_token"] = (cpu_s(worker_pid) - before[1]) / tokens * 1e6
@@ -94,23 +98,28 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"rep {rep} c={conc:<3} {label:<12} HTTP {r['http_cpu_us_per_token']:7.1f} us/token  "
                               f"worker {r['worker_cpu_us_per_token']:7.1f} us/token  "
                               f"({r['output_tok_s']:.0f} tok/s, noisy)", flush=True)
+                        _write(args, arms, runs, None)  # what is done so far survives an interrupted run
         finally:
             for proc, _ in procs.values():
                 launch.stop(proc)
     summary = {level: {label: {key: statistics.median(r[key] for r in runs[label][level])
                                for key in ("http_cpu_us_per_token", "worker_cpu_us_per_token", "output_tok_s")}
-                       for label in runs} for level in runs[arms[0][0]]}
+                       for label in runs if runs[label].get(level)} for level in dict.fromkeys(k for r in runs.values() for k in r)}
     print(f"{'level':<8}" + "".join(f"{label + ' HTTP us/tok':>22}{'worker us/tok':>15}" for label in runs))
     for level, row in summary.items():
         print(f"{level:<8}" + "".join(f"{row[x]['http_cpu_us_per_token']:>22.1f}{row[x]['worker_cpu_us_per_token']:>15.1f}"
-                                      for x in runs))
+                                      for x in row))
+    _write(args, arms, runs, summary)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _write(args: argparse.Namespace, arms: list, runs: dict, summary: dict | None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine(), "load_average": os.getloadavg(),
                                     "arms": [{"label": label, "root": str(root), "flags": flags} for label, root, flags in arms],
                                     "input_words": args.input_words, "output_tokens": args.output_tokens,
                                     "runs": runs, "summary": summary}, indent=2))
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
