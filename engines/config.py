@@ -79,9 +79,9 @@ class EngineConfig:
         "and build C++ kernels not built yet in a background thread, swapping each in between steps "
         "(engines/warmup.py); off: do both before ready"))
     async_scheduling: bool = field(default=True, metadata=setting(
-        "the server's worker queues each step's outputs to a sender thread and starts the next step at once, "
-        "so encoding, sending and the HTTP process's detokenising overlap the next step (server/output_sender.py); "
-        "off: the step loop sends them itself"))
+        "the server's worker never waits for the HTTP process: a step's outputs go out without blocking, or, "
+        "while the socket is full, through a sender thread that merges them (server/output_sender.py), and the "
+        "next step starts at once; off: the step loop blocks on a full socket"))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
         "speculative decoding, as vLLM spells it (JSON on the command line): "
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '
