@@ -8,6 +8,10 @@ from ``add_request``) or a failing step is reported per request as one ``Failed`
 loop itself only ends on ``Shutdown`` or when the parent process is gone. The worker keeps no
 request state of its own beyond a request's arrival time until its first step: the engine holds
 the requests, the HTTP process their choices (server/messages.py).
+With ``async_scheduling`` (the default) a message never blocks the loop: it goes out with
+``zmq.NOBLOCK``, or, while the socket is full, through a sender thread (server/output_sender.py), so
+step N+1 is scheduled, prepared and run while step N's outputs are sent, detokenised and streamed,
+and a slow HTTP process never holds a step back.
 This module imports no torch at import time: the spawned child selects the device first.
 """
 
@@ -80,7 +84,7 @@ class WorkerLoop:
         self._warmup_version = -1  # the background warm-up's changes sent so far (engines/warmup.py)
         # Exactness: the engine still schedules step N+1 after step N's update, from the real sampled
         # tokens (no vLLM-style "one more token each" guess to fix up), so stops, aborts, preemption and
-        # speculative rows are what they were; only the sending of N's outputs moves off the step.
+        # speculative rows are what they were; only the sending of N's outputs stops holding up N+1.
         self.sender = OutputSender(send, label) if async_scheduling else None
 
     def _emit(self, message: messages.FromWorker) -> None:
