@@ -45,7 +45,7 @@ def _merged(last: messages.FromWorker, message: messages.FromWorker) -> messages
 
 
 class OutputSender:
-    """Owns ``socket`` from construction on: nothing else may send on it until ``close`` returns."""
+    """Every send on ``socket`` goes through ``put`` from construction until ``close`` returns."""
 
     def __init__(self, socket: zmq.Socket, label: str = "worker") -> None:
         self.socket = socket
