@@ -82,6 +82,10 @@ class EngineConfig:
         "a CPU engine times its decode step at start with its torch threads and with this many and keeps the faster, "
         "cached per machine and shape under $XINSERVE_CACHE_DIR (engines/thread_split.py); the server sets it to "
         "the cores a CPU worker may use unless cpu_threads is set; None: no timing", ge=1))
+    async_scheduling: bool = field(default=True, metadata=setting(
+        "the server's worker never waits for the HTTP process: a step's outputs go out without blocking, or, "
+        "while the socket is full, through a sender thread that merges them (server/output_sender.py), and the "
+        "next step starts at once; off: the step loop blocks on a full socket"))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
         "speculative decoding, as vLLM spells it (JSON on the command line): "
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '

@@ -8,6 +8,10 @@ from ``add_request``) or a failing step is reported per request as one ``Failed`
 loop itself only ends on ``Shutdown`` or when the parent process is gone. The worker keeps no
 request state of its own beyond a request's arrival time until its first step: the engine holds
 the requests, the HTTP process their choices (server/messages.py).
+With ``async_scheduling`` (the default) a message never blocks the loop: it goes out with
+``zmq.NOBLOCK``, or, while the socket is full, through a sender thread (server/output_sender.py), so
+step N+1 is scheduled, prepared and run while step N's outputs are sent, detokenised and streamed,
+and a slow HTTP process never holds a step back.
 This module imports no torch at import time: the spawned child selects the device first.
 """
 
@@ -26,6 +30,7 @@ from engines.quantization.install import weights_report
 from engines.rank_role import RankRole
 from server import messages
 from server.messages import Add, Failed, InfoUpdate, Outputs, RequestError, Stats
+from server.output_sender import OutputSender
 
 logger = logging.getLogger("xinserve.worker")
 
@@ -66,7 +71,7 @@ class WorkerLoop:
     """The step loop around one engine; separate from process set-up so it is testable in-process."""
 
     def __init__(self, engine: Any, recv: zmq.Socket, send: zmq.Socket, label: str = "worker",
-                 heartbeat_s: float = HEARTBEAT_S) -> None:
+                 heartbeat_s: float = HEARTBEAT_S, async_scheduling: bool = True) -> None:
         self.engine = engine
         self.heartbeat_s = heartbeat_s
         self.recv = recv
@@ -77,9 +82,16 @@ class WorkerLoop:
         self._last_stats = 0.0
         self._parent = os.getppid()
         self._warmup_version = -1  # the background warm-up's changes sent so far (engines/warmup.py)
+        # Exactness: the engine still schedules step N+1 after step N's update, from the real sampled
+        # tokens (no vLLM-style "one more token each" guess to fix up), so stops, aborts, preemption and
+        # speculative rows are what they were; only the sending of N's outputs stops holding up N+1.
+        self.sender = OutputSender(send, label) if async_scheduling else None
 
     def _emit(self, message: messages.FromWorker) -> None:
-        self.send.send(messages.encode(message), copy=False)
+        if self.sender is not None:
+            self.sender.put(message)
+        else:
+            self.send.send(messages.encode(message), copy=False)
 
     def _handle(self, message: messages.ToWorker) -> None:
         if isinstance(message, Add):
@@ -171,6 +183,13 @@ class WorkerLoop:
             self._emit(InfoUpdate({"decode_graphs": warmup.report(), "kernels": self.engine.runner.kernels.report()}))
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            if self.sender is not None:
+                self.sender.close()  # what is queued goes out before the socket closes
+
+    def _run(self) -> None:
         while self.running:
             if os.getppid() != self._parent:
                 logger.warning("%s: parent process is gone; exiting", self.label)
@@ -246,8 +265,8 @@ def run_worker(spec: WorkerSpec) -> None:
     logger.info("%s ready on %s in %.1fs (max_model_len=%d)", spec.model_name, spec.device,
                 info["load_seconds"], info["max_model_len"])
     send.send(messages.encode(messages.Ready(info)))
-    loop = WorkerLoop(engine, recv, send, spec.label, spec.heartbeat_s)
     send.send(messages.encode(Stats(engine.stats())))  # /metrics has values from the start
+    loop = WorkerLoop(engine, recv, send, spec.label, spec.heartbeat_s, engine.config.async_scheduling)
     try:
         loop.run()
     finally:

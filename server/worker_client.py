@@ -149,8 +149,9 @@ class WorkerClient:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight on {self.label}")
         # Encoded before anything is counted: a value the wire format cannot carry leaks no load.
-        frame = messages.encode(messages.add_request(request_id, prompt_token_ids, params))
-        stream = self.requests.open(request_id, params.n)
+        handle = self.requests.new_handle()  # the worker's name for the request (server/fanout.py)
+        frame = messages.encode(messages.add_request(handle, prompt_token_ids, params))
+        stream = self.requests.open(request_id, params.n, handle)
         if self._refusal is not None:
             self.requests.fail(request_id, RequestError(self._refusal, unavailable=True))
         elif not self._post_frame(frame):
@@ -213,7 +214,7 @@ class WorkerClient:
         elif isinstance(message, messages.InfoUpdate):
             self.info = {**self.info, **message.info}
         elif isinstance(message, messages.Failed):
-            self.requests.fail(message.request_id, message.error)
+            self.requests.fail_handle(message.request_id, message.error)
         elif isinstance(message, messages.Ready):
             if self.state != STARTING:  # e.g. its model failed (tokenizer) while it was loading
                 logger.info("worker %s/%s ready while %s; ignored", self.model_name, self.label, self.state)
