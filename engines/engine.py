@@ -40,7 +40,7 @@ class LLMEngine:
         # A sequence can never outgrow the whole pool: cap the context so it always fits alone.
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.runner.allocate_kv_cache(num_blocks)
-        self.runner.init_decode_graphs(config.max_num_seqs, self.max_model_len)
+        self.runner.init_decode_graphs(self.max_model_len)
         # Deferred C++ kernel builds, then the CPU decode buckets: after ready unless asked otherwise.
         self.warmup = Warmup(self.runner, config.warm_up_in_background)
         # A host tier below the pool (kv_offloading_size) and KV events for routers (kv_events_config).

@@ -31,6 +31,16 @@ class DecodeGather:
         rows = cache.view(num_blocks, -1).index_select(0, self.block_ids)  # [S * Bg, BS * ...]
         return rows.view(num_seqs, -1, *cache.shape[2:])[:, : self.context_len]
 
+    def live(self, num_seqs: int, block_size: int) -> "DecodeGather":
+        """This plan cut to the longest context ``host_seq_lens`` holds. A decode bucket's plan
+        (engines/decode_buckets.py) spans max_model_len so that its shapes never change; the reference
+        decode kernels, opaque ops inside a compiled bucket, gather only the live blocks through this."""
+        context_len = int(self.host_seq_lens.max())
+        width = self.block_ids.numel() // num_seqs  # Bg
+        block_ids = self.block_ids.view(num_seqs, width)[:, : -(-context_len // block_size)].reshape(-1)
+        mask = None if self.mask is None else self.mask[..., :context_len]
+        return DecodeGather(block_ids, context_len, mask, self.host_seq_lens)
+
 
 def build_decode_gather(
     block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int, device: torch.device
