@@ -62,8 +62,10 @@ def build_decode_gather(
 @dataclass(slots=True)
 class AttentionMetadata:
     """One varlen batch. Sequences are ordered decode-first: the first ``num_decode_seqs``
-    sequences have exactly one new token each, and those are tokens ``[0, num_decode_seqs)``.
-    The remaining sequences (prefills, possibly chunked, possibly after a cached prefix) follow.
+    sequences have exactly one new token each, and those are tokens ``[0, num_decode_seqs)``
+    (a sequence verifying k drafts is 1 + k of them, one per row with its own context length and the
+    same block table: engines/decode_rows.py). The remaining sequences (prefills, possibly chunked,
+    possibly after a cached prefix) follow.
 
     Shapes: T = new tokens this step, S = sequences this step, B = max blocks per sequence.
     """
