@@ -17,7 +17,8 @@
 
   Capture needs a quiet stream, so it runs before the worker reports ready (all buckets).
 
-Only pure-decode steps take this path; steps with prefill stay eager. A failure to compile or
+Only pure-decode steps take this path (speculative verification steps included: a drafted sequence's
+1 + k rows are decode rows, engines/decode_rows.py); steps with prefill stay eager. A failure to compile or
 capture is logged and leaves that decode eager (never fatal). Each bucket has a state for /health:
 ``eager`` (not compiled yet, or kept eager because eager measured faster), ``compiling``,
 ``compiled`` (or captured), ``failed`` (with the error's first line; it runs eagerly).
