@@ -2,25 +2,44 @@
 buffers, so a compiled or graph-captured decode forward sees the same shapes and addresses every
 step.
 
-A step of n decoding sequences runs in the smallest bucket (1, 2, 4, 8, ... up to max_num_seqs)
-that holds n. Rows [n, bucket) are padding: token 0 at position 0, a context of one token, whose
+A step of n decode rows runs in the smallest bucket (1, 2, 4, 8, ... up to the most rows a step can
+have, ``max_decode_rows``) that holds n. A row is one decode query (engines/decode_rows.py): a plain
+decode is one row, a sequence verifying k drafts is 1 + k rows with their own context lengths. Buckets
+are keyed by total rows rather than (sequences, rows per sequence): a step mixing drafting and
+non-drafting sequences, or sequences with fewer drafts than k (prompt lookup often finds fewer), then
+pads only up to the next bucket (less than half its rows), never each sequence up to 1 + k rows, and
+speculation needs no bucket shapes of its own while its rows fit the plain buckets (8 drafting
+sequences x 4 rows = 32 rows, below the default 64 sequences). Rows [n, bucket) are padding: token 0 at position 0, a context of one token, whose
 key/value go to a scratch KV block that the block manager never hands out (the runner allocates it
 past the pool), so they never touch a real sequence's cache; their logits are dropped.
 """
 
 import torch
 
+from engines.config import EngineConfig
+from engines.speculative.config import parse_speculative_config
 from kernels.attention_metadata import AttentionMetadata, DecodeGather
 
 
-def bucket_sizes(max_num_seqs: int) -> list[int]:
-    """Powers of two below ``max_num_seqs``, then ``max_num_seqs`` itself: 1, 2, 4, ..., max."""
+def max_decode_rows(config: EngineConfig) -> int:
+    """The most rows a pure-decode step can have: one per sequence, or 1 + k per drafted sequence
+    while at most ``disable_by_batch_size`` sequences run (engines/speculative/proposer.py), within
+    the step's token budget."""
+    if config.speculative_config is None:
+        return config.max_num_seqs
+    spec = parse_speculative_config(config.speculative_config)
+    drafting = min(config.max_num_seqs, spec.disable_by_batch_size)
+    return max(config.max_num_seqs, min(drafting * (1 + spec.num_speculative_tokens), config.max_num_batched_tokens))
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """Powers of two below ``max_rows``, then ``max_rows`` itself: 1, 2, 4, ..., max."""
     sizes = []
     size = 1
-    while size < max_num_seqs:
+    while size < max_rows:
         sizes.append(size)
         size *= 2
-    return [*sizes, max_num_seqs]
+    return [*sizes, max_rows]
 
 
 def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:

@@ -41,7 +41,7 @@ class LLMEngine:
         # A sequence can never outgrow the whole pool: cap the context so it always fits alone.
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.runner.allocate_kv_cache(num_blocks)
-        self.runner.init_decode_graphs(config.max_num_seqs, self.max_model_len)
+        self.runner.init_decode_graphs(self.max_model_len)
         # Torch threads timed before the warm-up thread competes for the cores (engines/thread_split.py).
         self.thread_choice = thread_split.for_engine(config, self.platform, self.runner, self.max_model_len)
         # Deferred C++ kernel builds, then the CPU decode buckets: after ready unless asked otherwise.

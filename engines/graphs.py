@@ -17,7 +17,8 @@
 
   Capture needs a quiet stream, so it runs before the worker reports ready (all buckets).
 
-Only pure-decode steps take this path; steps with prefill stay eager. A failure to compile or
+Only pure-decode steps take this path (speculative verification steps included: a drafted sequence's
+1 + k rows are decode rows, engines/decode_rows.py); steps with prefill stay eager. A failure to compile or
 capture is logged and leaves that decode eager (never fatal). Each bucket has a state for /health:
 ``eager`` (not compiled yet, or kept eager because eager measured faster), ``compiling``,
 ``compiled`` (or captured), ``failed`` (with the error's first line; it runs eagerly).
@@ -64,11 +65,16 @@ def inductor_cache_dir() -> Path:
     return cache_dir() / "inductor"
 
 
-def decode_forward(model: torch.nn.Module, kv_cache: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """The function compiled or captured: (input_ids [B], positions [B], metadata) -> logits [B, V]."""
+def decode_forward(model: torch.nn.Module, kv_cache: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The function compiled or captured: (input_ids [B], positions [B], metadata) -> (logits [B, V],
+    the final hidden states [B, hidden], which the MTP drafter reads: engines/speculative/mtp_runner.py)."""
 
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        return model.compute_logits(model(input_ids, positions, kv_cache, metadata))
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # ``forward``, not ``__call__``: a runner's forward hooks (the MTP runner's) are neither traced
+        # into the bucket nor fired by a compile or timing run in the warm-up thread.
+        hidden = model.forward(input_ids, positions, kv_cache, metadata)
+        return model.compute_logits(hidden), hidden
 
     return forward
 
@@ -79,7 +85,7 @@ class DecodeGraphs:
     def __init__(self, buffers: DecodeBuffers, steps: dict[int, Callable[[], torch.Tensor]], kind: str,
                  compiler: "BucketCompiler | None" = None) -> None:
         self.buffers = buffers
-        self.steps = steps  # bucket -> runs the bucket on the buffers, returns its logits [bucket, V]
+        self.steps = steps  # bucket -> runs the bucket on the buffers: (logits [bucket, V], hidden [bucket, Hd])
         self.kind = kind  # "compiled" | "captured", for logs and benchmarks
         self.bucket_runs: Counter[int] = Counter()  # bucket -> steps it ran compiled or captured
         self.compiler = compiler  # compiles the other buckets (engines/warmup.py); None once captured
@@ -89,6 +95,9 @@ class DecodeGraphs:
         # and the latest step's bucket.
         self.demand: Counter[int] = Counter()
         self.last_bucket: int | None = None
+        self.hidden: torch.Tensor | None = None  # [rows, hidden] of the latest step run here; None if eager
+        # Steps that verified drafts (decode rows of 1 + k per drafted sequence) per bucket, compiled or not.
+        self.verify_runs: Counter[int] = Counter()
 
     def next_to_compile(self) -> int | None:
         """The bucket to compile next: the latest step's, else the most used, else the smallest."""
@@ -119,10 +128,12 @@ class DecodeGraphs:
         return self.bucket_runs.total()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-            logits_indices: torch.Tensor | None) -> torch.Tensor | None:
+            logits_indices: torch.Tensor | None, verifies: bool = False) -> torch.Tensor | None:
         """The logits of a pure-decode step's sampled rows, or None when its bucket runs eagerly
-        (the caller then runs the step as it is)."""
+        (the caller then runs the step as it is). ``verifies``: the step checks drafts (counted for
+        /health and tests: ``verify_runs``)."""
         num_rows = input_ids.shape[0]
+        self.hidden = None
         size = bucket_for(num_rows, self.buffers.sizes)
         if size is not None:
             self.demand[size] += 1
@@ -131,7 +142,7 @@ class DecodeGraphs:
         if step is None or not self.buffers.fill(size, input_ids, positions, metadata):
             return None
         try:
-            logits = step()
+            logits, hidden = step()
         except Exception as exc:  # noqa: BLE001  a recompile or replay that fails: this bucket goes eager
             logger.warning("%s decode for bucket %d failed (%s: %s); it runs eagerly from now on",
                            self.kind, size, type(exc).__name__, first_line(exc))
@@ -139,6 +150,8 @@ class DecodeGraphs:
             self.states[size], self.errors[size] = "failed", first_line(exc)
             return None
         self.bucket_runs[size] += 1
+        self.verify_runs[size] += verifies
+        self.hidden = hidden[:num_rows]
         logits = logits[:num_rows]  # padded rows are never sampled
         return logits if logits_indices is None else logits.index_select(0, logits_indices)
 
@@ -149,7 +162,7 @@ def build_decode_graphs(
     kv_cache: torch.Tensor,
     platform: Platform,
     mode: str,
-    max_num_seqs: int,
+    max_rows: int,
     max_model_len: int,
     block_size: int,
     scratch_block: int,
@@ -162,7 +175,7 @@ def build_decode_graphs(
     around each capture."""
     if mode == "off":
         return None
-    sizes = sizes or bucket_sizes(max_num_seqs)
+    sizes = sizes or bucket_sizes(max_rows)
     buffers = DecodeBuffers(sizes, max_model_len, block_size, scratch_block, platform.device)
     forward = decode_forward(model, kv_cache)
     if platform.kind == "cpu":
@@ -277,12 +290,12 @@ def _median_seconds(function: Callable[[], object], platform: Platform) -> float
 
 @torch.inference_mode()
 def capture_memory_probe(model: torch.nn.Module, kv_cache: torch.Tensor, platform: Platform, mode: str,
-                         max_num_seqs: int, max_model_len: int, block_size: int,
+                         max_rows: int, max_model_len: int, block_size: int,
                          scratch_block: int, capture_hooks: Sequence[Callable] = ()) -> DecodeGraphs | None:
     """The largest bucket captured on the warm-up cache, to be held while the free memory is read,
     so the KV pool leaves room for the graphs' memory pool (which the smaller buckets share).
     None on the CPU (compiled code takes no device memory) or when graphs are off."""
     if mode == "off" or platform.kind == "cpu":
         return None
-    return build_decode_graphs(model, kv_cache, platform, mode, max_num_seqs, max_model_len, block_size,
-                               scratch_block, sizes=[bucket_sizes(max_num_seqs)[-1]], capture_hooks=capture_hooks)
+    return build_decode_graphs(model, kv_cache, platform, mode, max_rows, max_model_len, block_size,
+                               scratch_block, sizes=[bucket_sizes(max_rows)[-1]], capture_hooks=capture_hooks)

@@ -11,6 +11,8 @@ import torch
 
 from engines.capacity import pool_blocks
 from engines.config import EngineConfig
+from engines.decode_buckets import max_decode_rows
+from engines.decode_rows import decode_rows
 from engines.graphs import DecodeGraphs, build_decode_graphs, capture_memory_probe, effective_mode
 from engines.models.loader import load_model, parse_dtype
 from engines.models.tensor_parallel import Collectives
@@ -120,6 +122,7 @@ class ModelRunner:
                         ", ".join(f"{op}={name}" for op, name in self.kernels.uncapturable.items()))
             self.compile_mode = "off"
         self.decode_graphs: DecodeGraphs | None = None
+        self.max_decode_rows = max_decode_rows(config)  # the largest decode bucket
         self.scratch_block = 0  # the KV block past the pool where padded decode rows write
 
     def _choose_kernels(self, config: EngineConfig, shapes: ModelShapes, dtype: torch.dtype) -> KernelOps:
@@ -176,8 +179,8 @@ class ModelRunner:
         self.platform.synchronize()
         # Decode graphs are captured after the pool is allocated: hold one of the largest bucket
         # while the free memory is read, so the pool leaves room for them.
-        probe = capture_memory_probe(self.model, self.kv_cache, self.platform, self.compile_mode, max_num_seqs,
-                                     max_model_len, self.block_size, self.scratch_block,
+        probe = capture_memory_probe(self.model, self.kv_cache, self.platform, self.compile_mode,
+                                     self.max_decode_rows, max_model_len, self.block_size, self.scratch_block,
                                      capture_hooks=self.kernels.capture_hooks)
         num_blocks = self.blocks_that_fit(fraction)
         del probe
@@ -192,11 +195,11 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         return pool_blocks(free, fraction, self.bytes_per_block())  # the rule `xinserve plan` sizes by
 
-    def init_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+    def init_decode_graphs(self, max_model_len: int) -> None:
         """Capture the decode buckets over the allocated KV cache (once, at start-up), or set up their
         compiler on the CPU (engines/warmup.py compiles them)."""
         self.decode_graphs = build_decode_graphs(self.model, self.kv_cache, self.platform, self.compile_mode,
-                                                 max_num_seqs, max_model_len, self.block_size, self.scratch_block,
+                                                 self.max_decode_rows, max_model_len, self.block_size, self.scratch_block,
                                                  capture_hooks=self.kernels.capture_hooks)
 
     def close(self) -> None:
@@ -287,7 +290,8 @@ class ModelRunner:
         """The model forward plus the logits of the sampled tokens ([N, vocab] float32; None when no
         sequence reaches its end this step)."""
         if self.decode_graphs is not None and not batch.metadata.num_prefill_seqs and batch.sampled:
-            logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.logits_indices)
+            logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.logits_indices,
+                                            verifies=bool(batch.drafts))
             if logits is not None:
                 return logits
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
@@ -300,36 +304,32 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         """The step's inputs, decode-first (``StepBatch``), on the device and on the host."""
         bs = self.block_size
-        decodes = [s.seq for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        num_decode = len(decodes)
-        seqs = decodes + [s.seq for s in prefills]
-        num_new = [1] * num_decode + [s.num_new_tokens for s in prefills]
+        # Decode rows first: plain decodes and drafted sequences' 1 + k rows (engines/decode_rows.py).
+        decodes = [s for s in scheduled if s.num_new_tokens == 1 + len(s.draft_token_ids)]
+        prefills = [s for s in scheduled if s.num_new_tokens != 1 + len(s.draft_token_ids)]
+        seqs, num_new = [s.seq for s in decodes + prefills], [s.num_new_tokens for s in decodes + prefills]
         starts = [seq.num_computed_tokens for seq in seqs]
         seq_lens = [start + n for start, n in zip(starts, num_new)]  # context after this step
-        # A decode's one new token sits at position num_computed_tokens.
-        ids = [seq.token_ids[n] for seq, n in zip(decodes, starts)]
-        decode_pos = np.array(starts[:num_decode], dtype=np.int64)
-        decode_blocks = np.array([seq.block_table[n // bs] for seq, n in zip(decodes, starts)], np.int64)
-        pos_parts, slot_parts = [decode_pos], [decode_blocks * bs + decode_pos % bs]
-        query_start_loc = [0]
-        for s, start, n in zip(prefills, starts[num_decode:], num_new[num_decode:]):
-            seq = s.seq
-            ids.extend(seq.token_ids[start : start + n] + s.draft_token_ids)  # drafted: its last token, its drafts
-            pos = np.arange(start, start + n, dtype=np.int64)
-            pos_parts.append(pos)
-            slot_parts.append(np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            query_start_loc.append(query_start_loc[-1] + n)
         width = max(len(seq.block_table) for seq in seqs)
         block_tables = np.array(
             [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs], dtype=np.int32
         )
-        seq_lens_np = np.array(seq_lens, dtype=np.int32)
-        decode_gather = None
-        if num_decode:
-            decode_gather = build_decode_gather(
-                block_tables[:num_decode], seq_lens_np[:num_decode], bs, self.device
-            )
+        rows = decode_rows(decodes, block_tables[: len(decodes)], bs)
+        num_decode = len(rows.positions)  # decode rows, each its own decode query
+        ids = rows.token_ids
+        pos_parts, slot_parts = [rows.positions], [rows.slot_mapping]
+        query_start_loc = [0]
+        for s, start, n in zip(prefills, starts[len(decodes) :], num_new[len(decodes) :]):
+            seq = s.seq
+            ids.extend(seq.token_ids[start : start + n])
+            pos = np.arange(start, start + n, dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            query_start_loc.append(query_start_loc[-1] + n)
+        block_tables = np.concatenate([rows.block_tables, block_tables[len(decodes) :]])
+        seq_lens_np = np.concatenate([rows.seq_lens, np.array(seq_lens[len(decodes) :], dtype=np.int32)])
+        decode_gather = None if not num_decode else build_decode_gather(
+            block_tables[:num_decode], seq_lens_np[:num_decode], bs, self.device)
         slot_mapping = np.concatenate(slot_parts)
         metadata = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
@@ -337,12 +337,12 @@ class ModelRunner:
             seq_lens=self._to_device(seq_lens_np),
             num_decode_seqs=num_decode,
             prefill_query_start_loc=query_start_loc,
-            prefill_seq_lens=seq_lens[num_decode:],
+            prefill_seq_lens=seq_lens[len(decodes) :],
             decode_gather=decode_gather,
             prefill_prompt_lens=[s.seq.num_prompt_tokens for s in prefills],
         )
         # A sequence gets a token when this step's tokens reach its end (not mid-prompt chunks).
-        drafts = [[]] * num_decode + [s.draft_token_ids for s in prefills]
+        drafts = [s.draft_token_ids for s in decodes + prefills]
         num_drafts = [len(d) for d in drafts]
         is_sampled = [n == seq.num_tokens + k for n, seq, k in zip(seq_lens, seqs, num_drafts)]
         logits_indices = None  # None: every token is sampled, in order, so no gather is needed

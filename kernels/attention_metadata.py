@@ -31,6 +31,16 @@ class DecodeGather:
         rows = cache.view(num_blocks, -1).index_select(0, self.block_ids)  # [S * Bg, BS * ...]
         return rows.view(num_seqs, -1, *cache.shape[2:])[:, : self.context_len]
 
+    def live(self, num_seqs: int, block_size: int) -> "DecodeGather":
+        """This plan cut to the longest context ``host_seq_lens`` holds. A decode bucket's plan
+        (engines/decode_buckets.py) spans max_model_len so that its shapes never change; the reference
+        decode kernels, opaque ops inside a compiled bucket, gather only the live blocks through this."""
+        context_len = int(self.host_seq_lens.max())
+        width = self.block_ids.numel() // num_seqs  # Bg
+        block_ids = self.block_ids.view(num_seqs, width)[:, : -(-context_len // block_size)].reshape(-1)
+        mask = None if self.mask is None else self.mask[..., :context_len]
+        return DecodeGather(block_ids, context_len, mask, self.host_seq_lens)
+
 
 def build_decode_gather(
     block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int, device: torch.device
@@ -52,8 +62,10 @@ def build_decode_gather(
 @dataclass(slots=True)
 class AttentionMetadata:
     """One varlen batch. Sequences are ordered decode-first: the first ``num_decode_seqs``
-    sequences have exactly one new token each, and those are tokens ``[0, num_decode_seqs)``.
-    The remaining sequences (prefills, possibly chunked, possibly after a cached prefix) follow.
+    sequences have exactly one new token each, and those are tokens ``[0, num_decode_seqs)``
+    (a sequence verifying k drafts is 1 + k of them, one per row with its own context length and the
+    same block table: engines/decode_rows.py). The remaining sequences (prefills, possibly chunked,
+    possibly after a cached prefix) follow.
 
     Shapes: T = new tokens this step, S = sequences this step, B = max blocks per sequence.
     """

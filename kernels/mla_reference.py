@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kernels.attention_metadata import DecodeGather
+
 if TYPE_CHECKING:
-    from kernels.attention_metadata import AttentionMetadata, DecodeGather
+    from kernels.attention_metadata import AttentionMetadata
 
 
 def write_latent(values: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -58,6 +60,14 @@ def mla_decode_attention(
     [S, K] DSA selection or None (every position). Returns [S, H, R], the attention-weighted latents
     (the caller applies ``W_UV``).
     """
+    if torch.compiler.is_compiling() and gather.host_seq_lens is not None:  # a compiled decode bucket
+        return _live_mla_decode(query, latent_cache, kv_lora_rank, scale, gather.block_ids, gather.context_len,
+                                gather.mask, gather.host_seq_lens, selected)
+    return _mla_decode(query, latent_cache, kv_lora_rank, scale, gather, selected)
+
+
+def _mla_decode(query: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, scale: float,
+                gather: "DecodeGather", selected: torch.Tensor | None) -> torch.Tensor:
     num_seqs = query.shape[0]
     # [S, 1, Lc, C]: one KV head, read back in the query's dtype (a half-precision cache is widened)
     context = gather.contexts(latent_cache, num_seqs).unsqueeze(1).to(query.dtype)
@@ -70,6 +80,21 @@ def mla_decode_attention(
         query.unsqueeze(1), context, context[..., :kv_lora_rank], attn_mask=mask, scale=scale
     )
     return out.squeeze(1)  # [S, H, R]
+
+
+# As kernels.reference's live decode attention: in a compiled decode bucket (whose plan spans
+# max_model_len) an opaque op that gathers only the live latents.
+@torch.library.custom_op("xinserve::live_mla_decode", mutates_args=())
+def _live_mla_decode(query: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, scale: float,
+                     block_ids: torch.Tensor, context_len: int, mask: torch.Tensor | None, host_seq_lens: torch.Tensor,
+                     selected: torch.Tensor | None) -> torch.Tensor:
+    gather = DecodeGather(block_ids, context_len, mask, host_seq_lens).live(query.shape[0], latent_cache.shape[1])
+    return _mla_decode(query, latent_cache, kv_lora_rank, scale, gather, selected)
+
+
+@_live_mla_decode.register_fake
+def _(query: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int, *args) -> torch.Tensor:
+    return query.new_empty(*query.shape[:2], kv_lora_rank)  # [S, H, R]
 
 
 def mla_prefill_attention(
@@ -147,22 +172,21 @@ def indexer_topk(
     is ranked as transformers' ``generate`` ranks it: a decode token over exactly its context; a
     prompt token over the whole prompt, the positions after it at -inf (transformers' prefill is one
     [prompt, prompt] causal block, whatever chunks the prompt is computed in here); a generated token
-    recomputed after preemption over exactly its context (it was a decode there). A traced decode
-    (engines/graphs.py) ranks its padded rows at once instead, which can break such ties differently.
+    recomputed after preemption over exactly its context (it was a decode there). A decode row of a
+    verification step (engines/decode_rows.py) is ranked over exactly its own context, as the decode
+    that generated it was; a compiled decode bucket ranks its rows the same way (an opaque op).
     """
     num_decode = metadata.num_decode_seqs
     out = torch.full((query.shape[0], topk), -1, dtype=torch.int64, device=query.device)
     if num_decode:
         gather = metadata.decode_gather
-        keys = gather.contexts(index_cache, num_decode)  # [S, Lc, Di]
-        # scores: [S, Lc], -inf past each context
-        scores = _index_scores(query[:num_decode, None], weights[:num_decode, None], keys, scale).squeeze(1)
-        if gather.mask is None or torch.compiler.is_compiling():
-            if gather.mask is not None:
-                scores = scores.masked_fill(~gather.mask.view(num_decode, -1), float("-inf"))
-            out[:num_decode] = _top_positions(scores, topk)
+        if torch.compiler.is_compiling() and gather.host_seq_lens is not None:  # a compiled decode bucket
+            out[:num_decode] = _live_decode_topk(query[:num_decode], weights[:num_decode], index_cache,
+                                                 gather.block_ids, gather.context_len, gather.mask,
+                                                 gather.host_seq_lens, topk, scale)
         else:
-            out[:num_decode] = _rank_rows(scores, gather.host_seq_lens, topk)
+            out[:num_decode] = _decode_topk(query[:num_decode], weights[:num_decode], index_cache, gather, topk,
+                                            scale)
     offset = num_decode  # prefill tokens follow the decode tokens
     prompt_lens = metadata.prefill_prompt_lens or metadata.prefill_seq_lens
     for i, (start, end, keys) in enumerate(latent_context(index_cache, metadata.block_tables[num_decode:],
@@ -176,6 +200,35 @@ def indexer_topk(
         scores = scores.masked_fill(~causal, float("-inf"))
         out[rows] = _rank_rows(scores, (positions + 1).clamp(min=prompt_lens[i]), topk)
     return out
+
+
+def _decode_topk(query: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, gather: "DecodeGather",
+                 topk: int, scale: float) -> torch.Tensor:
+    """The decode rows' selection (query [S, Hi, Di], weights [S, Hi]) -> [S, K]: each row ranked
+    over exactly its context (by the plan's host lengths)."""
+    num_decode = query.shape[0]
+    keys = gather.contexts(index_cache, num_decode)  # [S, Lc, Di]
+    # scores: [S, Lc], -inf past each context
+    scores = _index_scores(query[:, None], weights[:, None], keys, scale).squeeze(1)
+    if gather.mask is None:
+        return _top_positions(scores, topk)
+    if gather.host_seq_lens is None:
+        return _top_positions(scores.masked_fill(~gather.mask.view(num_decode, -1), float("-inf")), topk)
+    return _rank_rows(scores, gather.host_seq_lens, topk)
+
+
+@torch.library.custom_op("xinserve::live_decode_topk", mutates_args=())
+def _live_decode_topk(query: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, block_ids: torch.Tensor,
+                      context_len: int, mask: torch.Tensor | None, host_seq_lens: torch.Tensor, topk: int,
+                      scale: float) -> torch.Tensor:
+    gather = DecodeGather(block_ids, context_len, mask, host_seq_lens).live(query.shape[0], index_cache.shape[1])
+    return _decode_topk(query, weights, index_cache, gather, topk, scale)
+
+
+@_live_decode_topk.register_fake
+def _(query: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, block_ids: torch.Tensor,
+      context_len: int, mask: torch.Tensor | None, host_seq_lens: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+    return query.new_empty(query.shape[0], topk, dtype=torch.int64)  # [S, K]
 
 
 def _index_scores(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:

@@ -16,8 +16,12 @@ whose KV slots lie in the rows the step just allocated; the catch-up of that ste
 from the target's hidden states. Drafts are the MTP layer's argmax (a point mass, as
 engines/speculative/verify.py assumes), copied to the host once per step.
 
-Decode steps run eagerly: the catch-up needs every step's hidden states, which the compiled decode
-buckets do not return.
+A pure-decode step (verification included: engines/decode_rows.py) runs in a compiled or captured
+decode bucket like any other; the bucket returns the target's hidden states with the logits
+(``DecodeGraphs.hidden``), which the catch-up reads. The MTP layer's own forwards (the catch-up and the
+k - 1 drafts) run eagerly: compiling them would take a second set of buckets (another function, over
+the MTP layer's KV layer and head) and double the warm-up's compiles, for one decoder layer's worth of
+work per draft.
 """
 
 from dataclasses import dataclass
@@ -44,7 +48,6 @@ class DraftSeed:
 class MTPModelRunner(ModelRunner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.compile_mode = "off"  # the catch-up needs each step's hidden states (module docstring)
         self.seeds: dict[int, DraftSeed] = {}  # seq_id -> its next drafts' start
         self._hidden: torch.Tensor | None = None  # [T, hidden]: the target's output of the running step
         self.model.register_forward_hook(self._keep_hidden)
@@ -63,6 +66,13 @@ class MTPModelRunner(ModelRunner):
     def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         self._write_drafts([s for s in scheduled if s.draft_token_ids])
         return super()._prepare(scheduled)
+
+    def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        self._hidden = None  # set by the model's hook when the step runs eagerly
+        logits = super().forward(batch)
+        if self._hidden is None and self.decode_graphs is not None:  # it ran in a decode bucket
+            self._hidden = self.decode_graphs.hidden
+        return logits
 
     def _sample(self, batch: StepBatch, logits: torch.Tensor | None) -> list[SampledTokens]:
         sampled = super()._sample(batch, logits)

@@ -1,0 +1,48 @@
+"""The decode part of a step, one row per new token: a plain decode's one token, or a drafted
+sequence's last token followed by its k drafts (speculative decoding's verification).
+
+Every row is a decode query of its own: row j of a sequence whose first new token sits at position p
+has the context length p + j + 1 and the sequence's block table, so it attends to positions [0, p + j]
+— causal within the drafts, as k + 1 ordinary decode steps would be (all the step's keys are written
+before attention runs). So the decode attention kernels (dense, MLA's absorbed path, the DSA indexer's
+per-row ranking) and the padded decode buckets (engines/decode_buckets.py) serve verification
+unchanged: a bucket is keyed by its total rows, whatever mix of drafting and non-drafting sequences
+fills it. The cost is that a drafted sequence's context is read once per row (1 + k times), where a
+kernel taking q_len > 1 queries per sequence would read it once; none of ours does yet.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.scheduler import ScheduledSeq
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """R rows of D decoding sequences, each sequence's rows together and in order."""
+
+    token_ids: list[int]  # [R] a sequence's last token, then its drafts
+    positions: np.ndarray  # [R] int64
+    slot_mapping: np.ndarray  # [R] int64
+    block_tables: np.ndarray  # [R, W] int32: each row its sequence's table
+    seq_lens: np.ndarray  # [R] int32: each row's context length, position + 1
+
+
+def decode_rows(decodes: list[ScheduledSeq], tables: np.ndarray, block_size: int) -> DecodeRows:
+    """``decodes``: D sequences each computing its last token (``num_new_tokens`` = 1 + its drafts);
+    ``tables``: [D, W] int32, their padded block tables."""
+    starts = np.array([s.seq.num_computed_tokens for s in decodes], dtype=np.int64)  # [D]
+    counts = np.array([s.num_new_tokens for s in decodes], dtype=np.int64)  # [D] 1 + k
+    token_ids = [s.seq.token_ids[s.seq.num_computed_tokens] for s in decodes]
+    if counts.sum() == len(decodes):  # no drafts: one row per sequence, no repeats
+        positions, owner, row_tables = starts, np.arange(len(decodes)), tables
+    else:
+        token_ids = [t for s, first in zip(decodes, token_ids) for t in (first, *s.draft_token_ids)]
+        owner = np.repeat(np.arange(len(decodes)), counts)  # [R] each row's sequence
+        first_row = np.repeat(np.cumsum(counts) - counts, counts)  # [R] its sequence's first row
+        positions = starts[owner] + np.arange(len(owner)) - first_row
+        row_tables = tables[owner]
+    blocks = tables[owner, positions // block_size].astype(np.int64)  # [R] the block each row writes
+    return DecodeRows(token_ids, positions, blocks * block_size + positions % block_size, row_tables,
+                      (positions + 1).astype(np.int32))
