@@ -47,7 +47,8 @@ class LLMEngine:
         self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size, self.platform.kind)
         self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching,
-                                          record_events=self.kv_events is not None, external=self.kv_tier)
+                                          record_events=self.kv_events is not None, external=self.kv_tier,
+                                          match_next_token=config.uses_mtp)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.eos_token_ids, self.max_model_len)
         self.speculative = None if config.speculative_config is None else parse_speculative_config(
