@@ -12,11 +12,18 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from engines import LLM
+from engines.capacity import Layout, plan
+from engines.models.loader import load_model
 from tests.engines.quantization.checkpoints import fp8_blocks, write_quantized
+from tests.engines.quantization.test_quantized_parallel import held_bytes
 from tests.engines.speculative.test_mtp_reference import check_draft_logits
 from tests.engines.test_llm_vs_transformers import GREEDY, Reference
+from tests.engines.test_tensor_parallel import LoadOnly
+
+CPU = torch.device("cpu")
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 64}
 PROMPTS = [[1, 17, 42, 99, 7, 250, 17, 42, 99], [1, 5, 300, 12, 8, 8, 31]]
@@ -65,3 +72,22 @@ def test_mtp_over_two_ranks_equals_transformers_and_drafts_as_one_device(tiny_mo
     one_tokens, one_drafts, one_counts = _generate(path)
     assert drafts and drafts == one_drafts and counts == one_counts and tokens == one_tokens
     assert counts[0] > 0
+
+
+@pytest.mark.parametrize(("layout", "scheme"), [(Layout(tp=2, ep=True), "w8a8"), (Layout(tp=2), "none")])
+def test_the_plan_with_mtp_holds_what_every_rank_loads(tiny_models, layout, scheme):
+    """The MTP layer split like the target's layers (w8a8: its projections, eh_proj and its experts
+    quantized, its norms and own head float; its experts whole under EP) and its KV layer."""
+    path = str(tiny_models("deepseek_v3", mtp=True, mtp_own_head=True))
+    held, kv = [], []
+    for rank in range(layout.tp):
+        model, _ = load_model(path, None, CPU, quantization=None if scheme == "none" else scheme,
+                              group=LoadOnly(rank, layout.tp), expert_parallel=layout.ep, mtp=True)
+        held.append(held_bytes(model))
+        kv.append(model.kv_bytes_per_token(torch.bfloat16))
+    planned = plan(path, layout=layout, quantization=scheme, mtp=True, dtype=torch.float32, kv_cache_dtype="bfloat16")
+    assert planned.weight_bytes_per_device == max(held)
+    assert planned.kv_bytes_per_token_per_device == max(kv)
+    without = plan(path, layout=layout, quantization=scheme, dtype=torch.float32, kv_cache_dtype="bfloat16")
+    assert planned.weight_bytes_per_device > without.weight_bytes_per_device
+    assert planned.kv_bytes_per_token_per_device > without.kv_bytes_per_token_per_device

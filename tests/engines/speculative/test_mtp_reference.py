@@ -19,6 +19,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's per-expert ``mlp.experts.<e>.<proj>.weight`` as transformers' stacked
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first) and ``down_proj`` [E, H, I]."""
+    out = {key: value for key, value in tensors.items() if ".experts." not in key}
+    count = len({key.split(".")[2] for key in tensors if key.startswith("mlp.experts.")})
+    if count:
+        out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([tensors[f"mlp.experts.{e}.gate_proj.weight"],
+                                                                  tensors[f"mlp.experts.{e}.up_proj.weight"]])
+                                                       for e in range(count)])
+        out["mlp.experts.down_proj"] = torch.stack([tensors[f"mlp.experts.{e}.down_proj.weight"] for e in range(count)])
+    return out
+
+
 class MTPReference:
     """The checkpoint's MTP layer in plain torch around transformers' decoder layer."""
 
@@ -36,7 +49,7 @@ class MTPReference:
                   for key, value in config.to_dict().items()}
         one = type(config)(**{**values, "num_hidden_layers": 1, "first_k_dense_replace": 0})
         self.block = ARCHS_BY_CONFIG[type(config)](one).eval()
-        state = {f"model.layers.0.{key}": value for key, value in self.mtp.items()
+        state = {f"model.layers.0.{key}": value for key, value in stacked_experts(self.mtp).items()
                  if key.split(".")[0] not in ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")}
         state.update({"model.norm.weight": self.mtp["shared_head.norm.weight"], "lm_head.weight": head,
                       "model.embed_tokens.weight": self.embed})
