@@ -10,6 +10,11 @@ What is arithmetic here rather than the server's code: quantized weight bytes (`
 pipeline stages (contiguous layer ranges, KV per stage in proportion to its layers) and expert
 parallelism (whole experts per rank: E / tp of them). Activations and decode graphs are not counted:
 the server measures free memory after its warm-up step, the plan assumes the card is all weights and KV.
+
+With ``mtp`` (speculative method ``mtp``) the checkpoint's MTP layer is attached as the loader attaches it
+and split with the model, so its weights and its KV layer count per rank. Its shape comes from the
+checkpoint's tensor names when the directory has weights, else from the published layout (DeepSeek-V3,
+GLM-4.5 and GLM-5 ship the layer with its own ``embed_tokens`` and ``shared_head.head``).
 """
 
 import math
@@ -23,9 +28,11 @@ from torch import nn
 from transformers import AutoConfig
 
 from engines.models import MODEL_REGISTRY
-from engines.models.loader import _config_dtype
+from engines.models.loader import _checkpoint_names, _config_dtype
+from engines.models.mtp import attach_mtp
 from engines.models.tensor_parallel import check_model_splits, shard_model
 from kernels.kv_quant import KV_CACHE_DTYPES, storage_dtype
+from kernels.ops import REFERENCE_OPS
 
 QUANTIZATION_SCHEMES = ("none", "fp8", "w8a8", "w4a8", "w4a16")
 SCALE_BYTES = 4  # scales are float32 in device memory (kernels/quantized_weight.py's layout)
@@ -116,12 +123,15 @@ def read_config(path: str) -> tuple[Any, type[nn.Module], str]:
 
 
 def meta_model(config: Any, model_cls: type[nn.Module], dtype: torch.dtype, tp: int,
-               name: str) -> tuple[nn.Module, int, dict[str, torch.Size]]:
+               name: str, mtp_path: str | None = None) -> tuple[nn.Module, int, dict[str, torch.Size]]:
     """(the model in ``dtype`` on the meta device as rank 0 of ``tp`` holds it, with its float32 parameters
     kept so: exactly what the loader allocates before reading weights; the whole model's parameter
-    count; the whole routed experts' shapes by name). Built once: the init on meta takes seconds."""
+    count; the whole routed experts' shapes by name). Built once: the init on meta takes seconds.
+    ``mtp_path``: the checkpoint whose MTP layer is attached (``mtp_checkpoint_names``)."""
     with torch.device("meta"):
         model = model_cls(config)
+        if mtp_path is not None:
+            attach_mtp(model, config, REFERENCE_OPS, mtp_checkpoint_names(mtp_path, config, model), name)
         parameters = sum(p.numel() for p in model.parameters())
         experts = {key: p.shape for key, p in model.named_parameters() if ".mlp.experts." in key}
         if tp > 1:
@@ -137,7 +147,20 @@ def _is_quantized(name: str, param: nn.Parameter, model_cls: type[nn.Module]) ->
     load) stay in the unquantized dtype, as the loader keeps them (engines/quantization/install.py)."""
     if param.dim() < 2 or name.endswith((*model_cls.FLOAT32_PARAMETERS, *model_cls.FLOAT_WEIGHTS, "mlp.gate.weight")):
         return False
-    return "embed_tokens" not in name and not name.startswith("lm_head")
+    return "embed_tokens" not in name and not name.startswith(("lm_head", "mtp.shared_head.head"))
+
+
+def mtp_checkpoint_names(path: str, config: Any, model: nn.Module) -> set[str]:
+    """The MTP layer's tensor names: the checkpoint's when ``path`` has weights, else the published layout's
+    (its own embedding and head; a DSA indexer when the model has one). ``model``: built without it."""
+    try:
+        return _checkpoint_names(path)
+    except ValueError:  # a config-only directory
+        prefix = f"model.layers.{config.num_hidden_layers}."
+        parts = ["eh_proj.weight", "embed_tokens.weight", "shared_head.head.weight"]
+        if getattr(model.model, "has_indexer", False):
+            parts.append("self_attn.indexer.wk.weight")
+        return {prefix + part for part in parts}
 
 
 def _stage_of(name: str, num_layers: int, pp: int) -> int:
@@ -190,9 +213,11 @@ def layout_problems(config: Any, model_cls: type[nn.Module], path: str, name: st
 
 def plan(path: str, *, devices: int | None = None, device_memory_gib: float = 64.0, layout: Layout = Layout(),
          quantization: str = "none", kv_cache_dtype: str = "auto", max_model_len: int | None = None,
-         dtype: torch.dtype | None = None, block_size: int = 128, kv_cache_memory_fraction: float = 0.7) -> Plan:
+         dtype: torch.dtype | None = None, block_size: int = 128, kv_cache_memory_fraction: float = 0.7,
+         mtp: bool = False) -> Plan:
     """Plan ``path`` (a directory with config.json; weights are not read) on ``devices`` cards of
-    ``device_memory_gib`` GiB each (default: one replica's tp * pp)."""
+    ``device_memory_gib`` GiB each (default: one replica's tp * pp). ``mtp``: with the checkpoint's MTP
+    layer loaded (speculative method ``mtp``)."""
     if quantization not in QUANTIZATION_SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {quantization!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -207,8 +232,11 @@ def plan(path: str, *, devices: int | None = None, device_memory_gib: float = 64
     if max_model_len > config.max_position_embeddings:
         problems.append(f"max_model_len {max_model_len} is more than max_position_embeddings "
                         f"{config.max_position_embeddings}")
+    if mtp and layout.pp > 1:
+        problems.append("speculative method 'mtp' is not implemented with pipeline parallel")
     # a layout that does not split the model is counted whole (a shard would fail or be wrong)
-    model, parameters, experts = meta_model(config, model_cls, dtype, 1 if problems else layout.tp, name)
+    model, parameters, experts = meta_model(config, model_cls, dtype, 1 if problems else layout.tp, name,
+                                            path if mtp else None)
     result = Plan(name, parameters, 0, 0, 0, False, None, layout,
                   max(1, devices // layout.devices), int(device_memory_gib * GIB), max_model_len, quantization,
                   kv_cache_dtype)

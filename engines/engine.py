@@ -50,7 +50,8 @@ class LLMEngine:
         self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size, self.platform.kind)
         self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching,
-                                          record_events=self.kv_events is not None, external=self.kv_tier)
+                                          record_events=self.kv_events is not None, external=self.kv_tier,
+                                          match_next_token=config.uses_mtp)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.eos_token_ids, self.max_model_len)
         self.speculative = None if config.speculative_config is None else parse_speculative_config(
@@ -168,10 +169,15 @@ class LLMEngine:
         self.requests[request_id] = seqs
         self.prompt_tokens_total += len(prompt_token_ids)
 
-    def abort_request(self, request_id: str, index: int | None = None) -> None:
-        """Stop a request (or one choice of it) now and free its KV blocks. Unknown ids are ignored."""
+    def abort_request(self, request_id: str, index: int | None = None, emitted: int | None = None) -> None:
+        """Stop a request (or one choice of it) now and free its KV blocks. Unknown ids are ignored.
+        ``emitted`` (with ``index``): the choice's output tokens its client got (a stop string ended it);
+        the ones generated past them (a speculative step's later drafts, steps run before this abort
+        arrived) leave ``generation_tokens_total``, which counts only what is emitted."""
         for seq in self.requests.get(request_id, []):
             if not seq.is_finished and (index is None or seq.index == index):
+                if emitted is not None and index is not None:
+                    self.generation_tokens_total -= max(0, seq.num_output_tokens - emitted)
                 self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:

@@ -8,6 +8,11 @@ reusable until they are handed out again, least recently freed first (LRU evicti
 Two optional observers of the cache: ``record_events`` keeps vLLM-style KV events (engines/kv_events.py)
 for the engine to publish each step, and ``external`` is a second, larger tier (engines/kv_connector/)
 that takes the blocks this pool evicts and is looked up for the blocks past the pool's own hits.
+
+``match_next_token`` (speculative method ``mtp``): a hit also needs the token after the block to be the
+one its writer had, since the MTP layer's KV at a block's last position is computed from that token
+(engines/models/mtp.py); another next token recomputes the block, never reads another sequence's draft
+state. The external tier is not consulted then (its blocks do not keep their next token).
 """
 
 from collections import OrderedDict
@@ -24,13 +29,14 @@ ROOT_HASH = 0
 
 
 class Block:
-    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
+    __slots__ = ("block_id", "hash", "next_token", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = NO_HASH
         self.token_ids: tuple[int, ...] = ()
+        self.next_token: int | None = None  # the token after the block when it was cached (match_next_token)
 
 
 def chain_hash(prev_hash: int | None, token_ids: Seq[int]) -> int:
@@ -40,12 +46,13 @@ def chain_hash(prev_hash: int | None, token_ids: Seq[int]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 record_events: bool = False, external: Any = None) -> None:
+                 record_events: bool = False, external: Any = None, match_next_token: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks}x{block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.match_next_token = match_next_token
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order: the front is evicted first. Values unused (ordered set).
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -55,7 +62,7 @@ class BlockManager:
         # KV events of the current step (None: not recorded); the engine takes them after each step.
         self.events: list[KVCacheEvent] | None = [] if record_events else None
         # The external tier: ``contains(block_hash, token_ids) -> bool`` (engines/kv_connector/).
-        self.external = external if enable_prefix_caching else None
+        self.external = external if enable_prefix_caching and not match_next_token else None
         # Of the current step, for the external tier: (hash, block id, tokens) of each cached block
         # evicted here (copy it out before the step overwrites it), and (hash, block id) of each block
         # to fill from the tier (before the step reads it).
@@ -85,7 +92,8 @@ class BlockManager:
         if parent is not None and not parent.is_finished:
             # Only blocks made wholly of prompt tokens are the same in every choice; past them the
             # parent's blocks hold the parent's own outputs (a preempted child resumes with its own).
-            prompt_blocks = seq.num_prompt_tokens // self.block_size
+            # (with match_next_token, a block whose next token is the parent's first output is not shared)
+            prompt_blocks = (seq.num_prompt_tokens - self.match_next_token) // self.block_size
             shared = min(max_blocks, prompt_blocks, parent.num_computed_tokens // self.block_size,
                          len(parent.block_table))
             return parent.block_table[:shared]
@@ -98,6 +106,8 @@ class BlockManager:
             prev_hash = chain_hash(prev_hash, tokens)
             block_id = self.hash_to_block.get(prev_hash)
             if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                break
+            if self.match_next_token and self.blocks[block_id].next_token != seq.token_ids[(i + 1) * self.block_size]:
                 break
             hits.append(block_id)
         return hits
@@ -214,6 +224,8 @@ class BlockManager:
             parent_hash = prev_hash
             block.hash = chain_hash(prev_hash, tokens)
             block.token_ids = tuple(tokens)
+            end = (i + 1) * self.block_size
+            block.next_token = seq.token_ids[end] if end < seq.num_tokens else None
             prev_hash = block.hash
             if self.hash_to_block.setdefault(block.hash, block.block_id) != block.block_id or self.events is None:
                 stored = None  # already cached in another block: not stored again

@@ -82,7 +82,7 @@ class LLM:
                 if out.logprobs is not None:
                     choice.logprobs.extend(out.logprobs[:kept])
                 if stopped and not out.finished:
-                    self.engine.abort_request(out.request_id, out.index)
+                    self.engine.abort_request(out.request_id, out.index, len(choice.token_ids))
                 if stopped or out.finished:
                     choice.finish_reason = "stop" if stopped else out.finish_reason
                     detok.flush()  # e.g. the bytes of a character the output ended in the middle of

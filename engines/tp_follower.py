@@ -23,6 +23,8 @@ from engines.distributed import GroupFailure, ParallelGroup, open_store
 from engines.pipeline_parallel import stage_collectives
 from engines.platforms import get_platform
 from engines.runner import ModelRunner, StepBatch
+from engines.speculative.mtp_messages import KINDS as MTP_KINDS
+from engines.speculative.mtp_runner import MTPModelRunner
 from engines.step_message import ALLOCATE, PROFILE, STEP, STOP, decode_header, decode_step
 from engines.tp_runner import parallel_config
 
@@ -42,7 +44,8 @@ def run_rank(config: EngineConfig, rank: int, master_port: int, threads: int | N
     try:
         block_size = config.block_size or platform.default_block_size
         layers_group, stage = stage_collectives(group, config.tensor_parallel_size, config.pipeline_parallel_size)
-        runner = ModelRunner(config, platform, block_size, [], group=layers_group, pipeline=stage)
+        runner_cls = MTPModelRunner if config.uses_mtp else ModelRunner
+        runner = runner_cls(config, platform, block_size, [], group=layers_group, pipeline=stage)
         logger.info("rank %d of %d ready on %s", rank, parallel.world_size, platform.device)
         follow(runner, group)
     finally:
@@ -69,6 +72,8 @@ def follow(runner: ModelRunner, group: ParallelGroup) -> None:
             group.min_over_ranks(runner.blocks_that_fit(value / 1e9))
         elif kind == STOP:
             return
+        elif kind in MTP_KINDS and isinstance(runner, MTPModelRunner):
+            runner.follow(message)
         else:
             raise GroupFailure(f"rank {group.rank}: unknown message kind {kind}")
 

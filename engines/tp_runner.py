@@ -97,8 +97,8 @@ def make_runner(config: EngineConfig, platform: Platform, block_size: int, eos_t
             torch.set_num_threads(threads)
         group = ParallelGroup(0, parallel.world_size, platform.dist_backend, platform.device, store,
                               parallel.rendezvous_timeout_s, parallel.step_timeout_s)
-        return TensorParallelRunner(config, platform, block_size, eos_token_ids, group, parallel, followers,
-                                    previous_threads)
+        runner = TensorParallelMTPRunner if config.uses_mtp else TensorParallelRunner
+        return runner(config, platform, block_size, eos_token_ids, group, parallel, followers, previous_threads)
     except BaseException:
         _stop(followers, 0)
         if group is not None:
@@ -162,6 +162,13 @@ class TensorParallelRunner(ModelRunner):
     def close(self) -> None:
         """Stop the other ranks (a STOP message, then a kill after a grace) and leave the group."""
         self._release()
+
+
+class TensorParallelMTPRunner(TensorParallelRunner, MTPModelRunner):
+    """Rank 0 with speculative method ``mtp``: its MTP work is shared before it runs (engines/speculative/)."""
+
+    def share(self, message: torch.Tensor) -> None:
+        self._send(message)
 
 
 def prompt_logit_rows(batch: StepBatch) -> list[tuple[int, int]]:

@@ -67,13 +67,14 @@ class Fanout:
             self.load -= stream.unfinished
             self._post(Abort([(stream.handle, None)]))
 
-    def abort_choice(self, request_id: str, index: int) -> None:
-        """Stop one choice of an n > 1 request (its stop string matched) and free its blocks."""
+    def abort_choice(self, request_id: str, index: int, emitted: int | None = None) -> None:
+        """Stop one choice of a request (its stop string matched, after ``emitted`` output tokens) and free
+        its blocks; the request goes on while other choices do."""
         stream = self._streams.get(request_id)
         if stream is None or index in stream.done:
             return
         self._finish_choice(stream, index)
-        self._post(Abort([(stream.handle, index)]))
+        self._post(Abort([(stream.handle, index)], [emitted]))
 
     def fail(self, request_id: str, error: RequestError) -> None:
         """End a request with ``error``: its last item."""

@@ -203,9 +203,10 @@ class Generation:
             delta.logprobs.extend(item.logprobs[:kept])
         if stopped:
             choice.finish_reason = "stop"
-            if not item.finished and not self.done:
-                # Other choices go on: free just this one's KV blocks now.
-                self.worker.abort_choice(self.request_id, item.index)
+            if not item.finished:
+                # Free this choice's KV blocks now (others may go on), saying how many of its tokens were
+                # emitted: the engine's generation_tokens_total drops the ones past the stop string.
+                self.worker.abort_choice(self.request_id, item.index, len(choice.token_ids))
         elif item.finished:
             if item.finish_reason not in ("stop", "length"):
                 self.abort()

@@ -45,9 +45,11 @@ class Add(msgspec.Struct, array_like=True, tag="add"):
 
 
 class Abort(msgspec.Struct, array_like=True, tag="abort"):
-    """Stop requests: (request_id, choice index, or None for every choice)."""
+    """Stop requests: (request_id, choice index, or None for every choice); ``emitted``, when given, one
+    per target: the choice's output tokens its client got (a stop string ended it), or None."""
 
     targets: list[tuple[str, int | None]]
+    emitted: list[int | None] = []
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):

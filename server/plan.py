@@ -31,6 +31,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=128, help="tokens per KV block (128: Ascend's)")
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.7,
                    help="share of the memory left after the weights given to KV blocks (the accelerators' default)")
+    p.add_argument("--mtp", action="store_true",
+                   help="count the checkpoint's MTP layer too (speculative method mtp: its weights and KV layer)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
                       layout=Layout(tp, pp, args.enable_expert_parallel), quantization=args.quantization,
                       kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                       dtype=parse_dtype(args.dtype), block_size=args.block_size,
-                      kv_cache_memory_fraction=args.kv_cache_memory_fraction)
+                      kv_cache_memory_fraction=args.kv_cache_memory_fraction, mtp=args.mtp)
     except (OSError, ValueError) as exc:
         print(f"xinserve plan: {exc}", file=sys.stderr)
         return 2

@@ -97,8 +97,9 @@ class WorkerLoop:
         if isinstance(message, Add):
             self._add(message)
         elif isinstance(message, messages.Abort):
-            for request_id, index in message.targets:
-                self.engine.abort_request(request_id, index)  # unknown or finished ids are ignored
+            emitted = message.emitted or [None] * len(message.targets)
+            for (request_id, index), count in zip(message.targets, emitted):
+                self.engine.abort_request(request_id, index, count)  # unknown or finished ids are ignored
                 if request_id not in self.engine.requests:
                     self.arrived.pop(request_id, None)
         else:

@@ -168,9 +168,9 @@ class WorkerClient:
         """Stop a request and free its KV blocks; unknown or finished ids are ignored."""
         self.requests.abort(request_id)
 
-    def abort_choice(self, request_id: str, index: int) -> None:
-        """Stop one choice of an n > 1 request (its stop string matched) and free its blocks."""
-        self.requests.abort_choice(request_id, index)
+    def abort_choice(self, request_id: str, index: int, emitted: int | None = None) -> None:
+        """Stop one choice (its stop string matched after ``emitted`` output tokens) and free its blocks."""
+        self.requests.abort_choice(request_id, index, emitted)
 
     def _post(self, message: ToWorker) -> bool:
         return self._post_frame(messages.encode(message))

@@ -77,23 +77,33 @@ def load_model(
     shapes = model_cls.kernel_shapes(config)
     name = f"{architecture} at {path!r}"
     reader = checkpoint_reader(path, config, quantization, model_cls.FLOAT_WEIGHTS)
-    if mtp and (reader is not None or group is not None or pipeline is not None):
-        raise ValueError(f"{name}: speculative method 'mtp' is not implemented with quantized weights, tensor, "
-                         "expert or pipeline parallel yet; use method 'ngram' there")
+    if mtp and pipeline is not None:
+        raise ValueError(f"{name}: speculative method 'mtp' is not implemented with pipeline parallel: the MTP "
+                         "layer needs the last stage's final hidden state and stage 0's embedding and LM head for "
+                         "every draft (a stage-to-stage round trip per draft); use tensor / expert parallel, or "
+                         "method 'ngram'")
+    # The MTP layer's checkpoint names read as ``mtp.*`` from the start, so that the split, the quantized
+    # records' cuts and the loading treat it as one more layer of the model (engines/models/mtp.py).
+    mtp_names = _checkpoint_names(path) if mtp else None
+    rename = partial(mtp_parameter_name, num_layers=config.num_hidden_layers) if mtp else None
     if group is not None:
         check_tensor_parallel(config, group.world_size, name)
         shapes = local_shapes(shapes, group.world_size)
         if expert_parallel:  # whole experts: the routed ones keep their full intermediate size
             shapes = replace(shapes, moe_intermediate_size=model_cls.kernel_shapes(config).moe_intermediate_size)
-    build = partial(_build_on_meta, model_cls, config, name, group, expert_parallel, pipeline)
+    build = partial(_build_on_meta, model_cls, config, name, group, expert_parallel, pipeline, mtp_names)
     weights, records = None, []
     if reader is not None:
         # The kernels are chosen for the quantized shapes, which only the records say: the checkpoint
         # is read through its reader first, each record cut to this rank's part as it arrives (by the
         # model split on the meta device with the reference kernels), then the model built.
         layout = None if group is None and pipeline is None else build(REFERENCE_OPS, None)
-        stream = _iter_safetensors(path, keep=None if layout is None else partial(keeps, layout))
-        weights, records = read_rank_part(layout, model_cls, reader[1](stream), name)
+        keep = None if layout is None else partial(_keeps_renamed, layout, rename)
+        # The reader sees the checkpoint's names (a format's description lists them); its records are renamed.
+        entries = reader[1](_iter_safetensors(path, keep=keep))
+        if rename is not None:
+            entries = ((rename(key) or key, value) for key, value in entries)
+        weights, records = read_rank_part(layout, model_cls, entries, name)
         local_experts = shapes.num_experts // (group.world_size if group is not None and expert_parallel else 1)
         shapes = replace(shapes, quant_shapes=quant_shapes(records, local_experts))
     ops = REFERENCE_OPS if choose_ops is None else choose_ops(shapes, dtype)
@@ -103,16 +113,11 @@ def load_model(
     model = build(ops, exchange)
     with torch.device("meta"):
         swap_quantized_modules(model, (key for key, _ in records), ops)
-        if mtp:
-            attach_mtp(model, config, ops, _checkpoint_names(path), name)
     model = model.to(dtype=dtype)
     model.keep_float32_parameters()
     model = model.to_empty(device=torch.device(device))
     read = None if group is None and pipeline is None else partial(read_shard, model)
-    weights = weights if weights is not None else _iter_safetensors(path, read)
-    if mtp:  # the MTP layer's checkpoint names -> model.mtp's
-        index = config.num_hidden_layers
-        weights = ((mtp_parameter_name(key, index) or key, value) for key, value in weights)
+    weights = weights if weights is not None else _iter_safetensors(path, read, rename=rename)
     model.load_weights(weights)
     load_quantized(model, records, torch.device(device), dtype)
     model.reset_buffers()
@@ -121,10 +126,14 @@ def load_model(
 
 
 def _build_on_meta(model_cls: type, config: PretrainedConfig, name: str, group: Collectives | None,
-                   expert_parallel: bool, pipeline: Any | None, ops: KernelOps, exchange: Any) -> nn.Module:
-    """The model on the meta device, split for this rank: no random init, no memory."""
+                   expert_parallel: bool, pipeline: Any | None, mtp_names: set[str] | None, ops: KernelOps,
+                   exchange: Any) -> nn.Module:
+    """The model on the meta device, split for this rank: no random init, no memory. ``mtp_names``: the
+    checkpoint's tensor names when its MTP layer is attached (before the split, which splits it too)."""
     with torch.device("meta"):
         model = model_cls(config, ops)
+        if mtp_names is not None:
+            attach_mtp(model, config, ops, mtp_names, name)
         if group is not None:
             shard_model(model, group, name, expert_parallel)
         if group is not None and expert_parallel:
@@ -132,6 +141,10 @@ def _build_on_meta(model_cls: type, config: PretrainedConfig, name: str, group: 
         if pipeline is not None:
             pipeline.install(model, name)
     return model
+
+
+def _keeps_renamed(layout: nn.Module, rename: Callable[[str], str | None] | None, name: str) -> bool:
+    return keeps(layout, name if rename is None else rename(name) or name)
 
 
 def _config_dtype(config: PretrainedConfig) -> torch.dtype:
@@ -173,16 +186,20 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def _iter_safetensors(
-    path: str, read: Callable[[str, Any], torch.Tensor] | None = None, keep: Callable[[str], bool] | None = None
+    path: str, read: Callable[[str, Any], torch.Tensor] | None = None, keep: Callable[[str], bool] | None = None,
+    rename: Callable[[str], str | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) over every shard, on the host; the index file names the shards when present.
     ``read(name, slice)`` reads only a part of a tensor (a tensor-parallel rank's shard); ``keep(name)``
-    False: the tensor is not read at all (another stage's or expert-parallel rank's)."""
+    False: the tensor is not read at all (another stage's or expert-parallel rank's). ``rename(name)``:
+    the name ``read``, ``keep`` and the caller see instead (None: the name unchanged)."""
     files = _safetensors_files(path)
     # Progress on stderr, one tick per shard: a 9B checkpoint takes a while to read.
     for file in tqdm(files, desc=f"loading {os.path.basename(os.path.normpath(path))}", unit="shard",
                      disable=len(files) < 2):
         with safe_open(file, framework="pt", device="cpu") as f:
             names = f.keys()  # the handle itself is not iterable
-            for name in (n for n in names if keep is None or keep(n)):
-                yield name, f.get_tensor(name) if read is None else read(name, f.get_slice(name))
+            for stored in names:
+                name = stored if rename is None else rename(stored) or stored
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(stored) if read is None else read(name, f.get_slice(stored))

@@ -15,6 +15,7 @@ sizing count it through ``kv_bytes_per_token``. ``embed_tokens`` and ``shared_he
 layer's own when the checkpoint has them, else the target's.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,8 @@ class MultiTokenPredictor(nn.Module):
         self.shared_head.head = nn.Linear(hidden, config.vocab_size, bias=False) if own_head else None
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if own_embed else None
         self.block = block
+        # Tensor parallel: [N, V / tp] -> [N, V] on every rank (engines/models/tensor_parallel.py)
+        self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
                 caches: tuple, step_inputs: tuple, target_embed: nn.Embedding) -> torch.Tensor:
@@ -57,7 +60,8 @@ class MultiTokenPredictor(nn.Module):
         """hidden: [N, hidden] (``forward``'s) -> [N, vocab] float32; ``target_head``: the target's
         output matrix, used when the checkpoint has no ``shared_head.head``."""
         head = target_head if self.shared_head.head is None else self.shared_head.head.weight
-        return nn.functional.linear(self.shared_head.norm(hidden), head).float()
+        logits = nn.functional.linear(self.shared_head.norm(hidden), head).float()
+        return logits if self.logits_gather is None else self.logits_gather(logits)
 
 
 def mtp_parameter_name(name: str, num_layers: int) -> str | None:

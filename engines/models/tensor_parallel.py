@@ -212,7 +212,8 @@ def shard_model(model: nn.Module, group: Collectives, name: str, expert_parallel
     ``expert_parallel``: routed experts are left whole (engines/models/expert_parallel.py places them)."""
     config, tp, rank = model.config, group.world_size, group.rank  # load_model checked the split
     split = HeadSplit.of(config.num_attention_heads, config.num_key_value_heads, rank, tp)
-    for layer in model.model.layers:
+    mtp = getattr(model, "mtp", None)  # the checkpoint's MTP layer: its decoder layer split as the others
+    for layer in [*model.model.layers, *([mtp.block] if mtp is not None else [])]:
         if isinstance(layer.self_attn, Attention):
             _shard_attention(layer.self_attn, split, group)
         else:  # multi-head latent attention: its heads split, its latent (model.num_kv_heads = 1) replicated
@@ -232,6 +233,24 @@ def shard_model(model: nn.Module, group: Collectives, name: str, expert_parallel
     if model.lm_head is not None:
         model.lm_head = VocabParallelLMHead(hidden, vocab, rank * rows, rows)
     model.logits_gather = partial(group.gather_logits, vocab_size=vocab)
+    if mtp is not None:
+        _shard_mtp_vocab(mtp, vocab, hidden, rank * rows, rows, group)
+
+
+def _shard_mtp_vocab(mtp: nn.Module, vocab: int, hidden: int, start: int, rows: int, group: Collectives) -> None:
+    """The MTP layer's own embedding and head (when the checkpoint has them) vocabulary-parallel like the
+    target's; ``eh_proj`` and the norms stay whole. Its draft logits are gathered on *every* rank, so each
+    rank takes the same argmax and feeds the same draft to the next MTP step (ranks verify the same drafts)."""
+    if mtp.embed_tokens is not None:
+        mtp.embed_tokens = VocabParallelEmbedding(vocab, hidden, start, rows, group)
+    if mtp.shared_head.head is not None:
+        mtp.shared_head.head = VocabParallelLMHead(hidden, vocab, start, rows)
+    mtp.logits_gather = partial(_all_gathered_logits, group, vocab)
+
+
+def _all_gathered_logits(group: Any, vocab_size: int, logits: torch.Tensor) -> torch.Tensor:
+    """Each rank's [N, V / tp] slice -> [N, vocab_size] on every rank (the last slice's padding dropped)."""
+    return torch.cat(group.all_gather(logits), dim=-1)[:, :vocab_size]
 
 
 def _shard_attention(attn: Attention, split: HeadSplit, group: Collectives) -> None:

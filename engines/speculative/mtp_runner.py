@@ -22,6 +22,11 @@ decode bucket like any other; the bucket returns the target's hidden states with
 k - 1 drafts) run eagerly: compiling them would take a second set of buckets (another function, over
 the MTP layer's KV layer and head) and double the warm-up's compiles, for one decoder layer's worth of
 work per draft.
+
+Under tensor / expert parallel every rank runs the same MTP forwards (each holds collectives) from what
+rank 0 shares before each one (``share``: engines/speculative/mtp_messages.py): the chain's sequences and
+block tables, then the catch-up's next tokens and seeded rows. The draft logits are gathered on every
+rank (engines/models/tensor_parallel.py), so every rank drafts, and verifies, the same tokens.
 """
 
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ from engines.models.mtp import mtp_layer_caches
 from engines.runner import ModelRunner, StepBatch
 from engines.scheduler import SampledTokens, ScheduledSeq
 from engines.sequence import Sequence
+from engines.speculative.mtp_messages import CatchUp, Chain, decode, encode_catch_up, encode_chain
 from kernels.attention_metadata import AttentionMetadata, build_decode_gather
 
 
@@ -49,29 +55,44 @@ class MTPModelRunner(ModelRunner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.seeds: dict[int, DraftSeed] = {}  # seq_id -> its next drafts' start
-        self._hidden: torch.Tensor | None = None  # [T, hidden]: the target's output of the running step
+        self.released: list[int] = []  # seq ids let go of since the last catch-up (the other ranks' seeds)
+        # the target's latest forward: (positions [T], its attention metadata, its output [T, hidden])
+        self._step: tuple[torch.Tensor, AttentionMetadata, torch.Tensor] | None = None
         self.model.register_forward_hook(self._keep_hidden)
 
     def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        self._hidden = output
+        self._step = (args[1], args[3], output)  # forward(input_ids, positions, kv_cache, metadata)
+
+    def share(self, message: torch.Tensor) -> None:
+        """Hand an MTP message to the group's other ranks (engines/tp_runner.py); one device has none."""
+
+    def follow(self, message: torch.Tensor) -> None:
+        """A rank > 0: run what rank 0's MTP message says, as rank 0 runs it."""
+        work = decode(message)
+        if isinstance(work, Chain):
+            self._run_chain(work)
+        else:
+            self._run_catch_up(work)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         super().allocate_kv_cache(num_blocks)
         self.seeds.clear()  # a new pool (after the warm-up step) holds none of the seeds' KV
+        self.released.clear()
 
     def release(self, seq: Sequence) -> None:
         super().release(seq)
-        self.seeds.pop(seq.seq_id, None)
+        if self.seeds.pop(seq.seq_id, None) is not None:
+            self.released.append(seq.seq_id)
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         self._write_drafts([s for s in scheduled if s.draft_token_ids])
         return super()._prepare(scheduled)
 
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
-        self._hidden = None  # set by the model's hook when the step runs eagerly
+        self._step = None  # set by the model's hook when the step runs eagerly
         logits = super().forward(batch)
-        if self._hidden is None and self.decode_graphs is not None:  # it ran in a decode bucket
-            self._hidden = self.decode_graphs.hidden
+        if self._step is None and self.decode_graphs is not None and self.decode_graphs.hidden is not None:
+            self._step = (batch.positions, batch.metadata, self.decode_graphs.hidden)  # it ran in a decode bucket
         return logits
 
     def _sample(self, batch: StepBatch, logits: torch.Tensor | None) -> list[SampledTokens]:
@@ -95,12 +116,11 @@ class MTPModelRunner(ModelRunner):
 
     def _catch_up(self, batch: StepBatch, sampled: list[SampledTokens]) -> None:
         """Run the MTP layer over the step's rows (module docstring); seed each sampled sequence's drafts."""
-        hidden = self._hidden
-        if hidden is None or not batch.seqs:
+        if self._step is None or not batch.seqs:
             return
         new_tokens = {id(t.seq): t.token_ids for t in sampled}
         num_drafts = {id(seq): len(d) for seq, d in zip(batch.sampled, batch.drafts)}
-        next_ids = np.zeros(hidden.shape[0], dtype=np.int64)  # [T]: the token after each row's
+        next_ids = np.zeros(len(batch.positions), dtype=np.int64)  # [T]: the token after each row's
         last_rows, seeded = [], []
         for seq, start, first_row, count in batch.spans():
             following = (seq.token_ids[start + 1 : start + 1 + count] + new_tokens.get(id(seq), []))[:count]
@@ -108,58 +128,87 @@ class MTPModelRunner(ModelRunner):
             if id(seq) in new_tokens:  # its last verified row: the accepted drafts' and the row before them
                 last_rows.append(first_row + count - 1 - num_drafts.get(id(seq), 0) + len(new_tokens[id(seq)]) - 1)
                 seeded.append(seq)
-        mtp_hidden = self._mtp(self._to_device(next_ids), batch.positions, hidden, batch.metadata)  # [T, hidden]
-        self._hidden = None
-        if not seeded:
+        work = CatchUp(next_ids, np.array(last_rows, dtype=np.int64),
+                       np.array([seq.seq_id for seq in seeded], dtype=np.int64), np.array(self.released, dtype=np.int64))
+        self.share(encode_catch_up(work))
+        self.released.clear()
+        self._run_catch_up(work)
+        for seq in seeded:
+            self.seeds[seq.seq_id].num_tokens = seq.num_tokens + len(new_tokens[id(seq)])
+
+    def _run_catch_up(self, work: CatchUp) -> None:
+        """The MTP layer over the latest target forward's rows; a seed for each of ``work.seq_ids``."""
+        for seq_id in work.released.tolist():
+            self.seeds.pop(seq_id, None)
+        if self._step is None:
             return
-        rows = mtp_hidden.index_select(0, self._to_device(np.array(last_rows, dtype=np.int64)))  # [S, hidden]
-        for seq, token, row in zip(seeded, self._draft_tokens(rows).tolist(), rows):
-            self.seeds[seq.seq_id] = DraftSeed(seq.num_tokens + len(new_tokens[id(seq)]), token, row)
+        positions, metadata, hidden = self._step
+        self._step = None
+        mtp_hidden = self._mtp(self._to_device(work.next_ids), positions, hidden, metadata)  # [T, hidden]
+        if not len(work.seq_ids):
+            return
+        rows = mtp_hidden.index_select(0, self._to_device(work.last_rows))  # [S, hidden]
+        for seq_id, token, row in zip(work.seq_ids.tolist(), self._draft_tokens(rows).tolist(), rows):
+            self.seeds[seq_id] = DraftSeed(0, token, row)
 
     def _write_drafts(self, drafted: list[ScheduledSeq]) -> None:
         """Overwrite each drafted sequence's reserved draft rows with the MTP layer's drafts."""
-        chains: list[tuple[ScheduledSeq, DraftSeed]] = []
+        chained: list[ScheduledSeq] = []
         for s in drafted:
             seed = self.seeds.get(s.seq.seq_id)
             if seed is None or seed.num_tokens != s.seq.num_tokens:  # no seed: drafts that verification rejects
                 s.draft_token_ids[:] = [s.seq.token_ids[-1]] * len(s.draft_token_ids)
             else:
-                chains.append((s, seed))
-        if not chains:
+                chained.append(s)
+        if not chained:
             return
-        lengths = np.array([len(s.draft_token_ids) for s, _ in chains])  # [S] k of each
-        tokens = torch.tensor([seed.first_draft for _, seed in chains], device=self.device)  # [S]
-        hidden = torch.stack([seed.hidden for _, seed in chains])  # [S, hidden]
-        steps = [(np.arange(len(chains)), tokens)]
-        for j in range(1, int(lengths.max())):
+        seqs = [s.seq for s in chained]
+        width = max(len(seq.block_table) for seq in seqs)
+        work = Chain(np.array([seq.seq_id for seq in seqs], dtype=np.int64),
+                     np.array([len(s.draft_token_ids) for s in chained], dtype=np.int64),
+                     np.array([seq.num_tokens for seq in seqs], dtype=np.int64),
+                     np.array([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs], dtype=np.int32))
+        self.share(encode_chain(work))
+        for s, drafts in zip(chained, self._run_chain(work)):
+            s.draft_token_ids[:] = drafts
+
+    def _run_chain(self, work: Chain) -> list[list[int]]:
+        """Drafts 1..k of each chained sequence: its seed's, then one MTP decode step per further draft over
+        the sequences still drafting, each fed its own hidden state (module docstring)."""
+        seeds = [self.seeds[seq_id] for seq_id in work.seq_ids.tolist()]
+        tokens = torch.tensor([seed.first_draft for seed in seeds], device=self.device)  # [C]
+        hidden = torch.stack([seed.hidden for seed in seeds])  # [C, hidden]
+        steps = [(np.arange(len(seeds)), tokens)]
+        for j in range(1, int(work.lengths.max())):
             active = steps[-1][0]
-            keep = np.flatnonzero(lengths[active] > j)  # the sequences that still draft, among the active
+            keep = np.flatnonzero(work.lengths[active] > j)  # the sequences that still draft, among the active
             index = self._to_device(keep)
             hidden = hidden.index_select(0, index)
-            seqs = [chains[i][0].seq for i in active[keep]]
-            positions = np.array([seq.num_tokens - 2 + j for seq in seqs], dtype=np.int64)
+            chained = active[keep]
+            positions = work.num_tokens[chained] - 2 + j
             hidden = self._mtp(tokens.index_select(0, index), self._to_device(positions), hidden,
-                               self._decode_metadata(seqs, positions))
+                               self._decode_metadata(work.block_tables[chained], positions))
             tokens = self._draft_tokens(hidden)
-            steps.append((active[keep], tokens))
-        drafts = torch.cat([t for _, t in steps]).tolist()  # the drafts' one device -> host copy
+            steps.append((chained, tokens))
+        flat = torch.cat([t for _, t in steps]).tolist()  # the drafts' one device -> host copy
+        drafts: list[list[int]] = [[] for _ in seeds]
         first = 0
-        for j, (active, _) in enumerate(steps):  # step j made draft j of its active sequences
-            for i, token in zip(active, drafts[first : first + len(active)]):
-                chains[i][0].draft_token_ids[j] = token
+        for active, _ in steps:  # step j made draft j of its active sequences
+            for i, token in zip(active, flat[first : first + len(active)]):
+                drafts[i].append(token)
             first += len(active)
+        return drafts
 
-    def _decode_metadata(self, seqs: list[Sequence], positions: np.ndarray) -> AttentionMetadata:
-        """One decode row per sequence at ``positions`` ([S]), in slots its block table already holds."""
+    def _decode_metadata(self, block_tables: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
+        """One decode row per sequence at ``positions`` ([S]), in slots its block table ([S, W]) holds."""
         bs = self.block_size
-        slots = np.array([seq.block_table[p // bs] for seq, p in zip(seqs, positions)], dtype=np.int64) * bs
-        width = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.array([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs],
-                                dtype=np.int32)
+        width = int((positions // bs).max()) + 1  # the blocks the rows reach
+        block_tables = np.ascontiguousarray(block_tables[:, :width])
+        slots = block_tables[np.arange(len(positions)), positions // bs].astype(np.int64) * bs
         seq_lens = (positions + 1).astype(np.int32)
         return AttentionMetadata(
             slot_mapping=self._to_device(slots + positions % bs), block_tables=self._to_device(block_tables),
-            seq_lens=self._to_device(seq_lens), num_decode_seqs=len(seqs), prefill_query_start_loc=[0],
+            seq_lens=self._to_device(seq_lens), num_decode_seqs=len(positions), prefill_query_start_loc=[0],
             prefill_seq_lens=[], decode_gather=build_decode_gather(block_tables, seq_lens, bs, self.device),
             prefill_prompt_lens=[],
         )

@@ -226,7 +226,7 @@ def _add_mtp_layer(path: Path, config: PretrainedConfig, dtype: torch.dtype, see
         model = ARCHS_BY_CONFIG[type(config)](deeper)
     _randomize(model, config.initializer_range, seed + 1)
     prefix = f"model.layers.{n}."
-    extra = {key: value for key, value in model.state_dict().items() if key.startswith(prefix)}
+    extra = _per_expert({key: value for key, value in model.state_dict().items() if key.startswith(prefix)})
     hidden, std = config.hidden_size, config.initializer_range
     gen = torch.Generator().manual_seed(seed + 2)
     extra[prefix + "enorm.weight"] = 1.0 + 0.2 * torch.randn(hidden, generator=gen)
@@ -241,6 +241,21 @@ def _add_mtp_layer(path: Path, config: PretrainedConfig, dtype: torch.dtype, see
     tensors = load_file(str(file))
     tensors.update({key: value.to(dtype).contiguous() for key, value in extra.items()})
     save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' stacked routed experts (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])
+    as the published checkpoints store them: one ``mlp.experts.<e>.{gate,up,down}_proj.weight`` each."""
+    out = {}
+    for key, value in tensors.items():
+        stem, _, leaf = key.rpartition(".")
+        if not stem.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+            out[key] = value
+            continue
+        for e, weight in enumerate(value):
+            parts = zip(("gate_proj", "up_proj"), weight.chunk(2)) if leaf == "gate_up_proj" else [(leaf, weight)]
+            out.update({f"{stem}.{e}.{name}.weight": part.clone() for name, part in parts})
+    return out
 
 
 def ensure_tiny_model(cache_dir: str | Path, name: str = "xinserve-tiny", **kwargs) -> Path:

@@ -54,7 +54,7 @@ class FailingWorker:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    def abort_choice(self, request_id: str, index: int) -> None:
+    def abort_choice(self, request_id: str, index: int, emitted: int | None = None) -> None:
         self.aborted.append(request_id)
 
 

@@ -33,8 +33,8 @@ class RecordingWorker:
     def abort(self, request_id) -> None:
         self.calls.append(("abort", request_id))
 
-    def abort_choice(self, request_id, index) -> None:
-        self.calls.append(("abort_choice", request_id, index))
+    def abort_choice(self, request_id, index, emitted=None) -> None:
+        self.calls.append(("abort_choice", request_id, index, emitted))
 
     def feed(self, index: int, tokens: list[int], finished: bool = False, reason: str | None = None) -> None:
         self.stream.queue.put_nowait(StepOutput("r", index, tokens, finished, reason, None))
@@ -84,7 +84,8 @@ def test_stop_string_cuts_and_aborts(tiny_tokenizer):
     gen, worker, pieces = asyncio.run(go())
     assert "".join(pieces) == "The river "
     assert gen.choices[0].finish_reason == "stop"
-    assert worker.calls == [("abort", "r")]  # the engine never finished it: free it now
+    # the engine never finished it: free it now, saying how many of its tokens were emitted
+    assert worker.calls == [("abort_choice", "r", 0, len(gen.choices[0].token_ids)), ("abort", "r")]
 
 
 def test_a_stop_string_inside_a_multi_token_output_ends_the_choice_at_its_token(tiny_tokenizer):
@@ -181,7 +182,7 @@ def test_n2_one_choice_stops_early_the_other_runs_on(tiny_tokenizer):
     # first, then the whole request once the last choice is done.
     assert [c.text for c in gen.choices] == ["The ", "The "]
     assert [c.finish_reason for c in gen.choices] == ["stop", "stop"]
-    assert worker.calls[0] == ("abort_choice", "r", 0)
+    assert worker.calls[0] == ("abort_choice", "r", 0, len(gen.choices[0].token_ids))
     assert worker.calls[-1] == ("abort", "r")
 
 
@@ -198,7 +199,8 @@ def test_n2_mixed_finish(tiny_tokenizer):
     gen, worker = asyncio.run(go())
     assert [c.text for c in gen.choices] == ["The river", "The river runs to the "]
     assert [c.finish_reason for c in gen.choices] == ["length", "stop"]
-    assert ("abort_choice", "r", 1) not in worker.calls  # the last choice ends the request instead
+    # the last choice is freed with its emitted count (generation_tokens_total), then the whole request
+    assert worker.calls == [("abort_choice", "r", 1, len(gen.choices[1].token_ids)), ("abort", "r")]
 
 
 def test_worker_error_becomes_api_error(tiny_tokenizer):

@@ -47,7 +47,7 @@ class ScriptedWorker:
     def abort(self, request_id: str) -> None:
         pass
 
-    def abort_choice(self, request_id: str, index: int) -> None:
+    def abort_choice(self, request_id: str, index: int, emitted: int | None = None) -> None:
         pass
 
 

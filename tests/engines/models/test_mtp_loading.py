@@ -43,6 +43,10 @@ def test_a_model_without_an_mtp_layer_is_refused_by_name(tiny_models, tmp_path):
         load_model(str(tmp_path), torch.float32, "cpu", mtp=True)
 
 
-def test_mtp_under_tensor_parallel_is_refused_by_name(tiny_models):
-    with pytest.raises(ValueError, match="'mtp' is not implemented with quantized weights, tensor, expert or pipeline"):
-        load_model(str(tiny_models("deepseek_v3", mtp=True)), torch.float32, "cpu", group=object(), mtp=True)
+def test_mtp_under_pipeline_parallel_is_refused_by_name_with_the_reason(tiny_models):
+    from engines.pipeline_parallel import PipelineStage, StageLayout
+
+    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM at .*'mtp' is not implemented with pipeline "
+                                         r"parallel: the MTP layer needs the last stage's final hidden state"):
+        load_model(str(tiny_models("deepseek_v3", mtp=True)), torch.float32, "cpu",
+                   pipeline=PipelineStage(None, StageLayout.of(1, 1, 2)), mtp=True)

@@ -19,6 +19,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's per-expert ``mlp.experts.<e>.<proj>.weight`` as transformers' stacked
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first) and ``down_proj`` [E, H, I]."""
+    out = {key: value for key, value in tensors.items() if ".experts." not in key}
+    count = len({key.split(".")[2] for key in tensors if key.startswith("mlp.experts.")})
+    if count:
+        out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([tensors[f"mlp.experts.{e}.gate_proj.weight"],
+                                                                  tensors[f"mlp.experts.{e}.up_proj.weight"]])
+                                                       for e in range(count)])
+        out["mlp.experts.down_proj"] = torch.stack([tensors[f"mlp.experts.{e}.down_proj.weight"] for e in range(count)])
+    return out
+
+
 class MTPReference:
     """The checkpoint's MTP layer in plain torch around transformers' decoder layer."""
 
@@ -36,7 +49,7 @@ class MTPReference:
                   for key, value in config.to_dict().items()}
         one = type(config)(**{**values, "num_hidden_layers": 1, "first_k_dense_replace": 0})
         self.block = ARCHS_BY_CONFIG[type(config)](one).eval()
-        state = {f"model.layers.0.{key}": value for key, value in self.mtp.items()
+        state = {f"model.layers.0.{key}": value for key, value in stacked_experts(self.mtp).items()
                  if key.split(".")[0] not in ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")}
         state.update({"model.norm.weight": self.mtp["shared_head.norm.weight"], "lm_head.weight": head,
                       "model.embed_tokens.weight": self.embed})
@@ -63,9 +76,15 @@ class MTPReference:
 
 
 @pytest.mark.parametrize(("arch", "own_head"), [("deepseek_v3", True), ("glm4_moe", False), ("glm_moe_dsa", False)])
-@torch.inference_mode()
 def test_mtp_draft_logits_equal_the_plain_torch_reference(tiny_models, arch, own_head):
     path = tiny_models(arch, mtp=True, mtp_own_head=own_head)
+    check_draft_logits(path, path, atol=2e-4)
+
+
+@torch.inference_mode()
+def check_draft_logits(path, reference_path, atol: float) -> None:
+    """The engine's MTP logits at ``path`` (the prefill's catch-up, then the next step's chain) equal the
+    plain-torch reference built from ``reference_path`` (the same weights in floats) within ``atol``."""
     llm = LLM(path, num_kv_blocks=32, block_size=4, speculative_config={"method": "mtp", "num_speculative_tokens": K})
     runner = llm.engine.runner
     calls = []  # (input ids [T], positions [T], the MTP layer's output [T, hidden]) of each MTP run
@@ -82,7 +101,7 @@ def test_mtp_draft_logits_equal_the_plain_torch_reference(tiny_models, arch, own
     model = runner.model
     head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
 
-    ref = MTPReference(path)
+    ref = MTPReference(reference_path)
     length = len(prompt)
     tokens = torch.tensor(prompt + out.token_ids[:1])
     target_hidden = ref.target.model(tokens[None, :length]).last_hidden_state[0]  # [L, hidden], after the norm
@@ -92,11 +111,11 @@ def test_mtp_draft_logits_equal_the_plain_torch_reference(tiny_models, arch, own
     # the prefill's catch-up: row p reads the target at p and the token at p + 1
     ids, got_positions, got = calls[0]
     assert ids.tolist() == tokens[1:].tolist() and got_positions.tolist() == positions.tolist()
-    torch.testing.assert_close(model.mtp.compute_logits(got, head), logits, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(model.mtp.compute_logits(got, head), logits, atol=atol, rtol=atol)
     first_draft = int(logits[-1].argmax())
     # the next step's chain: position L reads draft 1 and the MTP layer's own output at L - 1
     ids, got_positions, got = calls[1]
     assert ids.tolist() == [first_draft] and got_positions.tolist() == [length]
     x_chain = torch.cat([x, ref.inputs(torch.tensor([first_draft]), torch.tensor([length]), g[-1:])])
     _, chain_logits = ref.run(x_chain)
-    torch.testing.assert_close(model.mtp.compute_logits(got, head), chain_logits[-1:], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(model.mtp.compute_logits(got, head), chain_logits[-1:], atol=atol, rtol=atol)

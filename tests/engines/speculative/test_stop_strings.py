@@ -4,7 +4,7 @@ per step."""
 
 from engines import LLM, SamplingParams
 from engines.detokenizer import IncrementalDetokenizer
-from tests.engines.speculative.doubles import OracleProposer
+from tests.engines.speculative.doubles import OracleProposer, TableProposer
 
 
 def test_the_detokenizer_ends_a_multi_token_add_at_the_stop_strings_token(tiny_model_dir):
@@ -36,3 +36,23 @@ def test_drafted_requests_with_stop_strings_stop_where_one_token_per_step_does(t
     assert spec.engine.stats().spec_decode.num_accepted_tokens > 0
     bm = spec.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_generation_tokens_total_counts_only_the_tokens_emitted_before_a_stop_string(tiny_models):
+    """A speculative step accepts several tokens at once; the ones after the token that completes a stop
+    string are never emitted, and ``generation_tokens_total`` does not count them."""
+    path = tiny_models("llama")
+    prompt = [5, 9, 14, 200, 31, 7]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(path, num_kv_blocks=64, block_size=4) as plain:
+        tokens = plain.generate([prompt], params)[0].token_ids
+        first = plain.tokenizer.decode(tokens[:1])
+        stop = plain.tokenizer.decode(tokens[:2])[len(first):]  # the second token's text
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+    with LLM(path, num_kv_blocks=64, block_size=4, speculative_config=spec) as llm:
+        llm.engine.proposer = TableProposer({tuple(tokens[:1]): tokens[1:5]})  # all right: 5 tokens in one step
+        params.stop = [stop]
+        out = llm.generate([prompt], params)[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) <= 2
+        assert llm.engine.stats().spec_decode.num_accepted_tokens == 4
+        assert llm.engine.stats().generation_tokens_total == len(out.token_ids)
