@@ -4,14 +4,15 @@ not depend on the machine's load the way wall-clock seconds do. Caches are fresh
 directories ($XINSERVE_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR, TORCH_EXTENSIONS_DIR).
 
 Phases: the HTTP process's imports (``server.app``), building the embedded model (in the HTTP process
-now; ``--before`` also measures the former spawned builder: a fresh interpreter importing the
-factory's transformers model classes), the HTTP process's tokenizer load, the worker's imports, and
+with ``llama_files.py``; in a checkout without it, ``--before CHECKOUT``, the former spawned builder: a
+fresh interpreter importing the factory's transformers model classes), the HTTP process's tokenizer
+load, the worker's imports, and
 the worker's engine construction split by cProfile (process CPU time) into tokenizer, model load,
 kernel probing, KV sizing (the eager warm-up forward), decode-graph set-up and the rest. Writes
 ``benchmarks/results/cold_start_profile.json``; ``benchmarks/cold_start.py`` measures the seconds to
 /health 200 and the whole server's CPU seconds.
 
-    PYTHONPATH=. python benchmarks/cold_start_profile.py [--before]
+    python benchmarks/cold_start_profile.py [--before OLDER_CHECKOUT]
 """
 
 import argparse
@@ -43,7 +44,8 @@ built = time.process_time()
 load_tokenizer(sys.argv[1])
 print(json.dumps({"embedded_build": built - start, "http_tokenizer_load": time.process_time() - built}))
 """
-# What server/embedded.py did before: a spawned child importing the factory (every model class).
+# What server/embedded.py did before llama_files.py: a spawned child importing the factory (every model
+# class); the spawn's own import of the parent's main module (server.cli) is not counted.
 FACTORY_BUILD = """
 import json, sys, time
 start = time.process_time()
@@ -92,39 +94,46 @@ os._exit(0)  # the background warm-up (C++ build, bucket compiles) is not part o
 """
 
 
-def run(snippet: str, env: dict[str, str], *args: str) -> dict:
+def run(snippet: str, env: dict[str, str], cwd: Path, *args: str) -> dict:
     done = subprocess.run([sys.executable, "-c", snippet, *args], capture_output=True, text=True, env=env,
-                          cwd=REPO, check=False)
+                          cwd=cwd, check=False)
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", action="store_true", help="also measure the former spawned factory build")
-    parser.add_argument("--output", type=Path, default=RESULTS)
-    args = parser.parse_args()
+def profile(checkout: Path) -> dict:
+    """CPU seconds per phase of ``checkout``'s cold start, on fresh caches."""
     with tempfile.TemporaryDirectory(prefix="xinserve-cold-profile-") as tmp:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "XINSERVE_CACHE_DIR": f"{tmp}/xinserve",
+        env = {**os.environ, "PYTHONPATH": str(checkout), "XINSERVE_CACHE_DIR": f"{tmp}/xinserve",
                "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor", "TORCH_EXTENSIONS_DIR": f"{tmp}/extensions"}
         env.pop("XINSERVE_COMPILE", None)  # the default mode, as a user gets it
         model = f"{tmp}/xinserve-tiny"
-        phases = run(HTTP_IMPORTS, env)
-        phases.update(run(EMBEDDED_BUILD, env, model))
-        if args.before:
-            phases.update(run(FACTORY_BUILD, env, f"{tmp}/factory-tiny"))
-        phases.update(run(WORKER, env, model))
+        phases = run(HTTP_IMPORTS, env, checkout)
+        in_process = (checkout / "server" / "embedded_model" / "llama_files.py").is_file()
+        phases.update(run(EMBEDDED_BUILD if in_process else FACTORY_BUILD, env, checkout, model))
+        phases.update(run(WORKER, env, checkout, model))
+    flags = {k: v for k, v in phases.items() if isinstance(v, bool)}
+    return {"cpu_seconds": {k: round(v, 2) for k, v in phases.items() if not isinstance(v, bool)}, **flags}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", type=Path, help="an older checkout to profile too (e.g. a git worktree)")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    results = {"after": profile(REPO)}
+    if args.before:
+        results["before"] = profile(args.before.resolve())
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    flags = {k: v for k, v in phases.items() if isinstance(v, bool)}
-    seconds = {k: round(v, 2) for k, v in phases.items() if not isinstance(v, bool)}
-    print("| phase | CPU s |\n|---|---|")
-    for name, value in seconds.items():
-        print(f"| {name} | {value} |")
+    names = list(dict.fromkeys(name for result in results.values() for name in result["cpu_seconds"]))
+    print(f"| phase | {' | '.join(results)} |\n|---|{'---|' * len(results)}")
+    for name in names:
+        print(f"| {name} | {' | '.join(str(r['cpu_seconds'].get(name, '')) for r in results.values())} |")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"cpu_seconds": seconds, **flags, "load_average_1_5_15": load,
-                                       "python": sys.version.split()[0]}, indent=1))
+    args.output.write_text(json.dumps({**results, "load_average_1_5_15": load, "python": sys.version.split()[0]},
+                                      indent=1))
 
 
 if __name__ == "__main__":
