@@ -54,14 +54,18 @@ imported = time.process_time()
 make_tiny_model(sys.argv[1])
 print(json.dumps({"factory_imports": imported - start, "factory_build": time.process_time() - imported}))
 """
+# The background warm-up (C++ build, bucket compiles) comes after ready: held, it starts nothing.
 WORKER = """
-import cProfile, json, pstats, sys, time
+import cProfile, json, pstats, sys, threading, time
 start = time.process_time()
 import torch, zmq
 import server.worker
 from engines import EngineConfig, LLMEngine
 import engines.engine
+import engines.warmup
 imported = time.process_time()
+held = threading.Event()
+engines.warmup.Warmup._run = lambda self: held.wait()
 torch.set_num_threads(1)
 from server.config import default_config_path, load_config
 settings = load_config(default_config_path()).models[0]
@@ -89,8 +93,6 @@ result.update({name: seconds * scale for name, seconds in parts.items()})
 result["engine_other"] = total - sum(result[name] for name in parts)
 result["dynamo_imported_before_ready"] = "torch._dynamo" in sys.modules
 print(json.dumps(result))
-import os
-os._exit(0)  # the background warm-up (C++ build, bucket compiles) is not part of the start
 """
 
 
