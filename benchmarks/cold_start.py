@@ -4,8 +4,11 @@ to every decode bucket settled (compiled, failed, or kept eager), cold and then 
 Cold: fresh empty cache directories ($XINSERVE_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR and
 TORCH_EXTENSIONS_DIR, all under one temporary directory), so the embedded model is built, the C++
 attention extension is compiled and every bucket is compiled by inductor. Warm: a second start on
-the same directories. Prints a table and writes ``benchmarks/results/cold_start.json`` with the
-machine's ``lscpu`` model name and flags (the compile times depend on both).
+the same directories. Beside each milestone's seconds, the CPU seconds the server's processes had
+used by then (the HTTP process, its workers and their reaped children, from /proc): the load on a
+shared machine stretches the wall-clock figures, much less the CPU ones. Prints a table and writes
+``benchmarks/results/cold_start.json`` with the machine's ``lscpu`` model name and flags (the compile
+times depend on both). CPU seconds per phase: ``benchmarks/cold_start_profile.py``.
 
     python benchmarks/cold_start.py [--runs N] [--timeout S]
 
@@ -15,6 +18,7 @@ Run from the checkout to measure: the server is started with PYTHONPATH set to i
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +47,30 @@ def _lscpu() -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in fields.items() if k.strip() in ("Model name", "CPU(s)", "Flags")}
 
 
+def _tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid``, its live descendants and their reaped children (utime + stime + cutime +
+    cstime from /proc/PID/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        # after the command: state, ppid, ..., utime (14th field of the line), stime, cutime, cstime
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = sum(int(value) for value in fields[11:15])
+    tree, grew = {pid}, True
+    while grew:
+        children = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= children
+        grew = bool(children)
+    return round(sum(times.get(p, 0) for p in tree) / tick, 2)
+
+
 def _graphs(health: dict) -> dict:
     """The first worker's ``info.decode_graphs`` (the default config has one worker)."""
     workers = health.get("workers") or []
@@ -63,29 +91,41 @@ def one_start(cache: Path, timeout: float) -> dict:
     base = f"http://127.0.0.1:{port}"
     log = (cache / f"server-{port}.log").open("w")
     start = time.perf_counter()
+    # A session of its own: what the server leaves running (a C++ build's compiler) is stopped with it.
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     result: dict = {}
     try:
         with httpx.Client(timeout=10) as client:
             health = _poll(client, base, start, timeout, lambda code, _: code == 200)
             result["health_200_s"] = round(time.perf_counter() - start, 2)
+            result["health_200_cpu_s"] = _tree_cpu_seconds(proc.pid)
             result["buckets_at_ready"] = _buckets(health)
             body = {"model": "xinserve-tiny", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
             client.post(f"{base}/v1/completions", json=body, timeout=timeout).raise_for_status()
             result["first_completion_s"] = round(time.perf_counter() - start, 2)
+            result["first_completion_cpu_s"] = _tree_cpu_seconds(proc.pid)
             # settled: the warm-up is over (deferred C++ kernels built and swapped, every bucket tried)
             try:
                 health = _poll(client, base, start, timeout, lambda _, h: bool(_graphs(h).get("settled")))
                 result["buckets_settled_s"] = round(time.perf_counter() - start, 2)
+                result["buckets_settled_cpu_s"] = _tree_cpu_seconds(proc.pid)
             except TimeoutError:  # recorded as such: the other milestones still count
                 health = client.get(f"{base}/health").json()
-                result["buckets_settled_s"] = None
+                result["buckets_settled_s"] = result["buckets_settled_cpu_s"] = None
             result["buckets_final"] = _buckets(health)
             result["kernels"] = {op: k["chosen"] for op, k in (health["workers"][0].get("kernels") or {}).items()}
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:  # a loaded machine: the figures taken still count
+            proc.kill()
+            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # nothing left
+            pass
         log.close()
     return result
 
@@ -118,10 +158,11 @@ def main() -> None:
                 print(json.dumps(row), file=sys.stderr)
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    print("| start | /health 200 s | first completion s | buckets settled s |")
+    print("| start | /health 200 s (CPU s) | first completion s (CPU s) | buckets settled s (CPU s) |")
     print("|---|---|---|---|")
     for row in rows:
-        print(f"| {row['start']} | {row['health_200_s']} | {row['first_completion_s']} | {row['buckets_settled_s']} |")
+        cells = [f"{row[f'{m}_s']} ({row[f'{m}_cpu_s']})" for m in ("health_200", "first_completion", "buckets_settled")]
+        print(f"| {row['start']} | {' | '.join(cells)} |")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"lscpu": _lscpu(), "load_average_1_5_15": load, "rows": rows}, indent=1))
 

@@ -201,14 +201,22 @@ class BucketCompiler:
 
     def __init__(self, forward: Callable, buffers: DecodeBuffers, mode: str, platform: Platform) -> None:
         use_inductor_cache()
-        # Every bucket of every engine in this process is a compiled variant of the one ``forward`` code
-        # object (guarded on its shapes and its model): let each build add its own.
-        torch._dynamo.config.recompile_limit += len(buffers.sizes)
         self.forward = forward
-        self.compiled = torch.compile(forward, dynamic=False)
+        self._compiled: Callable[..., torch.Tensor] | None = None
         self.buffers = buffers
         self.mode = mode
         self.platform = platform
+
+    @property
+    def compiled(self) -> Callable[..., torch.Tensor]:
+        """The compiled forward, made on first use: dynamo and ``torch.compile`` import seconds of CPU
+        (dynamo, inductor), which belong in the warm-up thread, after ready, not in the constructor."""
+        if self._compiled is None:
+            # Every bucket of every engine in this process is a compiled variant of the one ``forward``
+            # code object (guarded on its shapes and its model): let each build add its own.
+            torch._dynamo.config.recompile_limit += len(self.buffers.sizes)
+            self._compiled = torch.compile(self.forward, dynamic=False)
+        return self._compiled
 
     @torch.inference_mode()
     def __call__(self, size: int) -> Callable[..., torch.Tensor] | None:

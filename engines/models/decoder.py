@@ -110,7 +110,10 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.rope_is_neox = spec.rope_is_neox
         self.rotary_cos_sin = ops.rotary_cos_sin
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (empty) weight, the embedding skips its normal_ init: on the meta device (the loader's)
+        # that runs through torch._refs, whose first use imports dynamo (~2 CPU s of every engine's start).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(config, spec, ops, i, attention(i)) for i in range(config.num_hidden_layers)
         )
@@ -181,7 +184,10 @@ class CausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False
         )
-        self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
+        # [max_positions, rotary_dim], filled by reset_buffers once the loader has materialised the model
+        # built on the meta device (computed there, it would run through torch._refs, as the embedding's init).
+        rope_shape = (config.max_position_embeddings, rotary_dim(config, self.head_dim))
+        self.register_buffer("cos_sin_cache", torch.empty(rope_shape), persistent=False)
         # Tensor parallel: gathers each rank's vocabulary slice of the logits (models/tensor_parallel.py)
         self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Pipeline parallel: checkpoint name prefixes another stage holds (engines/pipeline_parallel.py)

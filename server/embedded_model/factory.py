@@ -6,9 +6,6 @@ a regular Hugging Face directory (config.json, generation_config.json, model.saf
 files). Same arguments -> byte-identical files, so tests can compare runs and caches can be trusted.
 """
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -41,7 +38,9 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from server.embedded_model.build_once import ensure_built
 from server.embedded_model.tokenizer import make_tokenizer
+from server.embedded_model.weights import LM_HEAD_GAIN, config_kwargs, initial_value
 
 _MLA = {
     "num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
@@ -85,59 +84,15 @@ ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
 ARCHS_BY_CONFIG = {config_cls: model_cls for config_cls, model_cls, _ in ARCHS.values()}
 
 
-def make_config(
-    arch: str,
-    *,
-    vocab_size: int,
-    bos_token_id: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int | None = None,
-    max_position_embeddings: int = 2048,
-    tie_word_embeddings: bool = False,
-    dtype: torch.dtype = torch.float32,
-    **config_overrides,
-) -> PretrainedConfig:
-    """A Hugging Face config for one of ``ARCHS``; ``config_overrides`` win over every default."""
+def make_config(arch: str, **kwargs) -> PretrainedConfig:
+    """A Hugging Face config for one of ``ARCHS``; ``kwargs``: ``weights.config_kwargs``'s (vocab_size,
+    hidden_size, num_layers, ..., then any config key as an override)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHS)}")
-    if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
     config_cls, model_cls, arch_defaults = ARCHS[arch]
-    kwargs = {
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size or 3 * hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        # Explicit everywhere: Qwen3 and GLM-4 default head_dim to 128, not hidden / heads.
-        "head_dim": hidden_size // num_heads,
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": 1e-6,
-        # Ten times HF's usual 0.02: the random model then gives varied, decisive greedy output.
-        "initializer_range": 0.2,
-        "tie_word_embeddings": tie_word_embeddings,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": pad_token_id,
-        "dtype": dtype,
-        **arch_defaults,
-        **config_overrides,
-    }
-    config = config_cls(**kwargs)
+    config = config_cls(**config_kwargs(arch_defaults, **kwargs))
     config.architectures = [model_cls.__name__]
     return config
-
-
-# A larger output projection makes the logits peaked (median top-1/top-2 gap ~0.8), so greedy
-# argmax survives float noise between kernels, while the inner weights stay small enough that the
-# attention softmax is not saturated (a saturated one would hide attention bugs).
-LM_HEAD_GAIN = 2.5
 
 
 def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
@@ -151,14 +106,7 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * noise)
-            elif name.startswith("lm_head"):  # absent when tied: a scaled input embedding
-                # would dominate the residual stream and make the output repetitive
-                param.copy_(LM_HEAD_GAIN * std * noise)
-            else:
-                param.copy_(std * noise)
+            param.copy_(initial_value(name, param.shape, gen, std))
         for name, buffer in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):  # of the order of the sigmoid scores' spread
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen, dtype=torch.float32))
@@ -259,24 +207,6 @@ def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def ensure_tiny_model(cache_dir: str | Path, name: str = "xinserve-tiny", **kwargs) -> Path:
-    """``cache_dir/name``, built with ``make_tiny_model(**kwargs)`` on first use and reused after.
-
-    The name identifies the model: a later call with other ``kwargs`` gets the cached one. The
-    build happens in a temporary sibling directory renamed into place, so a crash never leaves a
-    half-written model and concurrent callers (several workers starting) all see a complete one.
-    """
-    cache_dir = Path(cache_dir)
-    target = cache_dir / name
-    if target.is_dir():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
-    try:
-        make_tiny_model(staging, **kwargs)
-        os.rename(staging, target)
-    except OSError:
-        if not target.is_dir():  # not a lost race with another builder: a real failure
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    """``cache_dir/name``, built with ``make_tiny_model(**kwargs)`` on first use and reused after
+    (``build_once.ensure_built``: a later call with other ``kwargs`` gets the cached one)."""
+    return ensure_built(cache_dir, name, lambda path: make_tiny_model(path, **kwargs))
