@@ -160,7 +160,7 @@ def test_an_int8_generation_on_npu_equals_cpu_with_the_planned_pool_bytes(npu_pl
     options = {"dtype": "bfloat16", "block_size": BS, "num_kv_blocks": 3, "max_num_batched_tokens": 64,
                "kv_cache_dtype": "int8"}
     on_npu = LLM(model, device="npu:0", **options)
-    on_cpu = LLM(model, device="cpu", **options, kernels={"decode_attention": "reference"})  # the oracle
+    on_cpu = LLM(model, device="cpu", **options, kernels={"decode_attention": "reference", "prefill_attention": "reference"})  # the oracle
     assert {on_npu.engine.runner.kernels.chosen[op] for op in KV_OPS} == {"npu_kv"}
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     rng = random.Random(1)

@@ -17,7 +17,6 @@ from kernels.probes import TOLERANCE, max_error
 from kernels.quantized_weight import QuantizedWeight, QuantShape, dequantize, pack_int4, quantize_activation
 from kernels.routing import MoeRouting
 from tests.engines.quantization.modelslim_checkpoints import write_w8a8_dynamic
-from tests.kernels.test_npu import npu_platform  # noqa: F401  (fixture)
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -187,7 +186,7 @@ def test_float32_and_int4_experts_are_declined(quant) -> None:
     assert "int4 experts" in quant.quant_limits("quant_fused_moe", experts, torch.bfloat16)
 
 
-def test_msmodelslim_w8a8_dynamic_generation_on_npu_equals_cpu(npu_platform, tiny_models, tmp_path) -> None:  # noqa: F811
+def test_msmodelslim_w8a8_dynamic_generation_on_npu_equals_cpu(npu_platform, tiny_models, tmp_path) -> None:
     """A W8A8_DYNAMIC checkpoint served on the npu path (npu_dynamic_quant + npu_quant_matmul on the
     fake) gives the CPU reference path's greedy tokens (float16 on both)."""
     path = write_w8a8_dynamic(Path(tiny_models("llama")), tmp_path / "w8a8_dynamic")
@@ -197,6 +196,6 @@ def test_msmodelslim_w8a8_dynamic_generation_on_npu_equals_cpu(npu_platform, tin
     with LLM(str(path), device="npu:0", **options) as on_npu:
         assert on_npu.engine.runner.kernels.chosen["quant_linear"] == "npu"
         got = [r.token_ids for r in on_npu.generate(prompts, params)]
-    with LLM(str(path), device="cpu", **options, kernels={"quant_linear": "reference"}) as on_cpu:
+    with LLM(str(path), device="cpu", **options, kernels={"quant_linear": "reference", "prefill_attention": "reference"}) as on_cpu:
         want = [r.token_ids for r in on_cpu.generate(prompts, params)]
     assert got == want

@@ -30,7 +30,7 @@ class ScriptedEngine:
         for i in range(params.n):
             self.seqs[request_id, i] = [0, params.max_tokens]
 
-    def abort_request(self, request_id, index=None) -> None:
+    def abort_request(self, request_id, index=None, emitted=None) -> None:
         self.aborted.append((request_id, index))
         for key in [k for k in self.seqs if k[0] == request_id and index in (None, k[1])]:
             del self.seqs[key]
