@@ -9,7 +9,8 @@ the decode bucket compiled (``compile="on"``, timed once the warm-up has settled
 (``compile="off"``), each on 1 and 2 torch threads. Per point: the fastest window of steps (wall time:
 on a shared machine the least disturbed estimate) and the process CPU seconds per step in that window
 (``time.process_time``, every thread; on 2 threads it includes spinning at OpenMP barriers), then
-step / floor against the bandwidth of the same thread count. Prints a markdown table and writes
+step / floor against the bandwidth of the same thread count. ``--omp-wait-policy`` (default PASSIVE, as the
+server's CPU workers run) is set before torch loads; ``default`` leaves libgomp's spin-then-sleep. Prints a markdown table and writes
 ``benchmarks/results/decode_floor.json``.
 
     python benchmarks/decode_floor.py [--quick] [--points 32x512,8x512,32x64] [--out PATH]
@@ -88,6 +89,9 @@ def main() -> None:
                         help="batch x context points, comma separated")
     parser.add_argument("--modes", default="compiled,eager")
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--omp-wait-policy", default="PASSIVE",
+                        help="OMP_WAIT_POLICY of this process (the server's CPU workers run PASSIVE: server/pool.py); "
+                             "'default' leaves libgomp's (spin, then sleep)")
     parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -95,6 +99,8 @@ def main() -> None:
     modes = args.modes.split(",")
     thread_counts = [int(n) for n in args.threads.split(",")]
     windows, window = (3, 4) if args.quick else (5, 10)
+    if args.omp_wait_policy != "default":  # before torch loads: libgomp reads it then
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
     path = llama_5m(args.model_dir)
     import torch
 
@@ -129,6 +135,7 @@ def main() -> None:
                               f"{row['step_over_floor']:.2f}x", file=sys.stderr)
         llm.close()
     result = {"model": LLAMA_5M, "dtype": "float32", "decode_attention": "cpp",
+              "omp_wait_policy": args.omp_wait_policy, "load_average": os.getloadavg(),
               "read_bandwidth_gb_s": {str(n): b / 1e9 for n, b in bandwidth.items()}, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
