@@ -8,9 +8,15 @@ up to 512, over its own KV pool) with its current thread count and with ``max_cp
 fastest, and says so in the log and in /health (``info.cpu_threads``). The timings are cached per
 machine and shape under ``$XINSERVE_CACHE_DIR`` (``thread_timings.json``, like the kernel timings of
 kernels/timing.py), so a restart does not measure again.
+
+The thread counts are timed in turns, one forward each per round, and each keeps the median of its
+rounds: a burst of other work on the machine (another process starting, a compile) then slows every
+count alike instead of whichever was timed during it, which the previous order (every forward of one
+count, then of the next, keeping the fastest) turned into a wrong choice.
 """
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +31,7 @@ from kernels.timing import TimingCache
 logger = logging.getLogger(__name__)
 
 BATCH, CONTEXT = 32, 512  # the shape timed, capped by max_num_seqs, max_model_len and the pool
-REPEATS = 5  # forwards timed per thread count after a warm-up one; the fastest is kept
+ROUNDS = 7  # rounds after a warm-up one, each timing one forward per thread count; the median is kept
 
 
 @dataclass(slots=True)
@@ -48,23 +54,28 @@ def candidates(current: int, most: int | None) -> list[int]:
 
 
 def choose(counts: list[int], measure: Callable[[], float], key: str, cache: TimingCache) -> ThreadChoice:
-    """Time ``measure`` (seconds of one decode step) under each thread count not cached yet, set the
-    fastest (a tie goes to fewer threads) and return it."""
+    """Time ``measure`` (seconds of one decode step) under each thread count not cached yet, in turns
+    for a warm-up round and ``ROUNDS`` more, keep each count's median, set the fastest (a tie goes to
+    fewer threads) and return it."""
     seconds = {n: cache.get(f"{key}:{n}") for n in counts}
     source = "cached" if all(s is not None for s in seconds.values()) else "measured"
-    for n in counts:
-        if seconds[n] is None:
+    timed = [n for n in counts if seconds[n] is None]
+    rounds: dict[int, list[float]] = {n: [] for n in timed}
+    for _ in range(1 + ROUNDS) if timed else ():
+        for n in timed:
             torch.set_num_threads(n)
-            seconds[n] = measure()
-            cache.put(f"{key}:{n}", seconds[n])
+            rounds[n].append(measure())
+    for n in timed:
+        seconds[n] = statistics.median(rounds[n][1:])  # the warm-up round is dropped
+        cache.put(f"{key}:{n}", seconds[n])
     best = min(counts, key=lambda n: (seconds[n], n))
     torch.set_num_threads(best)
     return ThreadChoice(best, source, seconds)
 
 
 def decode_step_timer(runner, batch: int, context: int) -> Callable[[], float]:
-    """The fastest of ``REPEATS`` decode forwards (model + logits) of ``batch`` sequences at ``context``
-    tokens, over the runner's KV pool. Nothing has been admitted yet, so the step may read any block
+    """Seconds of one decode forward (model + logits) of ``batch`` sequences at ``context`` tokens,
+    over the runner's KV pool. Nothing has been admitted yet, so the step may read any block
     and write its new tokens' K/V into them (a block is written before anyone reads it)."""
     bs = runner.block_size
     num_blocks = runner.scratch_block  # the pool's blocks (the model's cache layout may be dense or MLA's)
@@ -88,13 +99,9 @@ def decode_step_timer(runner, batch: int, context: int) -> Callable[[], float]:
 
     def measure() -> float:
         with torch.inference_mode():
-            model.compute_logits(model(input_ids, positions, runner.kv_cache, metadata))  # warm-up
-            best = float("inf")
-            for _ in range(REPEATS):
-                start = time.perf_counter()
-                model.compute_logits(model(input_ids, positions, runner.kv_cache, metadata))
-                best = min(best, time.perf_counter() - start)
-        return best
+            start = time.perf_counter()
+            model.compute_logits(model(input_ids, positions, runner.kv_cache, metadata))
+            return time.perf_counter() - start
 
     return measure
 

@@ -5,8 +5,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines import LLM
-from engines.thread_split import ThreadChoice, candidates, choose, choose_cpu_threads, for_engine
+from engines import LLM, thread_split
+from engines.thread_split import (
+    ROUNDS,
+    ThreadChoice,
+    candidates,
+    choose,
+    choose_cpu_threads,
+    decode_step_timer,
+    for_engine,
+)
 from kernels.timing import TimingCache
 from server.worker import _engine_info
 
@@ -34,7 +42,7 @@ class StepDouble:
 def test_the_fastest_thread_count_is_kept_and_set(tmp_path, restore_threads, seconds, best):
     step = StepDouble(seconds)
     choice = choose([1, 2], step, "k", TimingCache(tmp_path / "t.json"))
-    assert step.calls == [1, 2]  # each candidate timed once, under its own thread count
+    assert step.calls == [1, 2] * (1 + ROUNDS)  # in turns, each under its own thread count
     assert choice == ThreadChoice(best, "measured", seconds)  # a tie goes to fewer threads
     assert torch.get_num_threads() == best
 
@@ -47,7 +55,32 @@ def test_the_choice_is_cached_per_machine_and_shape(tmp_path, restore_threads):
     choice = choose([1, 2], again, "shape-a", TimingCache(path))  # a restart: read back, nothing timed
     assert again.calls == [] and choice.threads == 2 and choice.source == "cached"
     other = choose([1, 2], again, "shape-b", TimingCache(path))  # another shape is timed
-    assert again.calls == [1, 2] and other.threads == 1 and other.source == "measured"
+    assert again.calls == [1, 2] * (1 + ROUNDS) and other.threads == 1 and other.source == "measured"
+
+
+class BusyMachineModel:
+    """A decode forward on a simulated clock: ``base`` seconds per thread count, plus ``burst`` while the
+    clock is below ``busy_until`` (another process starting beside the engine)."""
+
+    def __init__(self, base: dict[int, float], burst: float, busy_until: float) -> None:
+        self.now, self.base, self.burst, self.busy_until = 0.0, base, burst, busy_until
+
+    def __call__(self, *args) -> torch.Tensor:
+        self.now += self.base[torch.get_num_threads()] + (self.burst if self.now < self.busy_until else 0.0)
+        return torch.zeros(1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+def test_a_burst_of_other_work_at_start_does_not_decide_the_thread_count(tmp_path, restore_threads, monkeypatch):
+    # 1 thread is faster; the machine is busy for the first 0.3 s (under half of the timing), which the
+    # first count's forwards alone would fall into if each count were timed in one go.
+    model = BusyMachineModel({1: 0.006, 2: 0.008}, burst=0.050, busy_until=0.3)
+    monkeypatch.setattr(thread_split, "time", SimpleNamespace(perf_counter=lambda: model.now))
+    runner = SimpleNamespace(block_size=16, scratch_block=64, device=torch.device("cpu"), model=model, kv_cache=None)
+    choice = choose([1, 2], decode_step_timer(runner, 4, 32), "k", TimingCache(tmp_path / "t.json"))
+    assert choice.threads == 1 and torch.get_num_threads() == 1
 
 
 def test_candidates_are_the_current_count_and_the_most():
