@@ -27,6 +27,7 @@ from engines.speculative.verify import draft_logits_indices, verify_drafts
 from engines.structured.bitmask import apply_grammars
 from kernels.attention_metadata import AttentionMetadata, build_decode_gather
 from kernels.ep_dispatch import choose_ep_dispatch
+from kernels.huge_pages import kv_pool
 from kernels.kv_quant import storage_dtype
 from kernels.model_shapes import ModelShapes
 from kernels.ops import KernelOps
@@ -147,10 +148,9 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.scratch_block = num_blocks  # one block more than the block manager hands out
-        num_blocks += 1
         # The model says the shape (dense: [2, layers, blocks, block_size, kv_heads, head_dim]); a layer gets a view.
-        shape = self.model.kv_cache_shape(num_blocks, self.block_size, self.kv_dtype)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        shape = self.model.kv_cache_shape(num_blocks + 1, self.block_size, self.kv_dtype)
+        self.kv_cache = kv_pool(shape, self.kv_dtype, self.device)  # huge pages on the CPU (kernels/huge_pages.py)
 
     def profile_num_blocks(
         self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, fraction: float

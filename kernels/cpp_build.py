@@ -19,7 +19,8 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name
+           for name in ("paged_decode_attention.cpp", "write_kv.cpp", "bindings.cpp")]
 # Reassociation lets the compiler vectorise the float sums; contraction fuses a * b + c into one FMA
 # (ISO C++ mode, -std=c++20, leaves it off).
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -39,11 +40,12 @@ def _cpu_flags() -> str:
 
 
 def _build_key() -> str:
-    """Names the build: the source, its path, its compiler flags, the torch version and the CPU's
+    """Names the build: the sources, their paths, the compiler flags, the torch version and the CPU's
     instruction-set flags.
-    The path too, because ninja's build file names the source by it: two checkouts sharing one
+    The paths too, because ninja's build file names the sources by them: two checkouts sharing one
     build directory would rewrite that file and rebuild (half a minute each) on every load."""
-    text = f"{SOURCE.read_text()}\n{SOURCE}\n{CFLAGS}\n{torch.__version__}\n{_cpu_flags()}"
+    sources = "\n".join(f"{path.read_text()}\n{path}" for path in SOURCES)
+    text = f"{sources}\n{CFLAGS}\n{torch.__version__}\n{_cpu_flags()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -69,8 +71,8 @@ def build() -> ModuleType:
         with _build_lock(build_dir):
             return cpp_extension.load(
                 name=MODULE_NAME,
-                sources=[str(SOURCE)],
-                extra_cflags=CFLAGS,
+                sources=[str(path) for path in SOURCES],
+                extra_cflags=[*CFLAGS, f"-DXINSERVE_OPS={OPS_NAMESPACE}"],
                 build_directory=str(build_dir),
                 verbose=False,
             )
@@ -79,8 +81,9 @@ def build() -> ModuleType:
 
 
 BUILD_KEY = _build_key()
-BUILDS_OPS = ("decode_attention",)  # what kernels/cpp.py provides once built (kernels/registry.py)
+BUILDS_OPS = ("decode_attention", "write_kv")  # what kernels/cpp.py provides once built (kernels/registry.py)
 MODULE_NAME = f"xinserve_paged_decode_{BUILD_KEY}"
+OPS_NAMESPACE = f"xinserve_{BUILD_KEY}"  # its torch operators: torch.ops.<OPS_NAMESPACE>.write_kv, ...
 
 
 def _build_dir(key: str) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import quant_probes
+from kernels import kv_quant, quant_probes
 from kernels.attention_metadata import build_decode_gather
 from kernels.cache_dir import cache_dir
 from kernels.model_shapes import ModelShapes
@@ -80,7 +80,21 @@ def _prefill_workload(fn: dict[str, Callable], shapes: ModelShapes, device: torc
     return lambda: attend(query, key_cache, value_cache, tables, [0, PREFILL_TOKENS], [seq_len], scale)
 
 
-WORKLOADS = {"decode_attention": _decode_workload, "prefill_attention": _prefill_workload,
+def _write_kv_workload(fn: dict[str, Callable], shapes: ModelShapes, device: torch.device,
+                       dtype: torch.dtype) -> Callable[[], object]:
+    # one decode step of a batch of DECODE_SEQS x 4: as many new tokens, one per sequence, into a pool
+    tokens, bs = 4 * DECODE_SEQS, shapes.block_size
+    kv_dtype = shapes.kv_cache_dtype or dtype
+    width = kv_quant.head_width(shapes.head_dim, kv_dtype)
+    caches = [torch.zeros(tokens, bs, shapes.num_kv_heads, width, dtype=kv_dtype, device=device) for _ in range(2)]
+    key, value = (torch.randn(tokens, shapes.num_kv_heads, shapes.head_dim, dtype=dtype, device=device)
+                  for _ in range(2))
+    slots = torch.arange(tokens, dtype=torch.int64, device=device) * bs + bs // 2
+    write = fn["write_kv"]
+    return lambda: write(key, value, *caches, slots)
+
+
+WORKLOADS = {"decode_attention": _decode_workload, "prefill_attention": _prefill_workload, "write_kv": _write_kv_workload,
              **quant_probes.WORKLOADS}
 
 

@@ -221,79 +221,108 @@ inline void weighted_sum(float* acc, const float* p, const float* v, int64_t str
   }
 }
 
-// Asks for a block's rows of one KV head ahead of use: block tables scatter blocks over the pool, so the
-// hardware prefetcher cannot guess the next block; its rows are fetched while this one is computed.
+// How many blocks ahead of the one being computed the next blocks' rows are asked for. Block tables
+// scatter blocks over the pool, so the hardware prefetcher cannot guess the next block; a single
+// memory stream of one core keeps only a few lines in flight, so the fetch is started well ahead.
+constexpr int64_t kPrefetchBlocks = 2;  // 1 to 8 measured alike (benchmarks/decode_attention_realistic.py)
+
+// Asks for every 64-byte line of a block's rows of the KV heads an item reads: ``span`` elements from
+// ``first`` on each of ``tokens`` rows ``row_stride`` apart (one contiguous range when the item reads
+// all KV heads: a block's tokens for every head lie side by side).
 template <typename cache_t>
-inline void prefetch_rows(const cache_t* first, int64_t tokens, int64_t row_stride, int64_t width) {
-  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(cache_t));
+inline void prefetch_block(const cache_t* first, int64_t tokens, int64_t row_stride, int64_t span) {
+  const char* start = reinterpret_cast<const char*>(first);
+  const int64_t item = static_cast<int64_t>(sizeof(cache_t));
+  if (span == row_stride) {
+    const int64_t bytes = tokens * row_stride * item;
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
+    return;
+  }
   for (int64_t t = 0; t < tokens; ++t) {
-    const char* row = reinterpret_cast<const char*>(first + t * row_stride);
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset);
+    const char* row = start + t * row_stride * item;
+    for (int64_t offset = 0; offset < span * item; offset += 64) __builtin_prefetch(row + offset);
   }
 }
 
-// Scratch of one thread, reused over its (sequence, KV head) items. Shapes in floats: qf [G, D] scaled
-// queries; acc [G, D] unnormalised outputs; scores [G, BS] one block's logits, then weights; k_tile and
-// v_tile [BS, D] a block's widened rows (unused for a float32 cache).
+// Scratch of one thread, reused over its items. Shapes in floats, for the item's KV heads (up to KVH):
+// qf [KVH, G, D] scaled queries; acc [KVH, G, D] unnormalised outputs; running_max, running_sum [KVH, G];
+// scores [G, BS] one block's logits of one KV head, then weights; k_tile and v_tile [BS, D] a block's
+// widened rows of one KV head (unused for a float32 cache).
 struct Scratch {
   std::vector<float> qf, acc, scores, k_tile, v_tile, running_max, running_sum;
-  Scratch(int64_t group, int64_t head_dim, int64_t block_size)
-      : qf(group * head_dim), acc(group * head_dim), scores(group * block_size), k_tile(block_size * head_dim),
-        v_tile(block_size * head_dim), running_max(group), running_sum(group) {}
+  Scratch(int64_t heads, int64_t group, int64_t head_dim, int64_t block_size)
+      : qf(heads * group * head_dim), acc(heads * group * head_dim), scores(group * block_size),
+        k_tile(block_size * head_dim), v_tile(block_size * head_dim), running_max(heads * group),
+        running_sum(heads * group) {}
 };
 
-// One (sequence, KV head): the G query heads sharing the KV head walk the block table together, one
-// online-softmax update per block. kFixedDim is D when it is a common size (loops of known length
-// unroll fully), else 0.
+// One online-softmax update of the G query heads sharing one KV head, over one block's ``tokens`` rows
+// (``k_first`` / ``v_first``: the block's first row of that head). qf, acc [G, D]; running_max,
+// running_sum [G]: that KV head's slices of the scratch.
 template <typename cache_t, bool quantized, int64_t kFixedDim>
-void decode_group(const int32_t* table, int64_t seq_len, const cache_t* key_cache, const cache_t* value_cache,
-                  int64_t kv_head, int64_t group, int64_t head_dim, int64_t width, int64_t block_size,
-                  int64_t num_kv_heads, Scratch& w) {
+inline void attend_block(const cache_t* k_first, const cache_t* v_first, int64_t tokens, int64_t row_stride,
+                         int64_t group, int64_t head_dim, int64_t block_size, const float* qf, float* acc,
+                         float* running_max, float* running_sum, Scratch& w) {
   const int64_t dim = kFixedDim ? kFixedDim : head_dim;
   const Widen<cache_t> widen;
+  int64_t k_stride, v_stride;
+  const float* k = block_rows<cache_t, quantized>(k_first, tokens, row_stride, dim, widen, w.k_tile.data(), k_stride);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = qf + g * dim;
+    float* s = w.scores.data() + g * block_size;
+    for (int64_t t = 0; t < tokens; ++t) s[t] = dot<kFixedDim>(qg, k + t * k_stride, dim);
+  }
+  // Per query head: the block's max, the rescale of what came before, the block's weights.
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = w.scores.data() + g * block_size;
+    const float block_max = *std::max_element(s, s + tokens);
+    const float new_max = std::max(running_max[g], block_max);
+    const float rescale = std::exp(running_max[g] - new_max);  // exp(-inf) = 0 on the first block
+    float* a = acc + g * dim;
+    for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
+    float sum = 0.0f;
+    for (int64_t t = 0; t < tokens; ++t) {
+      s[t] = fast_exp(s[t] - new_max);
+      sum += s[t];
+    }
+    running_sum[g] = running_sum[g] * rescale + sum;
+    running_max[g] = new_max;
+  }
+  const float* v = block_rows<cache_t, quantized>(v_first, tokens, row_stride, dim, widen, w.v_tile.data(), v_stride);
+  for (int64_t g = 0; g < group; ++g) weighted_sum(acc + g * dim, w.scores.data() + g * block_size, v, v_stride, tokens, dim);
+}
+
+// One item: a sequence's KV heads [first_head, first_head + heads), walked block by block together, so
+// a block's K and V rows of those heads (side by side in the pool) are read in one pass, and the blocks
+// kPrefetchBlocks ahead are fetched meanwhile. Each head's arithmetic is the same whichever heads share
+// its item (the results do not depend on the thread count). kFixedDim is D when it is a common size
+// (loops of known length unroll fully), else 0.
+template <typename cache_t, bool quantized, int64_t kFixedDim>
+void decode_item(const int32_t* table, int64_t seq_len, const cache_t* key_cache, const cache_t* value_cache,
+                 int64_t first_head, int64_t heads, int64_t group, int64_t head_dim, int64_t width,
+                 int64_t block_size, int64_t num_kv_heads, Scratch& w) {
+  const int64_t dim = kFixedDim ? kFixedDim : head_dim;
   std::fill(w.acc.begin(), w.acc.end(), 0.0f);
   std::fill(w.running_max.begin(), w.running_max.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.running_sum.begin(), w.running_sum.end(), 0.0f);
   const int64_t row_stride = num_kv_heads * width;  // one token of one block, all KV heads
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  auto base = [&](int64_t b) { return static_cast<int64_t>(table[b]) * block_size * row_stride + first_head * width; };
+  auto tokens_of = [&](int64_t b) { return std::min(block_size, seq_len - b * block_size); };
+  auto prefetch = [&](int64_t b) {
+    const int64_t span = heads == num_kv_heads ? row_stride : heads * width;
+    prefetch_block(key_cache + base(b), tokens_of(b), row_stride, span);
+    prefetch_block(value_cache + base(b), tokens_of(b), row_stride, span);
+  };
+  for (int64_t b = 0; b < std::min(kPrefetchBlocks, num_blocks); ++b) prefetch(b);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t tokens = std::min(block_size, seq_len - b * block_size);
-    const int64_t base = static_cast<int64_t>(table[b]) * block_size * row_stride + kv_head * width;
-    if (b + 1 < num_blocks) {
-      const int64_t next = static_cast<int64_t>(table[b + 1]) * block_size * row_stride + kv_head * width;
-      const int64_t next_tokens = std::min(block_size, seq_len - (b + 1) * block_size);
-      prefetch_rows(key_cache + next, next_tokens, row_stride, width);
-      prefetch_rows(value_cache + next, next_tokens, row_stride, width);
-    }
-    int64_t k_stride, v_stride;
-    const float* k = block_rows<cache_t, quantized>(key_cache + base, tokens, row_stride, dim, widen,
-                                                    w.k_tile.data(), k_stride);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = w.qf.data() + g * dim;
-      float* s = w.scores.data() + g * block_size;
-      for (int64_t t = 0; t < tokens; ++t) s[t] = dot<kFixedDim>(qg, k + t * k_stride, dim);
-    }
-    // Per query head: the block's max, the rescale of what came before, the block's weights.
-    for (int64_t g = 0; g < group; ++g) {
-      float* s = w.scores.data() + g * block_size;
-      const float block_max = *std::max_element(s, s + tokens);
-      const float new_max = std::max(w.running_max[g], block_max);
-      const float rescale = std::exp(w.running_max[g] - new_max);  // exp(-inf) = 0 on the first block
-      float* a = w.acc.data() + g * dim;
-      for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
-      float sum = 0.0f;
-      for (int64_t t = 0; t < tokens; ++t) {
-        s[t] = fast_exp(s[t] - new_max);
-        sum += s[t];
-      }
-      w.running_sum[g] = w.running_sum[g] * rescale + sum;
-      w.running_max[g] = new_max;
-    }
-    const float* v = block_rows<cache_t, quantized>(value_cache + base, tokens, row_stride, dim, widen,
-                                                    w.v_tile.data(), v_stride);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* p = w.scores.data() + g * block_size;
-      weighted_sum(w.acc.data() + g * dim, p, v, v_stride, tokens, dim);
+    if (b + kPrefetchBlocks < num_blocks) prefetch(b + kPrefetchBlocks);
+    const int64_t at = base(b), tokens = tokens_of(b);
+    for (int64_t h = 0; h < heads; ++h) {
+      attend_block<cache_t, quantized, kFixedDim>(key_cache + at + h * width, value_cache + at + h * width, tokens,
+                                                  row_stride, group, head_dim, block_size, w.qf.data() + h * group * dim,
+                                                  w.acc.data() + h * group * dim, w.running_max.data() + h * group,
+                                                  w.running_sum.data() + h * group, w);
     }
   }
 }
@@ -311,35 +340,40 @@ void run(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Te
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  // Items are (sequence, KV head) pairs, split into one contiguous range per thread holding about the
-  // same number of context tokens (sequences differ in length; an equal count of items would not balance).
-  // A single sequence still splits over its KV heads.
-  const int64_t items = num_seqs * num_kv_heads;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  // An item is a sequence with all its KV heads; when there are fewer sequences than threads, a
+  // (sequence, KV head) pair, so a lone sequence still uses every thread. Items are split into one
+  // contiguous range per thread holding about the same number of context tokens (sequences differ in
+  // length; an equal count of items would not balance).
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads = num_seqs >= threads ? num_kv_heads : 1;  // KV heads per item
+  const int64_t per_seq = num_kv_heads / heads;
+  const int64_t items = num_seqs * per_seq;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, items));
   std::vector<int64_t> bounds(parts + 1, items);
   bounds[0] = 0;
   if (parts > 1) {
     int64_t total = 0;
     for (int64_t s = 0; s < num_seqs; ++s) total += len_ptr[s];
-    total *= num_kv_heads;
+    total *= per_seq;
     int64_t seen = 0, part = 1;
     for (int64_t i = 0; i < items && part < parts; ++i) {
-      seen += len_ptr[i / num_kv_heads];
+      seen += len_ptr[i / per_seq];
       while (part < parts && seen * parts >= total * part) bounds[part++] = i + 1;
     }
   }
   at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
-    Scratch w(group, head_dim, block_size);
+    Scratch w(heads, group, head_dim, block_size);
     for (int64_t i = bounds[first_part]; i < bounds[last_part]; ++i) {
-      const int64_t s = i / num_kv_heads, h = i % num_kv_heads;
-      const int64_t offset = (s * num_heads + h * group) * head_dim;  // the group's first query head
-      for (int64_t j = 0; j < group * head_dim; ++j) w.qf[j] = static_cast<float>(q_ptr[offset + j]) * scale;
-      decode_group<cache_t, quantized, kFixedDim>(table_ptr + s * table_width, len_ptr[s], k_ptr, v_ptr, h, group,
-                                                  head_dim, width, block_size, num_kv_heads, w);
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = 1.0f / w.running_sum[g];
+      const int64_t s = i / per_seq, first_head = (i % per_seq) * heads;
+      const int64_t offset = (s * num_heads + first_head * group) * head_dim;  // the item's first query head
+      const int64_t count = heads * group * head_dim;
+      for (int64_t j = 0; j < count; ++j) w.qf[j] = static_cast<float>(q_ptr[offset + j]) * scale;
+      decode_item<cache_t, quantized, kFixedDim>(table_ptr + s * table_width, len_ptr[s], k_ptr, v_ptr, first_head,
+                                                 heads, group, head_dim, width, block_size, num_kv_heads, w);
+      for (int64_t r = 0; r < heads * group; ++r) {
+        const float inv = 1.0f / w.running_sum[r];
         for (int64_t d = 0; d < head_dim; ++d) {
-          out_ptr[offset + g * head_dim + d] = static_cast<scalar_t>(w.acc[g * head_dim + d] * inv);
+          out_ptr[offset + r * head_dim + d] = static_cast<scalar_t>(w.acc[r * head_dim + d] * inv);
         }
       }
     }
@@ -358,8 +392,9 @@ void run_dim(const torch::Tensor& q, const torch::Tensor& key_cache, const torch
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
+                                     const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [S, H, D] and cache [N, BS, KVH, W] expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the paged cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
@@ -388,8 +423,4 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache, in place");
 }

@@ -1,6 +1,7 @@
 """The C++ CPU decode kernel (reads the paged cache in place) against the reference, and end to end."""
 
 import multiprocessing
+import sys
 import threading
 import time
 from pathlib import Path
@@ -75,8 +76,9 @@ def test_greedy_generation_with_the_cpp_kernel_equals_the_reference(tiny_models)
     runs = {}
     for impl in ("cpp", "reference"):
         llm = LLM(path, num_kv_blocks=40, block_size=4, max_num_batched_tokens=16,
-                  kernels={"decode_attention": impl})
+                  kernels={"decode_attention": impl, "write_kv": impl})
         assert llm.engine.runner.kernels.chosen["decode_attention"] == impl
+        assert llm.engine.runner.kernels.chosen["write_kv"] == impl
         runs[impl] = [o.token_ids for o in llm.generate(prompts, params)]
         if impl == "cpp":
             assert llm.engine.stats().num_preemptions_total > 0  # a pool small enough to preempt
@@ -168,3 +170,85 @@ def test_every_kv_dtype_and_thread_count_equals_the_reference_over_tables_with_h
     torch.set_num_threads(1)
     # Each (sequence, KV head) is computed alone, whichever thread takes it: the same bits.
     assert torch.equal(cpp.paged_decode_attention(query, *holed, tables, seq_lens, 0.2), got)
+
+
+@pytest.mark.parametrize("kind", [None, "bfloat16", "float16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_kv_write_stores_the_reference_bytes(kind, dtype):
+    g = torch.Generator().manual_seed(3)
+    tokens, kv_heads, head_dim, block_size, num_blocks = 7, 2, 40, 16, 5
+    kv_dtype = kv_quant.storage_dtype(kind, dtype)
+    width = kv_quant.head_width(head_dim, kv_dtype)
+    # key and value as the model passes them: views of one fused projection, rows a token apart
+    qkv = (3 * torch.randn(tokens, 3 * kv_heads * head_dim, generator=g)).to(dtype)
+    qkv[2, :head_dim] = 0  # an all-zero head (8-bit scale 1)
+    _, key, value = (x.view(tokens, kv_heads, head_dim) for x in qkv.split(kv_heads * head_dim, dim=-1))
+    slots = torch.tensor([0, 15, 16, 40, 79, 33, 1])
+    start = kv_quant.quantize(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g), kv_dtype)
+    got, want = [start.clone(), start.clone()], [start.clone(), start.clone()]
+    cpp.write_kv(key, value, *got, slots)
+    reference.write_kv(key, value, *want, slots)
+    for mine, theirs in zip(got, want, strict=True):
+        assert mine.shape[-1] == width and torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+
+
+def test_a_kv_write_out_of_the_pool_raises_instead_of_writing():
+    cache = [torch.zeros(2, 4, 1, 8) for _ in range(2)]
+    new = torch.ones(1, 1, 8)
+    for slot in (8, -1):
+        with pytest.raises(RuntimeError, match="out of range"):
+            cpp.write_kv(new, new, *cache, torch.tensor([slot]))
+    assert not any(c.any() for c in cache)
+
+
+def test_compiled_calls_go_through_the_registered_operators():
+    # aot_eager traces with the fake implementations and functionalises the in-place write, as inductor does.
+    query, key_cache, value_cache, tables_np, lens_np = decode_case(SHAPES[0], [5, 40], torch.float32)
+    tables, seq_lens = torch.from_numpy(tables_np), torch.from_numpy(lens_np)
+    new_k, new_v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    slots = (tables[:, 0].long() * 16 + 3).contiguous()
+
+    def step(q, k_cache, v_cache):
+        cpp.write_kv(new_k, new_v, k_cache, v_cache, slots)
+        return cpp.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3)
+
+    eager_caches = (key_cache.clone(), value_cache.clone())
+    want = step(query, *eager_caches)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = compiled(query, key_cache, value_cache)
+    assert torch.equal(got, want)
+    assert torch.equal(key_cache, eager_caches[0]) and torch.equal(value_cache, eager_caches[1])  # written in place
+
+
+@pytest.fixture
+def slow_gil_switches():
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1000)  # a thread holding the GIL keeps it until it blocks or releases it itself
+    yield
+    sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("call", ["module", "operator"])
+def test_the_kernels_release_the_gil_while_they_run(call, slow_gil_switches, restore_threads):
+    # A long attention call (a hot pool: 256 sequences x 4096 tokens over the same 256 blocks) in a second
+    # thread. With the GIL released the main thread runs as soon as the call starts and finds it unfinished;
+    # a kernel holding the GIL lets it run only once the call has returned (switch interval 1000 s).
+    torch.set_num_threads(1)
+    cache = [torch.randn(256, 128, 2, 64) for _ in range(2)]
+    tables = torch.arange(256, dtype=torch.int32).repeat(256, 1)[:, :32]
+    lens = torch.full((256,), 4096, dtype=torch.int32)
+    query = torch.randn(256, 2, 64)
+    attend = cpp._extension.paged_decode_attention if call == "module" else cpp._ops.paged_decode_attention
+    started, finished = threading.Event(), threading.Event()
+
+    def run() -> None:
+        started.set()
+        attend(query, *cache, tables, lens, 0.1)
+        finished.set()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    started.wait()
+    during = not finished.is_set()
+    worker.join()
+    assert during
