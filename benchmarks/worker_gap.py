@@ -132,7 +132,7 @@ def run_arm(llm, batch: int, prompt_len: int, steps: int, arm: str, tag: str) ->
     loop = WorkerLoop(llm.engine, recv, send, "bench", heartbeat_s=60, async_scheduling=arm != "sync")
     if arm == "sender":
         loop.async_steps.close()
-        loop.async_steps, loop._engine_step, loop._has_work = None, llm.engine.step, llm.engine.has_unfinished_requests
+        loop.async_steps = None
     timeline = Timeline(loop, steps + batch)
     params = SamplingParams(temperature=0, max_tokens=steps + 2 * batch + 8, ignore_eos=True)
     for i in range(batch):

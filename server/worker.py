@@ -88,8 +88,13 @@ class WorkerLoop:
         # (an engine that cannot, or a test's engine double).
         make_async = getattr(engine, "async_steps", None) if async_scheduling else None
         self.async_steps = make_async() if make_async is not None else None
-        self._engine_step = engine.step if self.async_steps is None else self.async_steps.step
-        self._has_work = engine.has_unfinished_requests if self.async_steps is None else self.async_steps.has_unfinished
+
+    def _engine_step(self) -> StepResult:
+        return self.engine.step() if self.async_steps is None else self.async_steps.step()
+
+    def _has_work(self) -> bool:
+        """Requests to step, or a step still running (async scheduling)."""
+        return self.engine.has_unfinished_requests() if self.async_steps is None else self.async_steps.has_unfinished()
 
     def _emit(self, message: messages.FromWorker) -> None:
         if self.sender is not None:
