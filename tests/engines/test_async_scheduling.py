@@ -113,3 +113,30 @@ def test_a_failed_step_is_undone_and_run_again_synchronously(tiny_model_dir, ass
     assert [got[str(i)][0] for i in range(len(prompts))] == expected
     assert stepper.synchronous >= 1 and len(calls) > 8
     assert_idle(llm)
+
+
+def test_no_row_is_run_past_max_tokens_or_the_context(tiny_model_dir, assert_idle):
+    """A sequence whose pending token is certainly its last gets no row after it: past the context
+    there is no position to run (the rotary table ends there), past max_tokens the row is wasted."""
+    prompt = list(range(5, 15))
+    llm = LLM(tiny_model_dir, num_kv_blocks=16, block_size=4, max_model_len=16)
+    engine = llm.engine
+    engine.add_request("context", prompt, SamplingParams(temperature=0, ignore_eos=True))
+    engine.add_request("budget", prompt[:5], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    stepper = engine.async_steps()
+    rows = []
+    schedule = engine.scheduler.schedule
+
+    def counted():
+        scheduled = schedule()
+        rows.append(sum(s.num_new_tokens for s in scheduled))
+        return scheduled
+
+    engine.scheduler.schedule = counted
+    got = drive(stepper.step, stepper.has_unfinished)
+    stepper.close()
+    expected = reference(tiny_model_dir, [prompt, prompt[:5]], [6, 4])
+    assert got == {"context": (expected[0], "length"), "budget": (expected[1], "length")}
+    assert stepper.synchronous == 0
+    assert sum(rows) == len(prompt) + 5 + 5 + 3  # both prompts, then one row per token but each last
+    assert_idle(llm)

@@ -89,6 +89,9 @@ def test_greedy_equals_transformers_with_outputs_merged(tiny_model_dir, speculat
         got.append([t for out in outs for t in out.new_token_ids])
         reasons.append([out.finish_reason for out in outs if out.finished])
     assert loop.sender.merged > 0
+    # Async scheduling ran steps ahead of their tokens (speculative decoding steps one at a time).
+    assert (loop.async_steps is None) == (speculative is not None)
+    assert speculative is not None or loop.async_steps.overlapped > 0
     assert llm.engine.stats().num_preemptions_total > 0
     *expected, long_expected = reference(tiny_model_dir, [*prompts, prompts[0]], [MAX_TOKENS] * len(prompts) + [LONG])
     for i, tokens in enumerate(expected):
