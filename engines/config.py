@@ -84,8 +84,10 @@ class EngineConfig:
         "the cores a CPU worker may use unless cpu_threads is set; None: no timing", ge=1))
     async_scheduling: bool = field(default=True, metadata=setting(
         "the server's worker never waits for the HTTP process: a step's outputs go out without blocking, or, "
-        "while the socket is full, through a sender thread that merges them (server/output_sender.py), and the "
-        "next step starts at once; off: the step loop blocks on a full socket"))
+        "while the socket is full, through a sender thread that merges them (server/output_sender.py); and "
+        "step N+1 is scheduled and prepared while step N runs, its input ids taken from N's sampled tensor "
+        "(engines/async_scheduling.py; CPU, one rank, no speculative decoding; requests with log-probs, "
+        "penalties or structured output step synchronously); off: one step at a time, blocking on a full socket"))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
         "speculative decoding, as vLLM spells it (JSON on the command line): "
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '

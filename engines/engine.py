@@ -8,6 +8,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from transformers import AutoTokenizer, GenerationConfig
 
 from engines import thread_split
+from engines.async_scheduling import AsyncScheduling
 from engines.config import EngineConfig
 from engines.kv_cache import BlockManager
 from engines.kv_connector.host import make_host_tier
@@ -16,7 +17,7 @@ from engines.kv_events import EventBatch
 from engines.outputs import EngineStats, FinishReason, RequestFailure, StepResult, spec_decode_stats
 from engines.platforms import get_platform
 from engines.sampling_params import SamplingParams
-from engines.scheduler import SampledTokens, ScheduledSeq, Scheduler
+from engines.scheduler import SampledTokens, ScheduledSeq, Scheduler, num_pending
 from engines.sequence import Sequence, SequenceStatus
 from engines.speculative.config import parse_speculative_config
 from engines.speculative.proposer import make_proposer
@@ -177,8 +178,17 @@ class LLMEngine:
         for seq in self.requests.get(request_id, []):
             if not seq.is_finished and (index is None or seq.index == index):
                 if emitted is not None and index is not None:
-                    self.generation_tokens_total -= max(0, seq.num_output_tokens - emitted)
+                    # Tokens of a step still running (async scheduling) are not counted yet.
+                    self.generation_tokens_total -= max(0, seq.num_output_tokens - num_pending(seq) - emitted)
                 self._finish(seq, "abort")
+
+    def async_steps(self) -> "AsyncScheduling | None":
+        """A stepper that schedules step N+1 while step N runs (engines/async_scheduling.py), or None where
+        this engine cannot: speculative decoding, a host KV tier, several ranks, a device other than the CPU."""
+        if (self.proposer is not None or self.kv_tier is not None or self.platform.kind != "cpu"
+                or self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1):
+            return None
+        return AsyncScheduling(self)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)

@@ -207,11 +207,13 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's newly full, computed blocks in the prefix cache."""
+    def cache_full_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Register the sequence's newly full, computed blocks in the prefix cache; ``num_computed``:
+        at most this many tokens (async scheduling: a later step's rows are not computed yet)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        computed = seq.num_computed_tokens if num_computed is None else min(num_computed, seq.num_computed_tokens)
+        num_full = min(computed // self.block_size, len(seq.block_table))
         # Blocks are hashed in order, so walk back to the first unhashed one (O(1) on most steps).
         first = num_full
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash is NO_HASH:
@@ -225,7 +227,7 @@ class BlockManager:
             block.hash = chain_hash(prev_hash, tokens)
             block.token_ids = tuple(tokens)
             end = (i + 1) * self.block_size
-            block.next_token = seq.token_ids[end] if end < seq.num_tokens else None
+            block.next_token = seq.token_ids[end] if end < seq.num_tokens and seq.token_ids[end] >= 0 else None
             prev_hash = block.hash
             if self.hash_to_block.setdefault(block.hash, block.block_id) != block.block_id or self.events is None:
                 stored = None  # already cached in another block: not stored again

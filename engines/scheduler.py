@@ -11,6 +11,9 @@ without them: drafts never cause a preemption.
 After the model ran, ``update`` does the step's bookkeeping: computed tokens, cached blocks, the
 sampled tokens appended, stops detected; of a drafted sequence only the accepted drafts count as
 computed (the rejected ones' slots are rolled back and never reach the prefix cache).
+With async scheduling (engines/async_scheduling.py) the update comes in two halves: ``commit`` when a
+step is launched (its rows count as computed, each sampled sequence gets a ``PLACEHOLDER`` token, so
+the next step can be scheduled before this one's tokens are known) and ``resolve`` once they are.
 """
 
 import logging
@@ -24,6 +27,8 @@ from engines.sequence import Sequence, SequenceStatus, needs_prompt_logits
 from engines.speculative.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
+
+PLACEHOLDER = -1  # a token sampled by a step still running (async scheduling); never a vocabulary id
 
 
 @dataclass(slots=True)
@@ -79,6 +84,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._ends_with_pending_token(seq):
+                i += 1  # its pending token is its last: it gets no row past it
+                continue
             k = self._num_drafts(seq, budget)
             if k and self._drafts_fit(seq, k, len(self.running) - i - 1) and self.block_manager.allocate_slots(seq, 1 + k):
                 step = ScheduledSeq(seq, 1 + k, seq.draft_token_ids[:k])
@@ -94,6 +102,14 @@ class Scheduler:
             budget -= step.num_new_tokens
             i += 1
         return preempted
+
+    def _ends_with_pending_token(self, seq: Sequence) -> bool:
+        """Whether ``seq`` ends for certain with its token still being sampled (max_tokens or the context)."""
+        if seq.token_ids[-1] != PLACEHOLDER:
+            return False
+        limit = seq.params.max_tokens
+        return (limit is not None and seq.num_output_tokens >= limit) or (
+            self.max_model_len is not None and seq.num_tokens >= self.max_model_len)
 
     def _drafts_fit(self, seq: Sequence, k: int, num_after: int) -> bool:
         """Drafts never cost another running sequence its step: the blocks they take leave one free
@@ -206,15 +222,49 @@ class Scheduler:
             prompt_logprobs=sampled.prompt_logprobs,
         ))
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def commit(self, scheduled: list[ScheduledSeq], sampled: list[Sequence]) -> list[int]:
+        """Async scheduling's first half of ``update``, when a step is launched: its rows count as
+        computed, and each sequence it samples gets a ``PLACEHOLDER`` token (the next step's input, taken
+        from this step's sampled tensor on the device). Returns each one's placeholder index."""
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        slots = []
+        for seq in sampled:
+            slots.append(seq.num_tokens)
+            seq.token_ids.append(PLACEHOLDER)
+        return slots
+
+    def resolve(self, scheduled: list[ScheduledSeq], computed: list[int], sampled: list[Sequence], slots: list[int],
+                token_ids: list[int]) -> StepResult:
+        """Async scheduling's second half, once the step's tokens are known: each sampled sequence's
+        placeholder becomes its token, a stop finishes it (dropping the row a later step runs for it);
+        ``computed``: each scheduled sequence's computed tokens after this step, whose full blocks enter
+        the prefix cache. A sequence finished meanwhile (an abort) takes nothing."""
+        for s, num_computed in zip(scheduled, computed):
+            if s.seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(s.seq, num_computed)
+        result = StepResult()
+        for seq, slot, token in zip(sampled, slots, token_ids):
+            if seq.is_finished:
+                continue
+            seq.token_ids[slot] = token
+            reason = self._stop_reason(seq, token, slot + 1)
+            if reason is not None:
+                self.finish(seq, reason)
+            result.outputs.append(StepOutput(seq.request_id, seq.index, [token], reason is not None, reason))
+        return result
+
+    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int | None = None) -> FinishReason | None:
+        """``num_tokens``: the sequence's length with ``token`` (its own, unless tokens are pending after it)."""
         params = seq.params
+        num_tokens = seq.num_tokens if num_tokens is None else num_tokens
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if seq.grammar is not None and token in self.eos_token_ids:
             return "stop"  # the grammar's end: its mask allows EOS only there, ignore_eos or not
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= params.max_tokens:
             return "length"
-        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+        if self.max_model_len is not None and num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -225,5 +275,14 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        del seq.token_ids[len(seq.token_ids) - num_pending(seq):]  # the rows past its end are dropped
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def num_pending(seq: Sequence) -> int:
+    """The sequence's trailing placeholders: tokens of steps still running (async scheduling)."""
+    n = 0
+    while n < len(seq.token_ids) - seq.num_prompt_tokens and seq.token_ids[-1 - n] == PLACEHOLDER:
+        n += 1
+    return n

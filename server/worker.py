@@ -10,8 +10,9 @@ request state of its own beyond a request's arrival time until its first step: t
 the requests, the HTTP process their choices (server/messages.py).
 With ``async_scheduling`` (the default) a message never blocks the loop: it goes out with
 ``zmq.NOBLOCK``, or, while the socket is full, through a sender thread (server/output_sender.py), so
-step N+1 is scheduled, prepared and run while step N's outputs are sent, detokenised and streamed,
-and a slow HTTP process never holds a step back.
+a slow HTTP process never holds a step back; and step N+1 is scheduled and prepared while step N runs
+on the engine's step thread (engines/async_scheduling.py): ``step()`` returns step N's outputs, which are
+sent while N+1 runs.
 This module imports no torch at import time: the spawned child selects the device first.
 """
 
@@ -82,10 +83,18 @@ class WorkerLoop:
         self._last_stats = 0.0
         self._parent = os.getppid()
         self._warmup_version = -1  # the background warm-up's changes sent so far (engines/warmup.py)
-        # Exactness: the engine still schedules step N+1 after step N's update, from the real sampled
-        # tokens (no vLLM-style "one more token each" guess to fix up), so stops, aborts, preemption and
-        # speculative rows are what they were; only the sending of N's outputs stops holding up N+1.
         self.sender = OutputSender(send, label) if async_scheduling else None
+        # Step N+1 scheduled while step N runs (engines/async_scheduling.py); None: one step at a time
+        # (an engine that cannot, or a test's engine double).
+        make_async = getattr(engine, "async_steps", None) if async_scheduling else None
+        self.async_steps = make_async() if make_async is not None else None
+
+    def _engine_step(self) -> StepResult:
+        return self.engine.step() if self.async_steps is None else self.async_steps.step()
+
+    def _has_work(self) -> bool:
+        """Requests to step, or a step still running (async scheduling)."""
+        return self.engine.has_unfinished_requests() if self.async_steps is None else self.async_steps.has_unfinished()
 
     def _emit(self, message: messages.FromWorker) -> None:
         if self.sender is not None:
@@ -120,7 +129,7 @@ class WorkerLoop:
     def _step(self) -> None:
         started = time.perf_counter()
         try:
-            result = self.engine.step()
+            result = self._engine_step()
         except Exception:
             # The engine's state for the running requests is suspect: fail them all, keep serving.
             failed = list(self.engine.requests)
@@ -142,7 +151,7 @@ class WorkerLoop:
             if added_at is not None:
                 queue_times[out.request_id] = started - added_at
             finished |= out.finished
-        force = finished or bool(queue_times) or not self.engine.has_unfinished_requests()
+        force = finished or bool(queue_times) or not self._has_work()
         self._emit(Outputs(outputs, self._stats_if_due(force), queue_times))
 
     def _report_failed(self, result: StepResult) -> list[StepOutput]:
@@ -187,6 +196,8 @@ class WorkerLoop:
         try:
             self._run()
         finally:
+            if self.async_steps is not None:
+                self.async_steps.close()
             if self.sender is not None:
                 self.sender.close()  # what is queued goes out before the socket closes
 
@@ -196,11 +207,11 @@ class WorkerLoop:
                 logger.warning("%s: parent process is gone; exiting", self.label)
                 break
             self._report_warmup()
-            busy = self.engine.has_unfinished_requests()
+            busy = self._has_work()
             self._drain(0 if busy else int(self.heartbeat_s * 1000))
             if not self.running:
                 break
-            if self.engine.has_unfinished_requests():
+            if self._has_work():
                 self._step()
             else:
                 # The idle heartbeat, or fresh KV usage right after aborts freed blocks.
