@@ -1,6 +1,7 @@
 """A process that is done leaves without the exit's walk over its heap (engines/process_exit.py):
 the ``xinserve`` command and a server's worker freeze their live objects before they exit."""
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -31,16 +32,19 @@ def test_leave_quickly_leaves_the_collector_no_live_object_to_walk():
     assert before > 10_000 and after == 0 and frozen >= before
 
 
-def test_the_xinserve_command_freezes_its_heap_before_it_exits(tiny_model_dir):
-    # ``python -m server.cli plan`` (torch and transformers imported, no model loaded); an exit hook
-    # sees the heap as the interpreter's exit finds it
+def test_the_xinserve_command_freezes_its_heap_before_it_exits():
+    # ``python -m server.cli bench`` against a closed port (torch imported, nothing served); an exit
+    # hook sees the heap as the interpreter's exit finds it
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
     done = python("""
         import atexit, gc, runpy, sys
         atexit.register(lambda: print("frozen", gc.get_freeze_count(), "live", len(gc.get_objects())))
-        sys.argv = ["xinserve", "plan", "--model", sys.argv[1]]
+        sys.argv = ["xinserve", "bench", "--base-url", sys.argv[1], "--num-prompts", "1"]
         runpy.run_module("server.cli", run_name="__main__")
-    """, str(tiny_model_dir))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    """, closed)
+    assert done.returncode == 1 and "cannot reach" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     _, frozen, _, live = done.stdout.splitlines()[-1].split()
     assert int(frozen) > 100_000 and int(live) < 1000
 
