@@ -49,6 +49,9 @@ def one_stop(root: Path, model: Path, log: Path) -> dict:
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
+    else:
+        proc.kill()
+        raise TimeoutError(f"not ready within 600 s; log in {log}")
     http = psutil.Process(proc.pid)
     worker = next(c for c in http.children() if "spawn_main" in " ".join(c.cmdline()))
     processes = {"http": http, "worker": worker}
