@@ -22,6 +22,7 @@ from engines.config import EngineConfig
 from engines.distributed import GroupFailure, ParallelGroup, open_store
 from engines.pipeline_parallel import stage_collectives
 from engines.platforms import get_platform
+from engines.process_exit import leave_quickly
 from engines.runner import ModelRunner, StepBatch
 from engines.speculative.mtp_messages import KINDS as MTP_KINDS
 from engines.speculative.mtp_runner import MTPModelRunner
@@ -128,6 +129,7 @@ def main() -> None:
     except Exception:
         logger.exception("rank %d failed", rank)
         sys.exit(1)
+    leave_quickly()
 
 
 if __name__ == "__main__":

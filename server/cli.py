@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from engines.config import COMPILE_ENV_VAR, COMPILE_MODES
+from engines.process_exit import leave_quickly
 from server.config import AppConfig, ConfigError, default_config_path, load_config, parse_config
 from server.model_settings import ModelSettings
 
@@ -197,5 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     return doctor.run(args)
 
 
+def run() -> None:
+    """The ``xinserve`` command (pyproject.toml's entry point): ``main``, then a quick exit."""
+    code = main()
+    leave_quickly()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

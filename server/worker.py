@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from engines.outputs import EngineStats, StepOutput, StepResult
+from engines.process_exit import leave_quickly
 from engines.quantization.install import weights_report
 from engines.rank_role import RankRole
 from server import messages
@@ -286,3 +287,4 @@ def run_worker(spec: WorkerSpec) -> None:
         recv.close(linger=0)
         send.close()
         ctx.term()
+        leave_quickly()

@@ -42,6 +42,13 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(CpuTimes(config.getoption("cpu_report")), "cpu_times")
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """pytest's own exit (each xdist worker's too) skips the walk over its heap (engines/process_exit.py)."""
+    from engines.process_exit import leave_quickly
+
+    leave_quickly()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if "xinserve_units_file" in getattr(config, "workerinput", {}):  # a worker of `make test`'s xdist
         from tests.xdist_groups import on_worker_collected
