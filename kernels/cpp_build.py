@@ -23,8 +23,12 @@ SOURCES = [Path(__file__).resolve().parent / "csrc" / name
            for name in ("paged_decode_attention.cpp", "write_kv.cpp", "bindings.cpp")]
 # Reassociation lets the compiler vectorise the float sums; contraction fuses a * b + c into one FMA
 # (ISO C++ mode, -std=c++20, leaves it off).
+# -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled into this extension;
+# without the flag every range runs on the calling thread, whatever torch.get_num_threads() says. The
+# link flag resolves the OpenMP calls to the libgomp.so.1 torch has already loaded (same soname).
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-ffp-contract=fast"]
+          "-fno-trapping-math", "-ffp-contract=fast", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 def _cache_dir() -> Path:
@@ -45,7 +49,7 @@ def _build_key() -> str:
     The paths too, because ninja's build file names the sources by them: two checkouts sharing one
     build directory would rewrite that file and rebuild (half a minute each) on every load."""
     sources = "\n".join(f"{path.read_text()}\n{path}" for path in SOURCES)
-    text = f"{sources}\n{CFLAGS}\n{torch.__version__}\n{_cpu_flags()}"
+    text = f"{sources}\n{CFLAGS}\n{LDFLAGS}\n{torch.__version__}\n{_cpu_flags()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -73,6 +77,7 @@ def build() -> ModuleType:
                 name=MODULE_NAME,
                 sources=[str(path) for path in SOURCES],
                 extra_cflags=[*CFLAGS, f"-DXINSERVE_OPS={OPS_NAMESPACE}"],
+                extra_ldflags=LDFLAGS,
                 build_directory=str(build_dir),
                 verbose=False,
             )
