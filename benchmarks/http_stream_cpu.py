@@ -27,7 +27,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-WORDS = "the quick brown fox jumps over a lazy dog while seven happy cats watch from the old red barn".split()
+TEXT = "the quick brown fox jumps over a lazy dog while seven happy cats watch from the old red barn"
 
 
 def cpu_s(pid: int) -> float:
@@ -48,15 +48,14 @@ def serve(port: int, tokenizer_dir: str, step_ms: float) -> None:
     from server.responses import TokenTexts
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tokens = [t for w in WORDS for t in tok.encode(" " + w, add_special_tokens=False)]
+    tokens = [t for w in TEXT.split() for t in tok.encode(" " + w, add_special_tokens=False)]
 
     class SteppingWorker:
         """One step every ``step_ms``: a token for each open request, ``length`` at its max_tokens."""
 
         model_name, label, ready, capacity, stats, restarts = "m", "cpu", True, 256, None, 0
-        info = {"vocab_size": len(tok), "max_model_len": 4096}
-
         def __init__(self) -> None:
+            self.info = {"vocab_size": len(tok), "max_model_len": 4096}
             self.fanout = Fanout(lambda message: True)
             self.open: dict[str, list[int]] = {}  # handle -> [tokens sent, max_tokens]
             self.task: asyncio.Task | None = None
@@ -141,8 +140,8 @@ def _start(root: Path, without: list[str], extra: list[str], port: int, tokenize
             f"bench = importlib.util.module_from_spec(spec); spec.loader.exec_module(bench); "
             f"bench.serve({port}, {str(tokenizer_dir)!r}, {step_ms})")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    log = open(scratch / f"server-{port}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(scratch / f"server-{port}.log", "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
