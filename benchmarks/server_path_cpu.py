@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", type=Path, help="an older checkout to measure as a third arm")
     p.add_argument("--before-without", default="", help="packages the before arm must not import")
     p.add_argument("--no-off-arm", action="store_true", help="no --no-async-scheduling arm")
+    p.add_argument("--server-flags", default="", help="flags for every arm's server, e.g. '--cpu-threads 1' "
+                   "(the same worker threads in every arm, not each start's own timing)")
     p.add_argument("--concurrency", default="8,32")
     p.add_argument("--input-words", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=128)
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tmp)
         model = ensure_tiny_model(scratch, "llama-h256-l4", **LLAMA_5M)
         hide = [m for m in args.before_without.split(",") if m]
-        procs = {label: _start(label, root, flags, model, scratch, hide if label == "before" else [])
+        procs = {label: _start(label, root, [*flags, *args.server_flags.split()], model, scratch,
+                               hide if label == "before" else [])
                  for label, root, flags in arms}
         try:
             pids = {}
@@ -140,7 +143,7 @@ def _write(args: argparse.Namespace, arms: list, runs: dict, summary: dict | Non
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine(), "load_average": os.getloadavg(),
                                     "arms": [{"label": label, "root": str(root), "flags": flags} for label, root, flags in arms],
-                                    "before_without": args.before_without,
+                                    "before_without": args.before_without, "server_flags": args.server_flags,
                                     "input_words": args.input_words, "output_tokens": args.output_tokens,
                                     "runs": runs, "summary": summary}, indent=2))
 
