@@ -7,7 +7,12 @@ warm-up run, the user + system CPU of the HTTP process and of the worker process
 Arms run one after another per level and repeat, alternating order. Writes
 benchmarks/results/server_path_cpu.json.
 
-Run: python benchmarks/server_path_cpu.py [--before /work/main] [--concurrency 8,32]
+``--before-without httptools,uvloop`` hides packages from the before arm (a stub module that fails to
+import, first on its path), to measure a checkout as it ran before they were installed;
+``--no-off-arm`` leaves out the ``--no-async-scheduling`` arm.
+
+Run: python benchmarks/server_path_cpu.py [--before /work/main [--before-without httptools,uvloop]]
+[--concurrency 8,32] [--no-off-arm]
 """
 
 import argparse
@@ -38,18 +43,31 @@ def cpu_s(pid: int) -> float:
 
 
 def _arms(args: argparse.Namespace) -> list[tuple[str, Path, list[str]]]:
-    arms = [("after", ROOT, []), ("after, off", ROOT, ["--no-async-scheduling"])]
+    arms = [("after", ROOT, [])]
+    if not args.no_off_arm:
+        arms.append(("after, off", ROOT, ["--no-async-scheduling"]))
     if args.before is not None:
         arms.insert(0, ("before", args.before.resolve(), []))
     return arms
 
 
-def _start(label: str, root: Path, flags: list[str], model: Path, scratch: Path):
+def _hidden(names: list[str], scratch: Path) -> list[str]:
+    """A folder of stubs that fail to import, for the front of a path: uvicorn's "auto" falls back."""
+    if not names:
+        return []
+    stubs = scratch / "hidden"
+    stubs.mkdir(exist_ok=True)
+    for name in names:
+        (stubs / f"{name}.py").write_text(f"raise ImportError('{name} hidden by the benchmark')\n")
+    return [str(stubs)]
+
+
+def _start(label: str, root: Path, flags: list[str], model: Path, scratch: Path, hidden: list[str]):
     port = launch.free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", *flags]
     # No compile thread beside the measurement: its CPU would land on the worker's account.
-    env = {"PYTHONPATH": str(root), "XINSERVE_COMPILE": "off"}
+    env = {"PYTHONPATH": os.pathsep.join([*_hidden(hidden, scratch), str(root)]), "XINSERVE_COMPILE": "off"}
     proc = launch.start(cmd, scratch / f"{label.replace(' ', '_')}.log", root, env)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -61,6 +79,10 @@ def _worker_pid(url: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", type=Path, help="an older checkout to measure as a third arm")
+    p.add_argument("--before-without", default="", help="packages the before arm must not import")
+    p.add_argument("--no-off-arm", action="store_true", help="no --no-async-scheduling arm")
+    p.add_argument("--server-flags", default="", help="flags for every arm's server, e.g. '--cpu-threads 1' "
+                   "(the same worker threads in every arm, not each start's own timing)")
     p.add_argument("--concurrency", default="8,32")
     p.add_argument("--input-words", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=128)
@@ -72,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="xinserve-cpu-") as tmp:
         scratch = Path(tmp)
         model = ensure_tiny_model(scratch, "llama-h256-l4", **LLAMA_5M)
-        procs = {label: _start(label, root, flags, model, scratch) for label, root, flags in arms}
+        hide = [m for m in args.before_without.split(",") if m]
+        procs = {label: _start(label, root, [*flags, *args.server_flags.split()], model, scratch,
+                               hide if label == "before" else [])
+                 for label, root, flags in arms}
         try:
             pids = {}
             for label, (proc, url) in procs.items():
@@ -118,6 +143,7 @@ def _write(args: argparse.Namespace, arms: list, runs: dict, summary: dict | Non
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine(), "load_average": os.getloadavg(),
                                     "arms": [{"label": label, "root": str(root), "flags": flags} for label, root, flags in arms],
+                                    "before_without": args.before_without, "server_flags": args.server_flags,
                                     "input_words": args.input_words, "output_tokens": args.output_tokens,
                                     "runs": runs, "summary": summary}, indent=2))
 

@@ -33,6 +33,7 @@ from server.pool import ModelPool, cpu_thread_share, default_cpu_threads, local_
 from server.request_log import RequestLogMiddleware
 from server.router import Router
 from server.routes import chat, completions, health, models, responses_api, sglang_worker, tokenize
+from server.sse import DirectSendMiddleware
 from server.startup import stop_if_nothing_loads
 
 logger = logging.getLogger("xinserve.server")
@@ -113,4 +114,6 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.add_middleware(RequestLogMiddleware)
     # Outermost: every error on /v1/messages paths, whichever layer raised it, in Anthropic's shape.
     app.add_middleware(anthropic.AnthropicErrorMiddleware)
+    # Outside every other middleware of ours: stream chunks skip their send wrappers (server/sse.py).
+    app.add_middleware(DirectSendMiddleware)
     return app

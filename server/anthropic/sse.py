@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from sse_starlette.sse import EventSourceResponse
 
 from server.anthropic.errors import api_error_body
 from server.routes.common import dumps, event_stream
+from server.sse import SSEResponse
 
 
 def event_frame(event: dict[str, Any]) -> bytes:
@@ -24,6 +24,6 @@ def event_frame(event: dict[str, Any]) -> bytes:
 
 def event_stream_response(
     request: Request, gen: Any, events: AsyncIterator[dict[str, Any]], metrics: Any
-) -> EventSourceResponse:
+) -> SSEResponse:
     """``gen``: a ``GenerationGroup``; ``events``: the Messages API's event dicts."""
     return event_stream(request, gen, events, metrics, frame=event_frame, error_body=api_error_body)

@@ -10,9 +10,9 @@ from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request
-from sse_starlette.sse import EventSourceResponse
 
 from server.errors import APIError, error_body
+from server.sse import SSEResponse
 
 logger = logging.getLogger("xinserve.server")
 
@@ -112,24 +112,10 @@ def sse_frame(obj: Any) -> bytes:
     return b"data: " + _encode_json(obj) + b"\n\n"
 
 
-class EventStream(EventSourceResponse):
-    """sse-starlette's response, minus a cancel scope per event when no send timeout is set.
-
-    Measured: the per-send ``anyio.move_on_after`` was a visible share of the HTTP process's
-    per-token time at high concurrency (benchmarks/ipc_overhead.py covers the other costs).
-    """
-
-    async def _send_with_timeout(self, send: Any, message: Any) -> None:
-        if self.send_timeout is None:
-            await send(message)
-        else:
-            await super()._send_with_timeout(send, message)
-
-
 def event_stream(
     request: Request, gen: Any, items: AsyncIterator[dict[str, Any] | list[dict[str, Any]]], metrics: Any, *,
     frame: Callable[[dict[str, Any]], bytes], error_body: Callable[[APIError], dict[str, Any]], last: bytes = b"",
-) -> EventSourceResponse:
+) -> SSEResponse:
     """Stream ``items``, each framed by ``frame``, then ``last`` (if any) once they end. An item that
     is a list of frames (several chunks ready at once) goes out as one write.
 
@@ -161,12 +147,12 @@ def event_stream(
         if last:
             yield last
 
-    return EventStream(events(), sep="\n", ping=15, headers={"Cache-Control": "no-cache"})
+    return SSEResponse(events())
 
 
 def sse_response(
     request: Request, gen: Any, frames: AsyncIterator[dict[str, Any]], metrics: Any
-) -> EventSourceResponse:
+) -> SSEResponse:
     """OpenAI's stream: ``data: {json}`` events ending with ``data: [DONE]`` (after an error frame too)."""
     return event_stream(request, gen, frames, metrics, frame=sse_frame, error_body=error_body,
                         last=b"data: [DONE]\n\n")
