@@ -252,3 +252,21 @@ def test_the_kernels_release_the_gil_while_they_run(call, slow_gil_switches, res
     during = not finished.is_set()
     worker.join()
     assert during
+
+
+def test_two_threads_split_the_decode_attention_between_them(restore_threads):
+    # at::parallel_for's OpenMP pragma is compiled into the extension (kernels/cpp_build.py, -fopenmp):
+    # without the flag every range runs on the calling thread whatever torch's thread count says. With
+    # 2 threads the other thread does part of the work, so the calling thread's CPU time is well under the
+    # process's (both counted over the same calls; a loaded machine inflates both alike).
+    torch.set_num_threads(2)
+    cache = [torch.randn(256, 16, 2, 64) for _ in range(2)]
+    tables = torch.arange(256, dtype=torch.int32).repeat(64, 1)
+    lens = torch.full((64,), 4096, dtype=torch.int32)
+    query = torch.randn(64, 4, 64)
+    cpp._extension.paged_decode_attention(query, *cache, tables, lens, 0.1)  # OpenMP's threads started
+    thread_start, process_start = time.thread_time(), time.process_time()
+    for _ in range(5):
+        cpp._extension.paged_decode_attention(query, *cache, tables, lens, 0.1)
+    calling_thread, process = time.thread_time() - thread_start, time.process_time() - process_start
+    assert calling_thread < 0.8 * process, (calling_thread, process)
