@@ -77,7 +77,7 @@ def build() -> ModuleType:
                 name=MODULE_NAME,
                 sources=[str(path) for path in SOURCES],
                 extra_cflags=[*CFLAGS, f"-DXINSERVE_OPS={OPS_NAMESPACE}"],
-                extra_ldflags=LDFLAGS,
+                extra_ldflags=list(LDFLAGS),  # a copy: torch appends its own libraries to the list
                 build_directory=str(build_dir),
                 verbose=False,
             )
