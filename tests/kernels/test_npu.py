@@ -324,7 +324,8 @@ def test_greedy_generation_on_npu_equals_cpu(npu_platform, tiny_models, arch, co
     # until the first to decode past 256 tokens needs a third block and preempts the other.
     options = {"dtype": "bfloat16", "block_size": BS, "num_kv_blocks": 3, "max_num_batched_tokens": 64}
     on_npu = LLM(model, device="npu:0", **options)
-    on_cpu = LLM(model, device="cpu", **options, kernels={"decode_attention": "reference", "prefill_attention": "reference"})  # the oracle
+    on_cpu = LLM(model, device="cpu", **options,  # the oracle: every op the reference (a C++ KV write is a candidate)
+                 kernels={"decode_attention": "reference", "prefill_attention": "reference", "write_kv": "reference"})
     assert on_npu.engine.runner.kernels.chosen == ALL_NPU
     assert set(on_cpu.engine.runner.kernels.chosen.values()) == {"reference"}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
