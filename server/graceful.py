@@ -1,9 +1,9 @@
 """uvicorn's server with a drain before it stops, so SIGTERM and Ctrl-C no longer cut streams.
 
-On a signal uvicorn sets ``should_exit`` at once, and sse-starlette, which watches that flag,
-cancels every stream mid-response (uvicorn then logs "ASGI callable returned without completing
-response"). Here the first signal starts ``Drain.run`` and ``should_exit`` is set only when it is
-over, so uvicorn finds nothing left to cut. A second signal ends the remaining requests at once.
+On a signal uvicorn sets ``should_exit`` at once and, after its grace period, cancels every stream
+still open mid-response (uvicorn then logs "ASGI callable returned without completing response").
+Here the first signal starts ``Drain.run`` and ``should_exit`` is set only when it is over, so uvicorn
+finds nothing left to cut. A second signal ends the remaining requests at once.
 The signal is not raised again after shutdown as uvicorn does (to die by the default handler):
 a drained server exits 0.
 """
