@@ -1,10 +1,11 @@
 """Metric names and labels (DESIGN.md), read from worker stats at scrape time."""
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.outputs import EngineStats
-from server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics
+from server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics, observe_many
 
 DESIGN_NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                 "generation_tokens_total", "num_preemptions_total", "request_success_total",
@@ -134,3 +135,24 @@ def test_a_limited_key_sees_only_its_models_series_and_its_own_key_counters():
     assert ("http_requests_total", None, None) in seen
     # Nothing else is left out: every series of "glm" without another key's name.
     assert seen == {s for s in everything if s[1] in ("glm", None) and s[2] in ("team-a", None)}
+
+
+def test_observing_many_latencies_at_once_exposes_what_observing_each_does():
+    # On bucket bounds, between them, below the first and past the last (the +Inf bucket), repeated.
+    values = [0.0, 0.01, 0.010001, 0.025, 0.5, 0.5, 3.0, 99.0, 1e-9, 0.075] * 3
+    scraped = []
+    for bulk in (False, True):
+        registry = CollectorRegistry()
+        child = Histogram("h", "h", ["model_name"], buckets=[0.01, 0.025, 0.05, 0.075, 0.1, 0.5, 2.5],
+                          registry=registry).labels("m")
+        if bulk:
+            observe_many(child, values)
+            observe_many(child, [])
+        else:
+            for value in values:
+                child.observe(value)
+        scraped.append(scrape(registry))
+    each, many = scraped
+    assert many.keys() == each.keys()
+    assert many["h_bucket"] == each["h_bucket"] and many["h_count"] == each["h_count"]
+    assert many["h_sum"] == pytest.approx(each["h_sum"])  # one addition of the sum, not one per value
