@@ -76,7 +76,12 @@ class IncrementalDetokenizer:
         if ends_with_stop_token and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
         if self._bytes.bytes_are_text:
-            self._extend("".join(self._utf8.decode(self._token_bytes(t)) for t in new_token_ids))
+            text = "".join([self._utf8.decode(self._token_bytes(t)) for t in new_token_ids])
+            if not self.stop:  # nothing to find or hold back: the new characters are the delta
+                self._text += text
+                self._emitted = len(self._text)
+                return text, False
+            self._extend(text)
             return self._release()
         for token_id in new_token_ids:
             self._append(token_id)

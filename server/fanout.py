@@ -10,12 +10,12 @@ never by its HTTP request id: the id would be most of each token's bytes on the 
 one-token ``StepOutput``). Handles are what ``Add``, ``Abort``, ``StepOutput`` and ``Failed`` carry.
 """
 
-import asyncio
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from server.messages import Abort, RequestError, ToWorker
+from server.stream_queue import ItemQueue
 
 
 @dataclass(slots=True)
@@ -25,7 +25,7 @@ class RequestStream:
     request_id: str
     n: int
     handle: str = ""  # the worker's name for it
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: ItemQueue = field(default_factory=ItemQueue)
     done: set[int] = field(default_factory=set)  # choice indices finished or aborted
     queue_time: float | None = None
 

@@ -74,6 +74,7 @@ class Generation:
             ))
             for _ in range(params.n)
         ]
+        self._unfinished = params.n  # choices without a finish reason (``done`` is read several times a token)
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for (echo with logprobs)
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
@@ -86,7 +87,7 @@ class Generation:
 
     @property
     def done(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        return self._unfinished == 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -126,27 +127,29 @@ class Generation:
         Everything already queued is taken at once, so a consumer that fell behind sends fewer,
         larger frames instead of lagging further.
         """
-        if self.done or self._stream is None:
+        if not self._unfinished or self._stream is None:
             return []
         queue = self._stream.queue
         items = [await queue.get()]
         while not queue.empty():
             items.append(queue.get_nowait())
-        if self._may_retry(items):
+        if isinstance(items[0], RequestError) and self._may_retry(items):
             await self._start_elsewhere(items[0])
             return await self.next_deltas()
         by_index: dict[int, Delta] = {}
         for item in items:
             self._apply(item, by_index)
-        now = time.perf_counter()
         if by_index:
+            now = time.perf_counter()
             if self.first_token_at is None:
                 self.first_token_at = now
             elif self.last_token_at is not None:
                 self.inter_token_latencies.append(now - self.last_token_at)
             self.last_token_at = now
-        if self.done:
+        if not self._unfinished:
             self.abort()  # a no-op unless a stop string finished it before the engine did
+        if len(by_index) == 1:
+            return list(by_index.values())
         return sorted(by_index.values(), key=lambda d: d.index)
 
     def _may_retry(self, items: list[object]) -> bool:
@@ -203,6 +206,7 @@ class Generation:
             delta.logprobs.extend(item.logprobs[:kept])
         if stopped:
             choice.finish_reason = "stop"
+            self._unfinished -= 1
             if not item.finished:
                 # Free this choice's KV blocks now (others may go on), saying how many of its tokens were
                 # emitted: the engine's generation_tokens_total drops the ones past the stop string.
@@ -212,6 +216,7 @@ class Generation:
                 self.abort()
                 raise APIError(500, f"The engine ended the request unexpectedly ({item.finish_reason}).")
             choice.finish_reason = item.finish_reason
+            self._unfinished -= 1
             text += choice.detokenizer.flush()  # held back as a possible stop-string start; final now
         choice.text += text
         delta.text += text

@@ -17,10 +17,12 @@ from server.limits import cap_max_tokens, check_chat
 from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkSplitter, end_token_id, reasoning_for
 from server.responses import TokenTexts
+from server.routes.chat_frames import ContentFrames
 from server.routes.common import max_tokens_for, new_request_id
 from server.routes.generate import GenerationGroup, respond
 from server.routes.prompt import route_encoded
 from server.routes.tools import OutputPlan, plan_output
+from server.tool_calls.stream import PlainText
 
 router = APIRouter()
 
@@ -89,6 +91,7 @@ class _ChatView:
         self.readers = [chat.plan.new_reader() for _ in range(body.n)]  # content and tool calls per choice
         # reasoning first, per choice: the readers see only the content after it
         self.splitters = [chat.reasoning() if chat.reasoning else None for _ in range(body.n)]
+        self.content_frames = ContentFrames(chat.group.request_id, self.created, self.model, self.with_usage)
 
     def body(self, group: GenerationGroup) -> dict[str, Any]:
         (gen,) = group.gens
@@ -105,8 +108,11 @@ class _ChatView:
         usage = responses.usage(group.prompt_tokens, group.completion_tokens)
         return responses.chat_completion(group.request_id, self.created, self.model, choices, usage)
 
-    async def frames(self, group: GenerationGroup, firsts: list[list[Delta]]) -> AsyncIterator[list[dict[str, Any]]]:
-        """Bursts of chunks, each burst what one batch of deltas gave (sent as one write)."""
+    async def frames(
+        self, group: GenerationGroup, firsts: list[list[Delta]]
+    ) -> AsyncIterator[list[dict[str, Any] | bytes]]:
+        """Bursts of chunks, each burst what one batch of deltas gave (sent as one write); a chunk of
+        content text alone comes framed already (``ContentFrames``)."""
         (gen,) = group.gens
         # The first delta of every choice carries the role, as OpenAI's do.
         burst = [self._chunk(group, [responses.chunk_choice(i, {"role": "assistant", "content": ""})])
@@ -116,7 +122,9 @@ class _ChatView:
             if burst := self._deltas_burst(group, deltas, []):
                 yield burst
 
-    def _deltas_burst(self, group: GenerationGroup, deltas: list[Delta], burst: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _deltas_burst(
+        self, group: GenerationGroup, deltas: list[Delta], burst: list[dict[str, Any] | bytes]
+    ) -> list[dict[str, Any] | bytes]:
         """``burst`` plus the chunks of ``deltas``; the usage chunk too once every choice is done."""
         burst.extend(chunk for d in deltas if (chunk := self._delta_chunk(group, d)) is not None)
         if self.with_usage and group.gens[0].done:
@@ -128,9 +136,11 @@ class _ChatView:
     def _chunk(self, group: GenerationGroup, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return responses.chat_chunk(group.request_id, self.created, self.model, choices, with_usage=self.with_usage)
 
-    def _delta_chunk(self, group: GenerationGroup, d: Delta) -> dict[str, Any] | None:
-        logprobs = responses.chat_logprobs(d.token_ids, d.logprobs, self.texts, self.top)
+    def _delta_chunk(self, group: GenerationGroup, d: Delta) -> dict[str, Any] | bytes | None:
         reader, splitter = self.readers[d.index], self.splitters[d.index]
+        if d.logprobs is None and d.finish_reason is None and splitter is None and type(reader) is PlainText:
+            return self.content_frames(d.index, d.text) if d.text else None  # the chunk below, pre-encoded
+        logprobs = responses.chat_logprobs(d.token_ids, d.logprobs, self.texts, self.top)
         reasoning, text = "", d.text
         if splitter is not None:
             split = splitter.take(d.text, last=d.finish_reason is not None)

@@ -108,7 +108,9 @@ def sse_frame(obj: Any) -> bytes:
 
     msgspec writes the same compact UTF-8 JSON as ``dumps`` several times faster (a frame per token
     per stream), and a non-finite float (a log-prob of -inf) as ``null``, where ``json`` wrote
-    ``-Infinity``, which is not JSON."""
+    ``-Infinity``, which is not JSON. Bytes are a frame already (``server/routes/chat_frames.py``)."""
+    if type(obj) is bytes:
+        return obj
     return b"data: " + _encode_json(obj) + b"\n\n"
 
 
