@@ -38,64 +38,36 @@ def cpu_s(pid: int) -> float:
 
 def serve(port: int, tokenizer_dir: str, step_ms: float) -> None:
     """The server side (run in a subprocess whose sys.path starts with the arm's checkout)."""
+    sys.path.append(str(Path(__file__).resolve().parent))  # stepping_worker.py, beside this file
     import uvicorn
+    from stepping_worker import SteppingWorker
     from transformers import AutoTokenizer
 
-    from engines.outputs import StepOutput
     from server.app import create_app
     from server.config import parse_config
-    from server.fanout import Fanout
     from server.responses import TokenTexts
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokens = [t for w in TEXT.split() for t in tok.encode(" " + w, add_special_tokens=False)]
 
-    class SteppingWorker:
-        """One step every ``step_ms``: a token for each open request, ``length`` at its max_tokens."""
+    class Worker(SteppingWorker):
+        """A step every ``step_ms``, from the first request on."""
 
-        model_name, label, ready, capacity, stats, restarts = "m", "cpu", True, 256, None, 0
-        def __init__(self) -> None:
-            self.info = {"vocab_size": len(tok), "max_model_len": 4096}
-            self.fanout = Fanout(lambda message: True)
-            self.open: dict[str, list[int]] = {}  # handle -> [tokens sent, max_tokens]
-            self.task: asyncio.Task | None = None
-
-        @property
-        def load(self) -> int:
-            return self.fanout.load
-
-        def has_capacity(self, n: int) -> bool:
-            return True
+        task: asyncio.Task | None = None
 
         def add(self, request_id, prompt_token_ids, params):
-            stream = self.fanout.open(request_id, params.n)
-            self.open[stream.handle] = [0, params.max_tokens]
             if self.task is None:
                 self.task = asyncio.get_running_loop().create_task(self._run())
-            return stream
-
-        def abort(self, request_id: str) -> None:
-            self.fanout.abort(request_id)
-
-        def abort_choice(self, request_id: str, index: int, emitted: int | None = None) -> None:
-            self.fanout.abort_choice(request_id, index, emitted)
+            return super().add(request_id, prompt_token_ids, params)
 
         async def _run(self) -> None:
             while True:
                 await asyncio.sleep(step_ms / 1000)
-                outputs = []
-                for handle, state in list(self.open.items()):
-                    state[0] += 1
-                    done = state[0] >= state[1]
-                    outputs.append(StepOutput(handle, 0, [tokens[state[0] % len(tokens)]], done,
-                                              "length" if done else None))
-                    if done:
-                        del self.open[handle]
-                self.fanout.deliver(outputs, {})
+                self.step()
 
     app = create_app(parse_config({"models": [{"name": "m", "path": tokenizer_dir, "workers": ["cpu"]}]}))
     pool = app.state.router.pools["m"]
-    pool.tokenizer, pool.token_texts, pool.workers = tok, TokenTexts(tok), [SteppingWorker()]
+    pool.tokenizer, pool.token_texts, pool.workers = tok, TokenTexts(tok), [Worker(len(tok), tokens)]
     # No lifespan: it would spawn real workers. The uvicorn protocol and loop are uvicorn's own choice
     # ("auto"), as `xinserve serve` leaves them unless it says otherwise.
     config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning",

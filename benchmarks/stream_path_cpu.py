@@ -28,68 +28,34 @@ TEXT = "the quick brown fox jumps over a lazy dog while seven happy cats watch f
 def measure(tokenizer_dir: str, concurrency: int, output_tokens: int, requests: int) -> tuple[float, float]:
     """(thread CPU microseconds, Python function calls) per streamed token, run with the arm's checkout
     first on sys.path. The calls (counted by cProfile, in a second run) do not vary with the load."""
+    sys.path.append(str(Path(__file__).resolve().parent))  # stepping_worker.py, beside this file
     import asyncio
     import cProfile
     import pstats
     import time
 
+    from stepping_worker import SteppingWorker
     from transformers import AutoTokenizer
 
-    from engines.outputs import StepOutput
     from server.app import create_app
     from server.config import parse_config
-    from server.fanout import Fanout
     from server.responses import TokenTexts
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokens = [t for w in TEXT.split() for t in tok.encode(" " + w, add_special_tokens=False)]
 
-    class SteppingWorker:
-        model_name, label, ready, capacity, stats, restarts = "m", "cpu", True, 1024, None, 0
-
-        def __init__(self) -> None:
-            self.info = {"vocab_size": len(tok), "max_model_len": 4096}
-            self.fanout = Fanout(lambda message: True)
-            self.open: dict[str, list] = {}  # handle -> [tokens sent, max_tokens, stream]
-
-        @property
-        def load(self) -> int:
-            return self.fanout.load
-
-        def has_capacity(self, n: int) -> bool:
-            return True
-
-        def add(self, request_id, prompt_token_ids, params):
-            stream = self.fanout.open(request_id, params.n)
-            self.open[stream.handle] = [0, params.max_tokens, stream]
-            return stream
-
-        def abort(self, request_id: str) -> None:
-            self.fanout.abort(request_id)
-
-        def abort_choice(self, request_id: str, index: int, emitted: int | None = None) -> None:
-            self.fanout.abort_choice(request_id, index, emitted)
-
+    class Worker(SteppingWorker):
         async def run(self, until: asyncio.Future) -> None:
             while not until.done():
                 # One turn of the loop runs every stream woken by the last step; none open (requests
                 # being tokenised in a thread): wait without spinning on this thread's CPU.
                 await asyncio.sleep(0 if self.open else 0.001)
-                if any(not state[2].queue.empty() for state in self.open.values()):
-                    continue  # a stream has not taken its last token yet
-                outputs = []
-                for handle, state in list(self.open.items()):
-                    state[0] += 1
-                    done = state[0] >= state[1]
-                    outputs.append(StepOutput(handle, 0, [tokens[state[0] % len(tokens)]], done,
-                                              "length" if done else None))
-                    if done:
-                        del self.open[handle]
-                self.fanout.deliver(outputs, {})
+                if all(state[2].queue.empty() for state in self.open.values()):
+                    self.step()  # every stream took its last token
 
     app = create_app(parse_config({"models": [{"name": "m", "path": tokenizer_dir, "workers": ["cpu"]}]}))
     pool = app.state.router.pools["m"]
-    worker = SteppingWorker()
+    worker = Worker(len(tok), tokens)
     pool.tokenizer, pool.token_texts, pool.workers = tok, TokenTexts(tok), [worker]
     raw = json.dumps({"model": "m", "stream": True, "max_tokens": output_tokens,
                       "messages": [{"role": "user", "content": "hello there"}]}).encode()

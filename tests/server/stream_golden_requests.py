@@ -70,12 +70,11 @@ class ScriptedWorker:
         pass
 
 
-def body_bytes(tok, path: str, body: dict, text: str) -> bytes:
-    """The response body of one streamed request (every body message joined), volatile values masked."""
+def post_stream(tok, worker, path: str, body: dict) -> list[dict]:
+    """The ASGI messages the app sends for one streamed POST of ``body`` served by ``worker``."""
     app = create_app(parse_config({"models": [{"name": "m", "path": "/nonexistent", "workers": ["cpu"]}]}))
     pool = app.state.router.pools["m"]
-    tokens = tok.encode(text, add_special_tokens=False)
-    pool.tokenizer, pool.token_texts, pool.workers = tok, TokenTexts(tok), [ScriptedWorker(tokens)]
+    pool.tokenizer, pool.token_texts, pool.workers = tok, TokenTexts(tok), [worker]
     raw = json.dumps({"model": "m", "stream": True, **body}).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
@@ -99,6 +98,12 @@ def body_bytes(tok, path: str, body: dict, text: str) -> bytes:
         await app(scope, receive, send)
 
     asyncio.run(go())
+    return sent
+
+
+def body_bytes(tok, path: str, body: dict, text: str) -> bytes:
+    """The response body of one streamed request (every body message joined), volatile values masked."""
+    sent = post_stream(tok, ScriptedWorker(tok.encode(text, add_special_tokens=False)), path, body)
     assert sent[0]["status"] == 200, sent
     out = b"".join(m.get("body", b"") for m in sent[1:])
     for pattern, replacement in _VOLATILE:

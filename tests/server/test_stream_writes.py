@@ -8,10 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from engines.outputs import StepOutput
-from server.app import create_app
-from server.config import parse_config
 from server.fanout import RequestStream
-from server.responses import TokenTexts
+from tests.server.stream_golden_requests import post_stream
 
 
 class OneAtATime(asyncio.Queue):
@@ -58,31 +56,7 @@ def tok(tiny_model_dir):
 
 def _writes(tok, path: str, body: dict, steps: list[list[int]]) -> list[list]:
     """The body messages of one streamed request, each as its events (``[DONE]`` as the string)."""
-    app = create_app(parse_config({"models": [{"name": "m", "path": "/nonexistent", "workers": ["cpu"]}]}))
-    pool = app.state.router.pools["m"]
-    pool.tokenizer, pool.token_texts, pool.workers = tok, TokenTexts(tok), [ScriptedWorker(steps)]
-    raw = json.dumps({"model": "m", "stream": True, **body}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("test", 80)}
-    sent: list[dict] = []
-
-    async def go():
-        received = asyncio.Event()
-
-        async def receive():
-            if not received.is_set():
-                received.set()
-                return {"type": "http.request", "body": raw, "more_body": False}
-            await asyncio.Event().wait()  # the client never disconnects
-
-        async def send(message):
-            sent.append(message)
-
-        await app(scope, receive, send)
-
-    asyncio.run(go())
+    sent = post_stream(tok, ScriptedWorker(steps), path, body)
     assert sent[0]["status"] == 200
     writes = []
     for m in sent[1:]:
