@@ -26,7 +26,6 @@ import httpx
 from server.bench import launch, report
 from server.bench.cli import machine
 from server.bench.plot import plot
-from server.embedded_model.factory import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # The shape of the 5M-parameter Llama the peers' figures in PEERS.md were measured on.
@@ -128,6 +127,14 @@ def run_server(server: Server, model: Path, args: argparse.Namespace, scratch: P
         launch.stop(proc)
 
 
+def default_model(scratch: Path) -> Path:
+    """The random 5M Llama (``DEFAULT_MODEL``), built in ``scratch``. Imported here, not at the top: the
+    factory imports torch and transformers (~6 CPU s), which a run given ``--model`` never needs."""
+    from server.embedded_model.factory import ensure_tiny_model
+
+    return ensure_tiny_model(scratch, "llama-h256-l4", **DEFAULT_MODEL)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a Hugging Face model directory (default: a random 4-layer Llama)")
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="xinserve-compare-") as tmp:
         scratch = Path(tmp)
-        model = Path(args.model) if args.model else ensure_tiny_model(scratch, "llama-h256-l4", **DEFAULT_MODEL)
+        model = Path(args.model) if args.model else default_model(scratch)
         results, skipped = [], []
         xinserve = [(SERVERS[0], "")]
         if args.xinserve_before:

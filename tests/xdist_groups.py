@@ -22,7 +22,8 @@ from xdist.scheduler import LoadScopeScheduling
 
 # Session-scoped fixtures that start a server (tests/server/conftest.py); a file that uses one
 # joins that server's unit.
-SHARED_SERVERS = frozenset({"embedded_server", "keyed_server", "short_tiny_server", "thinking_server"})
+SHARED_SERVERS = frozenset({"assorted_server", "embedded_server", "keyed_server", "short_tiny_server",
+                            "thinking_server"})
 UNITS_KEY = "xinserve_units_file"  # the workerinput entry naming the file
 
 

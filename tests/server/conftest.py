@@ -225,6 +225,35 @@ def keyed_server(start_server: Any, tiny_model_dir: Path, tmp_path_factory: pyte
     return srv
 
 
+# The models of ``assorted_server``, one per test file that needs a model configured its own way.
+MLA_MODEL = "tiny-glm-5"  # a multi-head latent attention model with the DSA indexer (test_mla_serving.py)
+SPEC_MODEL = "tiny-spec"  # n-gram speculative decoding (test_speculative_metrics.py)
+SPEC_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+KV_FLEET_MODEL = "tiny-kv"  # KV events and the host KV tier on a pool of 8 blocks (test_kv_fleet.py)
+
+
+@pytest.fixture(scope="session")
+def assorted_server(start_server: Any, tiny_models: Callable[..., Path], tiny_model_dir: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One server of three models, each on its own CPU worker, for the files that need a model set up
+    their own way but not an HTTP process of their own: one server start instead of three (the HTTP
+    process's imports are half of a start). Each file checks only its own model's metrics and worker;
+    ``srv.kv_events`` is the KV events config of ``KV_FLEET_MODEL``."""
+    directory = tmp_path_factory.mktemp("assorted")
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{directory}/kv",
+                 "replay_endpoint": f"ipc://{directory}/kv-replay", "topic": "kv"}
+    one = {"workers": ["cpu"], "cpu_threads": 1}
+    config = {"models": [
+        {"name": MLA_MODEL, "path": str(tiny_models("glm_moe_dsa")), **one},
+        {"name": SPEC_MODEL, "path": str(tiny_model_dir), "speculative_config": SPEC_CONFIG, **one},
+        {"name": KV_FLEET_MODEL, "path": str(tiny_model_dir), "num_kv_blocks": 8, "block_size": 16,
+         "kv_offloading_size": 0.01, "kv_events_config": kv_events, **one},
+    ]}
+    srv = serve_config(start_server, directory, config)
+    srv.kv_events = kv_events
+    return srv
+
+
 def wait_for(check: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
     """Poll ``check()`` until it returns something truthy; the last value either way."""
     deadline = time.monotonic() + timeout

@@ -3,7 +3,6 @@ others is reloaded from the tier (counted as vLLM's external_prefix_cache_* on /
 /health), its events can be replayed from the worker's ROUTER socket, and each replica of a model gets
 its own data-parallel rank."""
 
-import json
 from pathlib import Path
 
 import httpx
@@ -14,23 +13,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.config import parse_config
 from server.pool import ModelPool
 from tests.engines.test_kv_events import DECODER, VBlockRemoved, VBlockStored, replay, replay_socket
+from tests.server.conftest import KV_FLEET_MODEL
 
-MODEL = "tiny"
+MODEL = KV_FLEET_MODEL  # one of the models of the shared assorted_server (tests/server/conftest.py)
 PROMPT = [(7 * i) % 250 + 3 for i in range(70)]  # 4 full blocks of 16
 
 
 @pytest.fixture(scope="module")
-def served(start_server, tiny_model_dir, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("kv-fleet")
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{directory}/kv",
-              "replay_endpoint": f"ipc://{directory}/kv-replay", "topic": "kv"}
-    srv = start_server(["--model", str(tiny_model_dir), "--served-model-name", MODEL, "--cpu-threads", "1",
-                        "--num-kv-blocks", "8", "--block-size", "16", "--kv-offloading-size", "0.01",
-                        "--kv-events-config", json.dumps(events)])
-    srv.wait_ready()
-    with httpx.Client(base_url=srv.url, timeout=120) as client:
-        yield client, events
-    srv.stop()
+def served(assorted_server):
+    with httpx.Client(base_url=assorted_server.url, timeout=120) as client:
+        yield client, assorted_server.kv_events
 
 
 def complete(http: httpx.Client, prompt: list[int]) -> str:
@@ -56,7 +48,7 @@ def test_an_evicted_prompt_is_reloaded_from_the_host_tier_and_its_events_replay(
     assert counters["external_prefix_cache_hits_total"] == 64
     assert counters["external_prefix_cache_queries_total"] == 70 + 100 + 100 + 70
     health = http.get("/health").json()
-    (worker,) = health["workers"]
+    (worker,) = [w for w in health["workers"] if w["model"] == MODEL]
     assert worker["info"]["kv_offloading"]["capacity_blocks"] > 0
     assert worker["info"]["kv_events"]["data_parallel_rank"] == 0
     assert worker["external_prefix_cache_hits_total"] == 64

@@ -7,9 +7,9 @@ import httpx
 import pytest
 
 from engines import LLM, SamplingParams
-from tests.server.conftest import check_chat_stream, sse_events
+from tests.server.conftest import MLA_MODEL, check_chat_stream, sse_events
 
-MODEL = "tiny-glm-5"
+MODEL = MLA_MODEL  # one of the models of the shared assorted_server (tests/server/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -18,12 +18,9 @@ def model_dir(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def http(start_server, model_dir):
-    srv = start_server(["--model", str(model_dir), "--served-model-name", MODEL, "--cpu-threads", "1"])
-    srv.wait_ready()
-    with httpx.Client(base_url=srv.url, timeout=120) as client:
+def http(assorted_server):
+    with httpx.Client(base_url=assorted_server.url, timeout=120) as client:
         yield client
-    srv.stop()
 
 
 def test_completion_matches_the_offline_engine(http, schemas, model_dir):
