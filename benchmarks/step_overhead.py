@@ -4,7 +4,8 @@
 The step is ``engine.step()`` in a loop, in process, on one thread, on the 5M Llama of
 ../shared/PEERS.md in float32 with the C++ decode attention, at batch 1, 8 and 32 with a short
 context, with the decode bucket compiled (``compile="on"``, timed once the warm-up has settled) and
-eager (``compile="off"``). Per point: process CPU milliseconds per step (``time.process_time``: the
+eager (``compile="off"``); a compiled bucket both as the engine calls it (without dynamo:
+engines/direct_call.py) and through dynamo ("compiled via dynamo"), their windows taking turns. Per point: process CPU milliseconds per step (``time.process_time``: the
 machine is shared, so wall time is noise) in the cheapest of several windows, then one cProfile run
 of the same steps broken down by phase (cumulative CPU ms per step of the functions below; the
 profiler's own cost inflates every phase alike, so compare phases, not totals). Prints a markdown
@@ -40,15 +41,28 @@ PHASES = {
 }
 
 
-def cpu_ms_per_step(engine, windows: int, window: int) -> float:
-    """Process CPU milliseconds per ``engine.step()`` in the cheapest of ``windows`` windows."""
-    best = float("inf")
+def cpu_ms_per_step(engine, windows: int, window: int, variants: dict) -> dict[str, float]:
+    """Process CPU milliseconds per ``engine.step()`` in the cheapest of ``windows`` windows, per variant
+    (name -> a function setting it up), the variants' windows taking turns so that load hits them alike."""
+    best = dict.fromkeys(variants, float("inf"))
     for _ in range(windows):
-        start = time.process_time()
-        for _ in range(window):
-            engine.step()
-        best = min(best, (time.process_time() - start) / window)
-    return 1e3 * best
+        for name, setup in variants.items():
+            setup()
+            start = time.process_time()
+            for _ in range(window):
+                engine.step()
+            best[name] = min(best[name], (time.process_time() - start) / window)
+    return {name: 1e3 * seconds for name, seconds in best.items()}
+
+
+def direct_variants(engine) -> dict:
+    """Compiled buckets called directly (engines/direct_call.py) and, for comparison, through dynamo."""
+    graphs = engine.runner.decode_graphs
+    if graphs is None or not graphs.direct:
+        return {"": lambda: None}
+    direct = dict(graphs.direct)
+    return {"": lambda: setattr(graphs, "direct", dict(direct)),
+            " via dynamo": lambda: setattr(graphs, "direct", {})}
 
 
 def phases_ms(engine, steps: int) -> dict[str, float]:
@@ -80,7 +94,7 @@ def main() -> None:
     path = llama_5m(args.model_dir)
     import torch
 
-    steps = len(batches) * 0 + windows * window + profiled + 16
+    steps = 2 * (windows * window + profiled) + 16
     rows = []
     for mode in args.modes.split(","):
         torch.set_num_threads(1)
@@ -94,13 +108,16 @@ def main() -> None:
                 with decoding(engine, batch, args.context, steps):
                     for _ in range(8):
                         engine.step()
-                    cpu = cpu_ms_per_step(engine, windows, window)
-                    phases = phases_ms(engine, profiled)
-                row = {"mode": mode, "batch": batch, "context": args.context, "cpu_ms_per_step": cpu,
-                       "profiled_ms_per_step": phases}
-                rows.append(row)
-                print(f"{mode} {batch}x{args.context}: {cpu:.3f} CPU ms/step; profiled "
-                      + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()), file=sys.stderr)
+                    variants = direct_variants(engine)
+                    cpu = cpu_ms_per_step(engine, windows, window, variants)
+                    for name, setup in variants.items():
+                        setup()
+                        phases = phases_ms(engine, profiled)
+                        row = {"mode": mode + name, "batch": batch, "context": args.context,
+                               "cpu_ms_per_step": cpu[name], "profiled_ms_per_step": phases}
+                        rows.append(row)
+                        print(f"{mode + name} {batch}x{args.context}: {cpu[name]:.3f} CPU ms/step; profiled "
+                              + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()), file=sys.stderr)
         llm.close()
     result = {"model": LLAMA_5M, "dtype": "float32", "decode_attention": "cpp", "threads": 1,
               "load_average": os.getloadavg(), "rows": rows}
