@@ -103,12 +103,12 @@ def main() -> None:
         engine = llm.engine
         report = wait_settled(engine)
         print(f"{mode}: warm-up settled: {json.dumps(report['buckets'])}", file=sys.stderr)
+        variants = direct_variants(engine)
         with torch.inference_mode():
             for batch in batches:
                 with decoding(engine, batch, args.context, steps):
                     for _ in range(8):
                         engine.step()
-                    variants = direct_variants(engine)
                     cpu = cpu_ms_per_step(engine, windows, window, variants)
                     for name, setup in variants.items():
                         setup()
