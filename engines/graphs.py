@@ -6,6 +6,8 @@
   ``compile: auto`` a bucket stays compiled only where it measures faster than eager. Inductor's
   cache lives in ``$XINSERVE_CACHE_DIR/inductor`` (default ``~/.cache/xinserve/inductor``) unless
   TORCHINDUCTOR_CACHE_DIR says otherwise, so a restart loads the compiled code instead of compiling.
+  An installed bucket's graph is then called without dynamo's frame and guards where that returns
+  what the dynamo call did (engines/direct_call.py).
 - CUDA / Ascend / MUSA: each bucket's forward is captured once with the device's graph API
   (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``, ``torch.musa.MUSAGraph`` when torch_musa has
   it), largest bucket first so the smaller ones share its memory pool; a step copies its inputs
@@ -269,6 +271,8 @@ class BucketCompiler:
         eager_s = _median_seconds(_bind(self.forward, inputs), self.platform)
         compiled_s = _median_seconds(_bind(self.compiled, inputs), self.platform)
         keep = compiled_s < eager_s
+        if not keep:
+            self.graphs.pop(size, None)  # nothing will install it
         logger.info("decode bucket %d compiled in %.1f s: %.3f ms compiled vs %.3f ms eager -> %s",
                     size, took, compiled_s * 1e3, eager_s * 1e3, "compiled" if keep else "eager")
         return self.compiled if keep else None
