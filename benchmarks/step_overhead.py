@@ -8,7 +8,7 @@ eager (``compile="off"``); a compiled bucket both as the engine calls it (withou
 engines/direct_call.py) and through dynamo ("compiled via dynamo"), their windows taking turns. Per point: process CPU milliseconds per step (``time.process_time``: the
 machine is shared, so wall time is noise) in the cheapest of several windows, then one cProfile run
 of the same steps broken down by phase (cumulative CPU ms per step of the functions below; the
-profiler's own cost inflates every phase alike, so compare phases, not totals). Prints a markdown
+profiler's own cost inflates every phase alike, so compare phases, not totals), and ``_prepare`` alone timed without the profiler. Prints a markdown
 table and writes ``benchmarks/results/step_overhead.json`` (``--out``).
 
     python benchmarks/step_overhead.py [--quick] [--batches 1,8,32] [--context 64] [--modes compiled,eager]
@@ -65,6 +65,20 @@ def direct_variants(engine) -> dict:
             " via dynamo": lambda: setattr(graphs, "direct", {})}
 
 
+def prepare_us(engine, rounds: int = 7, calls: int = 500) -> float:
+    """Thread CPU microseconds of one ``runner._prepare`` of the current decode step, without the
+    profiler (which inflates a function of many small calls several times over)."""
+    scheduled = engine.scheduler.schedule()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.thread_time()
+        for _ in range(calls):
+            engine.runner._prepare(scheduled)
+        best = min(best, (time.thread_time() - start) / calls)
+    engine.scheduler.update(scheduled, engine.runner.execute(scheduled))
+    return 1e6 * best
+
+
 def phases_ms(engine, steps: int) -> dict[str, float]:
     """Cumulative CPU ms per step of each phase in ``PHASES``, under cProfile."""
     profile = cProfile.Profile(time.process_time)
@@ -110,11 +124,13 @@ def main() -> None:
                     for _ in range(8):
                         engine.step()
                     cpu = cpu_ms_per_step(engine, windows, window, variants)
+                    prepare = prepare_us(engine)
                     for name, setup in variants.items():
                         setup()
                         phases = phases_ms(engine, profiled)
                         row = {"mode": mode + name, "batch": batch, "context": args.context,
-                               "cpu_ms_per_step": cpu[name], "profiled_ms_per_step": phases}
+                               "cpu_ms_per_step": cpu[name], "prepare_cpu_us": prepare,
+                               "profiled_ms_per_step": phases}
                         rows.append(row)
                         print(f"{mode + name} {batch}x{args.context}: {cpu[name]:.3f} CPU ms/step; profiled "
                               + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()), file=sys.stderr)
@@ -124,10 +140,11 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     names = list(PHASES)
-    print("| mode | batch x context | CPU ms/step | " + " | ".join(f"{n} (prof.)" for n in names) + " |")
-    print("|---|---|---:|" + "---:|" * len(names))
+    print("| mode | batch x context | CPU ms/step | _prepare CPU us | " + " | ".join(f"{n} (prof.)" for n in names) + " |")
+    print("|---|---|---:|---:|" + "---:|" * len(names))
     for r in rows:
         print(f"| {r['mode']} | {r['batch']} x {r['context']} | {r['cpu_ms_per_step']:.3f} | "
+              f"{r['prepare_cpu_us']:.0f} | "
               + " | ".join(f"{r['profiled_ms_per_step'][n]:.3f}" for n in names) + " |")
 
 
