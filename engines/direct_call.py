@@ -62,11 +62,15 @@ def bucket_tensors(input_ids: torch.Tensor, positions: torch.Tensor, metadata: A
 def direct_call(graph: Callable, example_inputs: list, compiler_inputs: tuple, step_inputs: tuple,
                 model: torch.nn.Module | None) -> Callable[[], list[torch.Tensor] | None] | None:
     """A function running ``graph`` on the step buffers (``step_inputs``, what ``compiler_inputs`` was
-    when dynamo traced it), or None when an input dynamo passed is a part of the compiler's buffers
-    other than a whole bucket view (it cannot be rebound; a view is matched by address, shape, strides and dtype). The function returns the graph's outputs,
-    or None once a layer's kernel ops are no longer those it was traced with."""
-    rebind = {_view_key(a): b for a, b in zip(bucket_tensors(*compiler_inputs), bucket_tensors(*step_inputs),
-                                              strict=True)}
+    when dynamo traced it), or None when a step buffer differs in shape, strides or dtype from the
+    compiler's, or an input dynamo passed is a part of the compiler's buffers other than a whole bucket
+    view (it cannot be rebound; a view is matched by address, shape, strides and dtype). The function
+    returns the graph's outputs, or None once a layer's kernel ops are no longer those it was traced with."""
+    pairs = list(zip(bucket_tensors(*compiler_inputs), bucket_tensors(*step_inputs), strict=True))
+    if any(_view_key(a)[1:] != _view_key(b)[1:] for a, b in pairs):
+        logger.info("a bucket's step buffers differ from those it was compiled on; it runs through dynamo")
+        return None  # dynamo's guards would recompile for them
+    rebind = {_view_key(a): b for a, b in pairs}
     storages = {t.untyped_storage().data_ptr() for t in bucket_tensors(*compiler_inputs)}
     flat = []
     for tensor in example_inputs:

@@ -51,3 +51,13 @@ def test_a_graph_whose_kernels_were_swapped_stops_answering():
     assert call() is not None
     layer.ops = dataclasses.replace(REFERENCE_OPS)  # what engines/warmup.py's swap_ops does
     assert call() is None
+
+
+def test_step_buffers_of_another_shape_or_dtype_are_refused():
+    compiler, layer = buffers(), Layer()
+    traced = bucket_tensors(*compiler.inputs(2))
+    wider = DecodeBuffers([1, 2], 32, 4, 0, torch.device("cpu"))  # block tables [2, 8], not [2, 4]
+    assert direct_call(echo, traced, compiler.inputs(2), wider.inputs(2), layer) is None
+    other = buffers()
+    other.input_ids = other.input_ids.to(torch.int32)
+    assert direct_call(echo, traced, compiler.inputs(2), other.inputs(2), layer) is None
