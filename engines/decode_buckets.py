@@ -14,6 +14,7 @@ key/value go to a scratch KV block that the block manager never hands out (the r
 past the pool), so they never touch a real sequence's cache; their logits are dropped.
 """
 
+import numpy as np
 import torch
 
 from engines.config import EngineConfig
@@ -75,6 +76,11 @@ class DecodeBuffers:
         # One metadata object per bucket, of views that never move: a compiled function's guards
         # and a captured graph's addresses stay valid from step to step.
         self.metadata = {size: self._metadata(size) for size in sizes}
+        # What ``fill`` writes through: on the CPU numpy views of the same memory (a numpy slice
+        # assignment costs ~1 us where a torch op on a small tensor costs ~3-5 us), else the tensors.
+        self._xp = np if self.input_ids.device.type == "cpu" else torch
+        names = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "block_ids", "mask", "_arange")
+        self._views = {name: _host_view(getattr(self, name), self._xp) for name in names}
 
     def _metadata(self, size: int) -> AttentionMetadata:
         gather = DecodeGather(
@@ -102,21 +108,23 @@ class DecodeBuffers:
         if tables.shape[1] > self.width or metadata.decode_gather is None:
             return False
         w = tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.input_ids[n:size].zero_()
-        self.positions[:n].copy_(positions)
-        self.positions[n:size].zero_()
-        self.slot_mapping[:n].copy_(metadata.slot_mapping)
-        self.slot_mapping[n:size].fill_(self.scratch_block * self.block_size)
-        self.block_tables[:n, :w].copy_(tables)
-        self.block_tables[:n, w:].zero_()
-        self.block_tables[n:size].fill_(self.scratch_block)
-        self.seq_lens[:n].copy_(metadata.seq_lens)
-        self.seq_lens[n:size].fill_(1)
-        self.host_seq_lens[:n].copy_(metadata.decode_gather.host_seq_lens)
-        self.host_seq_lens[n:size].fill_(1)
-        self.block_ids[: size * self.width].copy_(self.block_tables[:size].reshape(-1))
-        torch.lt(self._arange, self.seq_lens[:size, None], out=self.mask[:size, 0, 0])
+        v, xp = self._views, self._xp
+        v["input_ids"][:n] = _host_view(input_ids, xp)
+        v["input_ids"][n:size] = 0
+        v["positions"][:n] = _host_view(positions, xp)
+        v["positions"][n:size] = 0
+        v["slot_mapping"][:n] = _host_view(metadata.slot_mapping, xp)
+        v["slot_mapping"][n:size] = self.scratch_block * self.block_size
+        v["block_tables"][:n, :w] = _host_view(tables, xp)
+        v["block_tables"][:n, w:] = 0
+        v["block_tables"][n:size] = self.scratch_block
+        v["seq_lens"][:n] = _host_view(metadata.seq_lens, xp)
+        v["seq_lens"][n:size] = 1
+        host_seq_lens = self.host_seq_lens.numpy()  # on the host on every device
+        host_seq_lens[:n] = metadata.decode_gather.host_seq_lens.numpy()
+        host_seq_lens[n:size] = 1
+        v["block_ids"][: size * self.width] = v["block_tables"][:size].reshape(-1)
+        xp.less(v["_arange"], v["seq_lens"][:size, None], out=v["mask"][:size, 0, 0])
         return True
 
     def pad(self, size: int) -> None:
@@ -133,3 +141,8 @@ class DecodeBuffers:
     def inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids [size], positions [size], metadata) of a bucket: views of the buffers."""
         return self.input_ids[:size], self.positions[:size], self.metadata[size]
+
+
+def _host_view(tensor: torch.Tensor, xp) -> "np.ndarray | torch.Tensor":
+    """``tensor`` as ``fill`` writes or reads it: a numpy view of its memory on the CPU, else itself."""
+    return tensor.numpy() if xp is np else tensor

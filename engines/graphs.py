@@ -6,6 +6,8 @@
   ``compile: auto`` a bucket stays compiled only where it measures faster than eager. Inductor's
   cache lives in ``$XINSERVE_CACHE_DIR/inductor`` (default ``~/.cache/xinserve/inductor``) unless
   TORCHINDUCTOR_CACHE_DIR says otherwise, so a restart loads the compiled code instead of compiling.
+  An installed bucket's graph is then called without dynamo's frame and guards where that returns
+  what the dynamo call did (engines/direct_call.py).
 - CUDA / Ascend / MUSA: each bucket's forward is captured once with the device's graph API
   (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``, ``torch.musa.MUSAGraph`` when torch_musa has
   it), largest bucket first so the smaller ones share its memory pool; a step copies its inputs
@@ -37,6 +39,7 @@ import torch
 
 from engines.config import COMPILE_ENV_VAR, COMPILE_MODES
 from engines.decode_buckets import DecodeBuffers, bucket_for, bucket_sizes
+from engines.direct_call import GraphRecorder, direct_call
 from engines.platforms import Platform
 from kernels.attention_metadata import AttentionMetadata
 from kernels.cache_dir import cache_dir
@@ -98,6 +101,9 @@ class DecodeGraphs:
         self.hidden: torch.Tensor | None = None  # [rows, hidden] of the latest step run here; None if eager
         # Steps that verified drafts (decode rows of 1 + k per drafted sequence) per bucket, compiled or not.
         self.verify_runs: Counter[int] = Counter()
+        # bucket -> its compiled graph called without dynamo (engines/direct_call.py); dropped when stale
+        self.direct: dict[int, Callable[[], list[torch.Tensor] | None]] = {}
+        self.direct_runs: Counter[int] = Counter()  # bucket -> steps that ran through ``direct``
 
     def next_to_compile(self) -> int | None:
         """The bucket to compile next: the latest step's, else the most used, else the smallest."""
@@ -113,9 +119,34 @@ class DecodeGraphs:
         guards checked now, not in a step). Call between steps: the buffers are the steps'."""
         inputs = self.buffers.inputs(size)
         self.buffers.pad(size)
-        compiled(*inputs)
+        want = compiled(*inputs)
         self.steps[size] = _bind(compiled, inputs)
         self.states[size] = "compiled"
+        self._install_direct(size, inputs, want)
+
+    def _install_direct(self, size: int, inputs: tuple, want: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Call the bucket's graph without dynamo from now on, where the compiler recorded exactly one
+        graph for it and that graph, called directly, returns what the dynamo call did."""
+        graphs = self.compiler.graphs.pop(size, None) if self.compiler is not None else None
+        if graphs is None or len(graphs) != 1:
+            return
+        graph, example_inputs = graphs[0]
+        call = direct_call(graph, example_inputs, self.compiler.buffers.inputs(size), inputs, self.compiler.model)
+        got = None if call is None else call()
+        if got is not None and len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)):
+            self.direct[size] = call
+        else:
+            logger.info("decode bucket %d runs through dynamo: its graph cannot be called directly", size)
+
+    def _outputs(self, size: int, step: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+        """A bucket's (logits, hidden): directly, else through dynamo (which recompiles what changed)."""
+        direct = self.direct.get(size)
+        outputs = None if direct is None else direct()
+        if outputs is None:
+            self.direct.pop(size, None)  # its kernels changed: dynamo's guards decide from now on
+            return step()
+        self.direct_runs[size] += 1
+        return outputs
 
     def report(self) -> dict:
         """For /health: the kind and each bucket's state."""
@@ -142,11 +173,12 @@ class DecodeGraphs:
         if step is None or not self.buffers.fill(size, input_ids, positions, metadata):
             return None
         try:
-            logits, hidden = step()
+            logits, hidden = self._outputs(size, step)
         except Exception as exc:  # noqa: BLE001  a recompile or replay that fails: this bucket goes eager
             logger.warning("%s decode for bucket %d failed (%s: %s); it runs eagerly from now on",
                            self.kind, size, type(exc).__name__, first_line(exc))
             del self.steps[size]
+            self.direct.pop(size, None)
             self.states[size], self.errors[size] = "failed", first_line(exc)
             return None
         self.bucket_runs[size] += 1
@@ -180,7 +212,7 @@ def build_decode_graphs(
     forward = decode_forward(model, kv_cache)
     if platform.kind == "cpu":
         copy = DecodeBuffers(sizes, max_model_len, block_size, scratch_block, platform.device)
-        return DecodeGraphs(buffers, {}, "compiled", BucketCompiler(forward, copy, mode, platform))
+        return DecodeGraphs(buffers, {}, "compiled", BucketCompiler(forward, copy, mode, platform, model))
     steps = _capture(forward, buffers, platform, capture_hooks)
     if not steps:
         return None
@@ -199,9 +231,13 @@ class BucketCompiler:
     stay the steps'), so it can run in a thread beside them; ``DecodeGraphs.install`` binds the
     result to the step buffers."""
 
-    def __init__(self, forward: Callable, buffers: DecodeBuffers, mode: str, platform: Platform) -> None:
+    def __init__(self, forward: Callable, buffers: DecodeBuffers, mode: str, platform: Platform,
+                 model: torch.nn.Module | None = None) -> None:
         use_inductor_cache()
         self.forward = forward
+        self.model = model  # whose kernel ops a directly called graph checks (engines/direct_call.py)
+        self.recorder = GraphRecorder()
+        self.graphs: dict[int, list] = {}  # bucket -> the graphs its compile recorded, until installed
         self._compiled: Callable[..., torch.Tensor] | None = None
         self.buffers = buffers
         self.mode = mode
@@ -215,7 +251,7 @@ class BucketCompiler:
             # Every bucket of every engine in this process is a compiled variant of the one ``forward``
             # code object (guarded on its shapes and its model): let each build add its own.
             torch._dynamo.config.recompile_limit += len(self.buffers.sizes)
-            self._compiled = torch.compile(self.forward, dynamic=False)
+            self._compiled = torch.compile(self.forward, dynamic=False, backend=self.recorder)
         return self._compiled
 
     @torch.inference_mode()
@@ -225,7 +261,9 @@ class BucketCompiler:
         inputs = self.buffers.inputs(size)
         self.buffers.pad(size)
         start = time.perf_counter()
+        self.recorder.start()
         self.compiled(*inputs)  # compiles (or loads from the cache)
+        self.graphs[size] = self.recorder.taken()
         took = time.perf_counter() - start
         if self.mode != "auto":
             logger.info("decode bucket %d compiled in %.1f s", size, took)
@@ -233,6 +271,8 @@ class BucketCompiler:
         eager_s = _median_seconds(_bind(self.forward, inputs), self.platform)
         compiled_s = _median_seconds(_bind(self.compiled, inputs), self.platform)
         keep = compiled_s < eager_s
+        if not keep:
+            self.graphs.pop(size, None)  # nothing will install it
         logger.info("decode bucket %d compiled in %.1f s: %.3f ms compiled vs %.3f ms eager -> %s",
                     size, took, compiled_s * 1e3, eager_s * 1e3, "compiled" if keep else "eager")
         return self.compiled if keep else None

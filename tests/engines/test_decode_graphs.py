@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import engines.graphs
 from engines import LLM, EngineConfig, SamplingParams
@@ -91,6 +92,27 @@ def test_compiled_decode_equals_eager_across_buckets_with_preemption_and_prefix_
     assert set(graphs.bucket_runs - runs_before) == set(BUCKETS)  # in each of the three buckets
 
 
+def test_compiled_buckets_run_without_dynamo_equal_transformers_and_fall_back_to_dynamo(compiled, model,
+                                                                                        monkeypatch):
+    """Each bucket's graph is called directly (engines/direct_call.py) and its greedy tokens equal
+    transformers'; a direct call that stops answering (its kernels were swapped) hands the bucket back to
+    dynamo's call, and the tokens stay the same."""
+    graphs = compiled.engine.runner.decode_graphs
+    assert sorted(graphs.direct) == BUCKETS
+    batch = prompts(compiled.engine.vocab_size, 3, seed=13)  # bucket 4
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False, top_p=None,
+                            top_k=None, temperature=None)[0, len(p):].tolist() for p in batch]
+    direct_runs, dynamo_runs = graphs.direct_runs[4], graphs.bucket_runs[4]
+    assert [r.token_ids for r in compiled.generate(batch, GREEDY)] == want
+    assert graphs.direct_runs[4] - direct_runs == graphs.bucket_runs[4] - dynamo_runs >= GREEDY.max_tokens - 1
+    monkeypatch.setattr(graphs, "direct", {**graphs.direct, 4: lambda: None})  # stale, as after a kernel swap
+    direct_runs, runs = graphs.direct_runs[4], graphs.bucket_runs[4]
+    assert [r.token_ids for r in compiled.generate(batch, GREEDY)] == want
+    assert graphs.bucket_runs[4] > runs and graphs.direct_runs[4] == direct_runs and 4 not in graphs.direct
+
+
 def decode_step(vocab_size: int) -> list[ScheduledSeq]:
     """Three sequences of 5, 9 and 14 tokens each decoding its last token, in blocks 0-7."""
     rng = random.Random(7)
@@ -133,7 +155,7 @@ def test_padded_rows_never_change_real_kv_or_outputs(compiled, eager):
 
 def test_auto_keeps_a_bucket_compiled_only_where_it_measures_faster(model, monkeypatch, caplog):
     """The choice follows the timings (here set: compiled faster only in bucket 2)."""
-    monkeypatch.setattr(engines.graphs.torch, "compile", lambda function, dynamic: lambda *a: function(*a))
+    monkeypatch.setattr(engines.graphs.torch, "compile", lambda function, dynamic, backend: lambda *a: function(*a))
     timings = iter([1.0, 2.0, 2.0, 1.0, 1.0, 2.0])  # (eager, compiled) per bucket 1, 2, 4
 
     monkeypatch.setattr(engines.graphs, "_median_seconds", lambda function, platform: next(timings))
@@ -145,7 +167,7 @@ def test_auto_keeps_a_bucket_compiled_only_where_it_measures_faster(model, monke
 
 
 def test_a_compile_failure_falls_back_to_eager_with_a_log_line(model, eager, monkeypatch, caplog):
-    def failing_compile(function, dynamic):
+    def failing_compile(function, dynamic, backend):
         def compiled(*args):
             raise RuntimeError("inductor: C++ compile error")  # where inductor fails: at the first call
         return compiled
@@ -169,6 +191,7 @@ def test_a_failing_compiled_step_goes_eager_for_that_bucket(compiled, eager, mon
         raise RuntimeError("guard failure")
 
     monkeypatch.setattr(graphs, "steps", {**steps, 1: broken})
+    monkeypatch.setattr(graphs, "direct", {**graphs.direct, 1: broken})  # the call without dynamo too
     with caplog.at_level(logging.WARNING, logger="engines.graphs"):
         got = compiled.generate(prompts(compiled.engine.vocab_size, 1, seed=12), GREEDY)
     want = eager.generate(prompts(eager.engine.vocab_size, 1, seed=12), GREEDY)

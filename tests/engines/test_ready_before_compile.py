@@ -46,7 +46,7 @@ def test_an_engine_is_ready_before_dynamo_or_inductor_is_imported(tiny_models) -
 def test_a_bucket_compiler_calls_torch_compile_on_its_first_compile_only(monkeypatch) -> None:
     calls = []
 
-    def fake_compile(forward, dynamic):
+    def fake_compile(forward, dynamic, backend):
         calls.append(dynamic)
         return forward
 

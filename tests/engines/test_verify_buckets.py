@@ -171,6 +171,9 @@ def test_a_compiled_bucket_verifies_drafts_over_the_live_context_only(tiny_model
 
     monkeypatch.setattr(DecodeGather, "contexts", counting)
     graphs.steps[8] = run_bucket
+    # Through dynamo, whose guards see the patched function and trace it in; a graph called directly
+    # (engines/direct_call.py) keeps what it traced at install.
+    graphs.direct.clear()
     check_against_reference(llm, reference, prompts)
     assert graphs.verify_runs[8] > 0
     # K and V of the one layer, every step run compiled: whole live blocks, never the plan's 128

@@ -36,8 +36,9 @@ class BlockingCompiler:
     instances: ClassVar[list["BlockingCompiler"]] = []
     failing: ClassVar[set[int]] = set()
 
-    def __init__(self, forward, buffers, mode, platform) -> None:
+    def __init__(self, forward, buffers, mode, platform, model) -> None:
         self.forward = forward
+        self.graphs: dict = {}  # no graph recorded: the buckets run through the returned function
         self.calls: list[int] = []
         self.started = threading.Event()
         self.release = threading.Event()
