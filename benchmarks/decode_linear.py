@@ -6,7 +6,7 @@ Per weight shape (the 5M Llama's fused q/k/v, o_proj, fused gate/up, down_proj, 
 hidden-2048 model's), per row count M (1 ... 64), per thread count (1, 2): the time per call, the
 weight's read rate (GB/s) and the arithmetic rate (GF/s). The time is CPU time of the process
 (``time.process_time``: on a loaded machine wall time is mostly waiting for a core; on 2 threads it
-sums both), and wall time beside it; the best of ``--repeats`` passes. Prints a markdown table and
+sums both; OpenMP waits passively, as in the server's workers), and wall time beside it; the best of ``--repeats`` passes. Prints a markdown table and
 writes ``benchmarks/results/decode_linear.json``.
 
     PYTHONPATH=. python benchmarks/decode_linear.py [--quick] [--out PATH]
@@ -14,8 +14,11 @@ writes ``benchmarks/results/decode_linear.json``.
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server's CPU workers run (server/pool.py)
 
 import torch
 import torch.nn.functional as F

@@ -18,8 +18,8 @@ from kernels.model_shapes import ModelShapes
 _extension = build()
 _ops = getattr(torch.ops, OPS_NAMESPACE)
 # Up to this many rows the C++ linear beats the GEMM of torch's BLAS with the weight cold, on the AVX2
-# machine measured (benchmarks/decode_linear.py: 1.2-2.6x at 1-16 rows, even to 0.8x at 32 and 64).
-DECODE_ROWS = 16
+# machine measured (benchmarks/decode_linear.py: 1.1-2.6x at 1-32 rows, even at 64).
+DECODE_ROWS = 32
 LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -6,9 +6,9 @@
 // misses with its arithmetic (a cold 1.5 MB weight at M = 8: ~3 GB/s where a ``sum`` reads ~10 GB/s).
 // Here the weight is read once, in its nn.Linear layout [N, K] row-major (no second, packed copy), a
 // block of NB output rows at a time: the block's NB rows are one contiguous run of NB * K values, and
-// the run a few blocks ahead is prefetched while this one is multiplied. Within the block, each group
-// of MB input rows keeps NB x MB vector accumulators over K (FMA, kLanes floats wide); the block's
-// weight rows stay in L1/L2 for the input rows' later groups. Horizontal sums at the end of the block.
+// the run a few blocks ahead is prefetched while this one is multiplied. Within the block, each pair of
+// input rows keeps 4 x 2 vector accumulators over K (FMA, kLanes floats wide); the block's weight rows
+// stay in L1 for the later pairs. Horizontal sums at the end of the block.
 //
 // Weights may be float32, bfloat16 or float16 (x and y in the same dtype), accumulated in float32: the
 // input rows are widened to float32 once, the weight on the fly. K need not be a multiple of the vector
@@ -24,12 +24,12 @@
 
 namespace {
 
+// A tile of 4 weight rows x 2 input rows holds 8 accumulators, 4 weight and 2 input vectors: 14 of AVX2's
+// 16 vector registers.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
-constexpr int64_t kMaxGroup = 4;  // 32 vector registers: 4 x 4 accumulators, 4 weight vectors, one x
 #else
 constexpr int64_t kLanes = 8;
-constexpr int64_t kMaxGroup = 2;  // 16 vector registers: 4 x 2 accumulators, 4 weight vectors, one x
 #endif
 constexpr int64_t kBlock = 4;  // output rows per block
 // How far ahead of the block being multiplied its weight is prefetched, in bytes of the flat weight:
@@ -100,13 +100,17 @@ inline vfloat8 horizontal_sums4(vfloat a, vfloat b, vfloat c, vfloat d) {
          __builtin_shufflevector(abcd, abcd, 1, 3, 5, 7, 1, 3, 5, 7);
 }
 
-// y[m, n] for the NB weight rows at w (row stride k) and the MB input rows at x (float32, row stride k).
-// The first group of a block prefetches the weight run kPrefetchBytes ahead (the later groups find the
-// block in cache). y rows are out_stride apart; bias (float32, NB values) or null.
+// y[m, n] for the NB (1 or 4) weight rows at w (row stride k) and the MB (1 or 2) input rows at x (float32,
+// row stride k). Named accumulators, not arrays: with arrays GCC keeps them in registers only while it may
+// fold the weight loads into the FMAs, loading each weight vector MB times; the empty asm statements pin
+// each loaded vector to a register, so every k step is NB + MB loads for NB x MB FMAs. The first group of
+// a block prefetches the weight run kPrefetchBytes ahead (later groups find the block in cache). y rows
+// are out_stride apart; bias (float32, NB values) or null.
 template <int64_t NB, int64_t MB, typename w_t>
 inline void tile(const float* x, const w_t* w, int64_t k, float* y, int64_t out_stride, const float* bias,
                  bool prefetch) {
-  vfloat acc[MB][NB] = {};
+  static_assert((NB == 1 || NB == 4) && (MB == 1 || MB == 2), "tiles of 1 or 4 weight rows, 1 or 2 input rows");
+  vfloat a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};  // a: input row 0, b: input row 1; digit: weight row
   const int64_t body = k - k % kLanes;
   const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
   // the block's NB * kLanes weights of one step, in cache lines
@@ -116,24 +120,39 @@ inline void tile(const float* x, const w_t* w, int64_t k, float* y, int64_t out_
       for (int64_t l = 0; l < lines_per_step; ++l) __builtin_prefetch(ahead + l * kLine, 0, 0);
       ahead += lines_per_step * kLine;
     }
-    vfloat wv[NB];
-    for (int64_t n = 0; n < NB; ++n) {
-      wv[n] = load_weight(w + n * k + i);
-      // in a register: left to itself GCC folds the load into every FMA, loading it MB times
-      asm("" : "+v"(wv[n]));
-    }
-    for (int64_t m = 0; m < MB; ++m) {
-      const vfloat xv = load(x + m * k + i);
-      for (int64_t n = 0; n < NB; ++n) acc[m][n] += xv * wv[n];
+    vfloat x0 = load(x + i);
+    asm("" : "+v"(x0));
+    if constexpr (NB == 1) {
+      vfloat w0 = load_weight(w + i);
+      asm("" : "+v"(w0));
+      a0 += x0 * w0;
+      if constexpr (MB == 2) b0 += load(x + k + i) * w0;
+    } else {
+      vfloat w0 = load_weight(w + i), w1 = load_weight(w + k + i), w2 = load_weight(w + 2 * k + i),
+             w3 = load_weight(w + 3 * k + i);
+      asm("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+      a0 += x0 * w0;
+      a1 += x0 * w1;
+      a2 += x0 * w2;
+      a3 += x0 * w3;
+      if constexpr (MB == 2) {
+        vfloat x1 = load(x + k + i);
+        asm("" : "+v"(x1));
+        b0 += x1 * w0;
+        b1 += x1 * w1;
+        b2 += x1 * w2;
+        b3 += x1 * w3;
+      }
     }
   }
+  const vfloat rows[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
   for (int64_t m = 0; m < MB; ++m) {
     float sums[NB];
     if constexpr (NB == 4) {
-      const vfloat8 four = horizontal_sums4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+      const vfloat8 four = horizontal_sums4(rows[m][0], rows[m][1], rows[m][2], rows[m][3]);
       for (int64_t n = 0; n < NB; ++n) sums[n] = four[n];
     } else {
-      for (int64_t n = 0; n < NB; ++n) sums[n] = horizontal_sum(acc[m][n]);
+      sums[0] = horizontal_sum(rows[m][0]);
     }
     for (int64_t n = 0; n < NB; ++n) {
       float s = sums[n];
@@ -143,22 +162,13 @@ inline void tile(const float* x, const w_t* w, int64_t k, float* y, int64_t out_
   }
 }
 
-// Every input row against the NB weight rows at w: groups of kMaxGroup rows, then the rest.
+// Every input row against the NB weight rows at w: pairs of rows, then the odd one.
 template <int64_t NB, typename w_t>
 void rows_block(const float* x, int64_t rows, const w_t* w, int64_t k, float* y, int64_t out_stride,
                 const float* bias) {
   int64_t m = 0;
-  for (; m + kMaxGroup <= rows; m += kMaxGroup) {
-    tile<NB, kMaxGroup>(x + m * k, w, k, y + m * out_stride, out_stride, bias, m == 0);
-  }
-  const int64_t rest = rows - m;
-  if constexpr (kMaxGroup > 3) {
-    if (rest == 3) tile<NB, 3>(x + m * k, w, k, y + m * out_stride, out_stride, bias, m == 0);
-  }
-  if constexpr (kMaxGroup > 2) {
-    if (rest == 2) tile<NB, 2>(x + m * k, w, k, y + m * out_stride, out_stride, bias, m == 0);
-  }
-  if (rest == 1) tile<NB, 1>(x + m * k, w, k, y + m * out_stride, out_stride, bias, m == 0);
+  for (; m + 2 <= rows; m += 2) tile<NB, 2>(x + m * k, w, k, y + m * out_stride, out_stride, bias, m == 0);
+  if (m < rows) tile<NB, 1>(x + m * k, w, k, y + m * out_stride, out_stride, bias, m == 0);
 }
 
 // y [M, N] float32 = x [M, K] float32 @ w [N, K]^T (+ bias [N] float32): blocks of output rows split over

@@ -90,6 +90,19 @@ def test_model_layers_multiply_with_the_chosen_linear():
     assert calls == [(16, 16), (16, 8)]
 
 
+def test_a_kernel_built_in_the_background_is_swapped_into_the_linear_layers():
+    from engines.warmup import swap_ops
+
+    old, new = reference_ops(), KernelOps.from_functions({**reference.OPS, "linear": cpp.linear})
+    model = torch.nn.Sequential(MergedLinear(16, [8, 8], False, old), Linear(16, 4, True, old))
+    swap_ops(model, old, new)
+    assert all(layer.ops.linear is cpp.linear for layer in model)
+
+
+def reference_ops() -> KernelOps:
+    return KernelOps.from_functions(dict(reference.OPS))
+
+
 def test_the_registry_probes_and_times_the_cpp_linear(monkeypatch, tmp_path):
     monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(registry.TIMING_ENV_VAR, "on")
