@@ -137,3 +137,16 @@ def test_a_compiled_graph_calls_the_op():
         got, code = run_and_get_code(torch.compile(lambda t: torch.relu(layer(t)), dynamic=False), x)
     assert "decode_linear" in "\n".join(code)
     torch.testing.assert_close(got, torch.relu(F.linear(x, layer.weight, layer.bias)), atol=2e-5, rtol=1e-5)
+
+
+def test_greedy_generation_with_the_cpp_linear_equals_f_linear(tiny_models):
+    from engines import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = ["Once upon a time " * k for k in (1, 4, 9)]  # a decode batch of 3, prefills through F.linear
+    runs = {}
+    for impl in ("cpp", "reference"):
+        with LLM(tiny_models("llama"), num_kv_blocks=40, block_size=4, kernels={"linear": impl}) as llm:
+            assert llm.engine.runner.kernels.chosen["linear"] == impl
+            runs[impl] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert runs["cpp"] == runs["reference"]
