@@ -104,7 +104,8 @@ inline vfloat8 horizontal_sums4(vfloat a, vfloat b, vfloat c, vfloat d) {
 // row stride k). Named accumulators, not arrays: with arrays GCC keeps them in registers only while it may
 // fold the weight loads into the FMAs, loading each weight vector MB times; the empty asm statements pin
 // each loaded vector to a register, so every k step is NB + MB loads for NB x MB FMAs. The first group of
-// a block prefetches the weight run kPrefetchBytes ahead (later groups find the block in cache). y rows
+// a block prefetches the weight run kPrefetchBytes ahead (later groups find the block in cache), into every
+// cache level: a non-temporal prefetch would keep a model that fits in the L3 from staying there. y rows
 // are out_stride apart; bias (float32, NB values) or null.
 template <int64_t NB, int64_t MB, typename w_t>
 inline void tile(const float* x, const w_t* w, int64_t k, float* y, int64_t out_stride, const float* bias,
@@ -117,7 +118,7 @@ inline void tile(const float* x, const w_t* w, int64_t k, float* y, int64_t out_
   constexpr int64_t lines_per_step = std::max<int64_t>(1, NB * kLanes * static_cast<int64_t>(sizeof(w_t)) / kLine);
   for (int64_t i = 0; i < body; i += kLanes) {
     if (prefetch) {
-      for (int64_t l = 0; l < lines_per_step; ++l) __builtin_prefetch(ahead + l * kLine, 0, 0);
+      for (int64_t l = 0; l < lines_per_step; ++l) __builtin_prefetch(ahead + l * kLine, 0, 3);
       ahead += lines_per_step * kLine;
     }
     vfloat x0 = load(x + i);
