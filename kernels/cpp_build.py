@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name
-           for name in ("paged_decode_attention.cpp", "write_kv.cpp", "bindings.cpp")]
+           for name in ("paged_decode_attention.cpp", "write_kv.cpp", "decode_linear.cpp", "bindings.cpp")]
 # Reassociation lets the compiler vectorise the float sums; contraction fuses a * b + c into one FMA
 # (ISO C++ mode, -std=c++20, leaves it off).
 # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled into this extension;
@@ -86,7 +86,7 @@ def build() -> ModuleType:
 
 
 BUILD_KEY = _build_key()
-BUILDS_OPS = ("decode_attention", "write_kv")  # what kernels/cpp.py provides once built (kernels/registry.py)
+BUILDS_OPS = ("decode_attention", "write_kv", "linear")  # what kernels/cpp.py provides once built (kernels/registry.py)
 MODULE_NAME = f"xinserve_paged_decode_{BUILD_KEY}"
 OPS_NAMESPACE = f"xinserve_{BUILD_KEY}"  # its torch operators: torch.ops.<OPS_NAMESPACE>.write_kv, ...
 

@@ -29,6 +29,8 @@ OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "silu_and_mul": ("silu_and_mul",),
     "fused_moe": ("select_experts", "fused_moe"),
     "top_k_top_p": ("top_k_top_p",),
+    # the dense linear layers (F.linear's contract): projections, MLP, lm_head
+    "linear": ("linear",),
     # multi-head latent attention and DSA (kernels/mla_reference.py); only MLA models call them
     "write_latent": ("write_latent",),
     "mla_decode_attention": ("mla_decode_attention",),
@@ -56,6 +58,7 @@ class KernelOps:
     select_experts: Callable
     fused_moe: Callable
     top_k_top_p: Callable
+    linear: Callable
     write_latent: Callable
     mla_decode_attention: Callable
     mla_prefill_attention: Callable

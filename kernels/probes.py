@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kernels import kv_quant, mla_probes, quant_probes, reference
+from kernels import kv_quant, linear_probes, mla_probes, quant_probes, reference
 from kernels.attention_metadata import build_decode_gather
 from kernels.model_shapes import ModelShapes
 from kernels.probe_inputs import ProbeInputs, max_error, pool_size, scrambled_block_tables, to_host32
@@ -208,6 +208,7 @@ PROBES: dict[str, Callable[[dict[str, Callable], ModelShapes, ProbeInputs], floa
     "top_k_top_p": probe_top_k_top_p,
     **mla_probes.PROBES,
     **quant_probes.PROBES,
+    **linear_probes.PROBES,
 }
 
 

@@ -394,4 +394,4 @@ OPS = {
     fn.__name__: fn
     for fn in (write_kv, paged_prefill_attention, paged_decode_attention, rms_norm, rotary_cos_sin,
                rotary_embedding, silu_and_mul, select_experts, fused_moe, top_k_top_p)
-} | mla_reference.OPS | quant_reference.OPS
+} | {"linear": torch.nn.functional.linear} | mla_reference.OPS | quant_reference.OPS

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import kv_quant, quant_probes
+from kernels import kv_quant, linear_probes, quant_probes
 from kernels.attention_metadata import build_decode_gather
 from kernels.cache_dir import cache_dir
 from kernels.model_shapes import ModelShapes
@@ -95,7 +95,7 @@ def _write_kv_workload(fn: dict[str, Callable], shapes: ModelShapes, device: tor
 
 
 WORKLOADS = {"decode_attention": _decode_workload, "prefill_attention": _prefill_workload, "write_kv": _write_kv_workload,
-             **quant_probes.WORKLOADS}
+             **quant_probes.WORKLOADS, **linear_probes.WORKLOADS}
 
 
 def measure(op: str, functions: dict[str, Callable], shapes: ModelShapes, device: torch.device,

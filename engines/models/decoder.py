@@ -184,6 +184,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False
         )
+        self.ops = ops  # the logits' linear (swapped with the layers' when a kernel is built: engines/warmup.py)
         # [max_positions, rotary_dim], filled by reset_buffers once the loader has materialised the model
         # built on the meta device (computed there, it would run through torch._refs, as the embedding's init).
         rope_shape = (config.max_position_embeddings, rotary_dim(config, self.head_dim))
@@ -269,7 +270,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = nn.functional.linear(hidden, weight).float()
+        logits = self.ops.linear(hidden, weight).float()
         return logits if self.logits_gather is None else self.logits_gather(logits)
 
     def keep_float32_parameters(self) -> None:

@@ -24,13 +24,26 @@ class RMSNorm(nn.Module):
         return self.rms_norm(x, self.weight, self.eps, residual)
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """An ``nn.Linear`` that multiplies with the kernel registry's ``linear`` (on the CPU, a decode step's
+    few rows go through a kernel that streams the cold weight once: kernels/csrc/decode_linear.cpp).
+    It keeps ``ops`` itself, so a kernel built in the background is swapped in (engines/warmup.py)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelOps = REFERENCE_OPS) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """One Linear standing for several checkpoint projections stacked along the output dim
     (q/k/v, gate/up): one matmul instead of several. ``output_sizes`` tells the loader where
     each checkpoint shard goes."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, ops: KernelOps = REFERENCE_OPS) -> None:
+        super().__init__(in_features, sum(output_sizes), bias, ops)
         self.output_sizes = output_sizes
 
 
@@ -61,8 +74,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         self.rope_is_neox = rope_is_neox
-        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias, ops)
+        self.o_proj = Linear(self.q_size, hidden_size, o_bias, ops)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, ops) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, ops) if qk_norm_eps is not None else None
 
@@ -115,8 +128,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops: KernelOps = REFERENCE_OPS) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias, ops)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, ops)
         self.silu_and_mul = ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -105,6 +105,7 @@ class MLACausalLM(CausalLM):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False
         )
+        self.ops = ops  # the logits' linear, as CausalLM's
         self.register_buffer("cos_sin_cache", self._build_rope_cache(), persistent=False)
         self.logits_gather = None  # tensor parallel: engines/models/tensor_parallel.py sets the gather
         self.absent_weights: tuple[str, ...] = ()  # pipeline parallel: another stage's weights

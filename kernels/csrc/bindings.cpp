@@ -15,12 +15,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
                                      const torch::Tensor& seq_lens, double scale);
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& key_cache,
               const torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
+torch::Tensor decode_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache, in place",
         py::call_guard<py::gil_scoped_release>());
   m.def("write_kv", &write_kv, "store this step's keys and values into their slots of the paged cache",
         py::call_guard<py::gil_scoped_release>());
+  m.def("decode_linear", &decode_linear, "x @ weight^T (+ bias) for a few rows, streaming the weight once",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
 }
 
 // TORCH_LIBRARY pastes its namespace argument into names, so the macro holding it is expanded first.
@@ -31,9 +34,11 @@ XINSERVE_LIBRARY(XINSERVE_OPS, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  m.def("decode_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 XINSERVE_LIBRARY_IMPL(XINSERVE_OPS, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("write_kv", &write_kv);
+  m.impl("decode_linear", &decode_linear);
 }

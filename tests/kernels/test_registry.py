@@ -58,14 +58,14 @@ def test_cpu_times_its_decode_candidates_and_keeps_the_reference_elsewhere(monke
     monkeypatch.setenv(registry.TIMING_ENV_VAR, "on")
     selection = select("cpu", CPU, torch.float32, SHAPES)
     assert not selection.rejected
-    # the only ops with two correct candidates: cpp decode and KV write, sdpa prefill (kernels/sdpa_prefill.py)
-    assert set(selection.timings_ms) == {"decode_attention", "prefill_attention", "write_kv"}
+    # the only ops with two correct candidates: cpp decode, KV write and linear, sdpa prefill (kernels/sdpa_prefill.py)
+    assert set(selection.timings_ms) == {"decode_attention", "prefill_attention", "write_kv", "linear"}
     timed = selection.timings_ms["decode_attention"]
     assert set(timed) == {"cpp", "reference"}
     assert selection.chosen["decode_attention"] == min(timed, key=timed.get)
     assert set(selection.timings_ms["prefill_attention"]) == {"sdpa", "reference"}
     assert selection.chosen["write_kv"] == min(selection.timings_ms["write_kv"], key=selection.timings_ms["write_kv"].get)
-    attention = ("decode_attention", "prefill_attention", "write_kv")
+    attention = ("decode_attention", "prefill_attention", "write_kv", "linear")
     assert {op: name for op, name in selection.chosen.items() if op not in attention} == {
         op: "reference" for op in registry.OPS if op not in attention}
     assert selection.ops.rms_norm is reference.rms_norm
