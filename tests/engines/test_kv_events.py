@@ -3,6 +3,7 @@ chained block hashes, and an engine publishes them per step over ZeroMQ (topic, 
 msgpack batch) with replay of missed batches. The subscriber side here is written from vLLM's
 documented schema (its examples/online_serving/kv_events_subscriber.py), not from our structs."""
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +184,12 @@ def test_a_subscriber_sees_an_evicted_prompt_stored_then_removed_and_replays_wha
     with LLM(tiny_model_dir, num_kv_blocks=8, block_size=16, kv_events_config=config,
              data_parallel_rank=1) as llm:
         llm.generate(prompt, params)  # published before anyone subscribed: only replay can recover it
+        sent = llm.engine.kv_events._buffer  # the publisher's thread sends it a little after the step
+        for _ in range(500):
+            if sent:
+                break
+            time.sleep(0.01)
+        assert sent, "the first prompt's batch was sent before the subscriber connected"
         sub = Subscriber(ctx, offset_endpoint(endpoint, 1), offset_endpoint(replay, 1), "kv")
         received = False
         for i in range(50):  # a PUB drops what it sends before the subscription arrives: send until one lands

@@ -264,8 +264,9 @@ def test_the_fake_refuses_other_wrong_dtypes(fake):
 SHAPES = ModelShapes(num_heads=8, num_kv_heads=2, head_dim=64, rotary_dim=32, rope_is_neox=False,
                      hidden_size=128, intermediate_size=96, vocab_size=300, block_size=BS)
 CPU = torch.device("cpu")
-# every op a dense model calls on npu; fused_moe, which it never calls, stays the unprobed reference
-ALL_NPU = {op: "npu" if applies(op, SHAPES) else "reference" for op in registry.OPS}
+# every op a dense model calls on npu; fused_moe, which it never calls, stays the unprobed reference, and so
+# does the dense linear: F.linear is already the device's matmul (the C++ decode linear is a CPU candidate)
+ALL_NPU = {op: "npu" if applies(op, SHAPES) and op != "linear" else "reference" for op in registry.OPS}
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -325,7 +326,8 @@ def test_greedy_generation_on_npu_equals_cpu(npu_platform, tiny_models, arch, co
     options = {"dtype": "bfloat16", "block_size": BS, "num_kv_blocks": 3, "max_num_batched_tokens": 64}
     on_npu = LLM(model, device="npu:0", **options)
     on_cpu = LLM(model, device="cpu", **options,  # the oracle: every op the reference (a C++ KV write is a candidate)
-                 kernels={"decode_attention": "reference", "prefill_attention": "reference", "write_kv": "reference"})
+                 kernels={"decode_attention": "reference", "prefill_attention": "reference", "write_kv": "reference",
+                          "linear": "reference"})
     assert on_npu.engine.runner.kernels.chosen == ALL_NPU
     assert set(on_cpu.engine.runner.kernels.chosen.values()) == {"reference"}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
