@@ -81,6 +81,7 @@ class DecodeBuffers:
         self._xp = np if self.input_ids.device.type == "cpu" else torch
         names = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "block_ids", "mask", "_arange")
         self._views = {name: _host_view(getattr(self, name), self._xp) for name in names}
+        self._host_seq_lens = self.host_seq_lens.numpy()  # on the host on every device
 
     def _metadata(self, size: int) -> AttentionMetadata:
         gather = DecodeGather(
@@ -120,9 +121,8 @@ class DecodeBuffers:
         v["block_tables"][n:size] = self.scratch_block
         v["seq_lens"][:n] = _host_view(metadata.seq_lens, xp)
         v["seq_lens"][n:size] = 1
-        host_seq_lens = self.host_seq_lens.numpy()  # on the host on every device
-        host_seq_lens[:n] = metadata.decode_gather.host_seq_lens.numpy()
-        host_seq_lens[n:size] = 1
+        self._host_seq_lens[:n] = metadata.decode_gather.host_seq_lens.numpy()
+        self._host_seq_lens[n:size] = 1
         v["block_ids"][: size * self.width] = v["block_tables"][:size].reshape(-1)
         xp.less(v["_arange"], v["seq_lens"][:size, None], out=v["mask"][:size, 0, 0])
         return True
