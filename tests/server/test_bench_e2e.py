@@ -1,18 +1,19 @@
 """``xinserve bench`` end to end against a live server: two concurrencies in one run over a dataset
-with categories, an open-loop run, the JSON document, and PNG plots of one and of two servers."""
+with categories, an open-loop run, the JSON document, and PNG plots of one and of two servers.
+
+The command runs in this process (``server.cli.main``, what ``python -m server.cli`` calls before it
+exits): a subprocess would import torch again for each run, ~7 CPU s quiet and ~14 under load, for a
+load generator that never uses it. ``tests/engines/test_process_exit.py`` runs the real command."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from PIL import Image
 
+from benchmarks import make_dataset
+from server.cli import main
 from tests.server.conftest import KEY_A
 
-REPO = Path(__file__).resolve().parents[2]
 PNG_SIZE = (1100, 750)  # figsize 11 x 7.5 inches at 100 dpi
 
 
@@ -22,24 +23,32 @@ def server(keyed_server):
     return keyed_server
 
 
-def xinserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, check=False, env={**os.environ, "XINSERVE_API_KEY": KEY_A})
+@pytest.fixture
+def xinserve(monkeypatch, capsys):
+    """``xinserve(*args) -> (exit status, stdout, stderr)`` of ``xinserve ARGS``, with team-a's key in
+    ``XINSERVE_API_KEY``."""
+    monkeypatch.setenv("XINSERVE_API_KEY", KEY_A)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()  # what came before is not this run's
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
 
 
-def test_levels_categories_json_and_plot(server, tmp_path):
+def test_levels_categories_json_and_plot(server, xinserve, tmp_path):
     data = tmp_path / "mixed.jsonl"
-    made = subprocess.run([sys.executable, str(REPO / "benchmarks" / "make_dataset.py"), "--out", str(data),
-                           "--per-category", "2", "--long-tokens", "1500"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
-    assert made.returncode == 0, made.stderr
+    make_dataset.main(["--out", str(data), "--per-category", "2", "--long-tokens", "1500"])
+    assert data.stat().st_size > 0
     out, png = tmp_path / "a.json", tmp_path / "a.png"
-    proc = xinserve("bench", "--base-url", f"{server.url}/v1", "--dataset", str(data), "--concurrency", "1,4",
+    code, stdout, stderr = xinserve("bench", "--base-url", f"{server.url}/v1", "--dataset", str(data), "--concurrency", "1,4",
                     "--output-tokens", "6", "--label", "xinserve", "--json", str(out), "--plot", str(png))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| category | requests | success |" in proc.stdout and "| long | 2 | 100.0% |" in proc.stdout
-    assert "TTFT mean / p50 / p90 / p95 / p99 (ms)" in proc.stdout
-    assert "| xinserve | c=4 | 100.0% |" in proc.stdout  # the table of both levels
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "| category | requests | success |" in stdout and "| long | 2 | 100.0% |" in stdout
+    assert "TTFT mean / p50 / p90 / p95 / p99 (ms)" in stdout
+    assert "| xinserve | c=4 | 100.0% |" in stdout  # the table of both levels
 
     result = json.loads(out.read_text())
     assert result["model"] == "tiny" and "api_key" not in result["config"]
@@ -59,29 +68,29 @@ def test_levels_categories_json_and_plot(server, tmp_path):
 
 
 @pytest.mark.slow
-def test_open_loop_and_a_plot_of_two_servers(server, tmp_path):
+def test_open_loop_and_a_plot_of_two_servers(server, xinserve, tmp_path):
     a = tmp_path / "rate.json"
-    proc = xinserve("bench", "--base-url", f"{server.url}/v1", "--request-rate", "20,40", "--num-prompts", "6",
+    code, stdout, stderr = xinserve("bench", "--base-url", f"{server.url}/v1", "--request-rate", "20,40", "--num-prompts", "6",
                     "--output-tokens", "4", "--json", str(a))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
     result = json.loads(a.read_text())
     assert [(r["concurrency"], r["request_rate"], r["successful"]) for r in result["runs"]] == [
         (None, 20.0, 6), (None, 40.0, 6)]
     b = tmp_path / "other.json"
     b.write_text(json.dumps({**result, "label": "another server"}))
     png = tmp_path / "two.png"
-    proc = xinserve("bench", "plot", str(a), str(b), "--out", str(png))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, stderr = xinserve("bench", "plot", str(a), str(b), "--out", str(png))
+    assert code == 0, stderr[-3000:]
     with Image.open(png) as image:
         assert image.size == PNG_SIZE
 
 
-def test_failed_requests_make_the_exit_status_1(server, tmp_path):
+def test_failed_requests_make_the_exit_status_1(server, xinserve, tmp_path):
     # A model the server does not have: every request is a 404, counted, none crash the bench.
     out = tmp_path / "fail.json"
-    proc = xinserve("bench", "--base-url", f"{server.url}/v1", "--model", "nope", "--num-prompts", "3",
-                    "--concurrency", "2", "--json", str(out))
-    assert proc.returncode == 1
+    code, _, _ = xinserve("bench", "--base-url", f"{server.url}/v1", "--model", "nope", "--num-prompts", "3",
+                          "--concurrency", "2", "--json", str(out))
+    assert code == 1
     (run,) = json.loads(out.read_text())["runs"]
     assert (run["successful"], run["failed"], run["success_rate"]) == (0, 3, 0.0)
     assert run["errors"][0]["count"] == 3 and run["errors"][0]["error"].startswith("HTTP 404")
