@@ -76,7 +76,7 @@ def _start(label: str, words: str, model: Path, scratch: Path) -> tuple[subproce
 
 
 def _bench(url: str, concurrency: int, prompts: int, words: int, tokens: int, out: Path) -> tuple[dict, float]:
-    """The bench's first run and the client's CPU seconds."""
+    """The bench's first run and the client's CPU seconds (its start-up imports included)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     cmd = [sys.executable, "-m", "server.cli", "bench", "--base-url", f"{url}/v1", "--concurrency", str(concurrency),
            "--num-prompts", str(prompts), "--output-tokens", str(tokens), "--input-words", str(words),
@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                 launch.stop(proc)
     keys = ("tpot_ms", "period_ms", "tpot_over_period", "forward_wall_ms", "forward_cpu_ms", "gap_ms",
             "http_cpu_ms_per_step", "client_cpu_ms_per_step", "output_tok_s", "ttft_ms", "load")
-    summary = {label: {k: _median([r[k] for r in rs]) for k in keys} for label, rs in runs.items() if rs}
+    # A run without a plateau of full steps (the requests arrived spread out) has no step figures.
+    summary = {label: {k: _median([r[k] for r in rs if r[k] == r[k]]) for k in keys} for label, rs in runs.items() if rs}
     print(f"{'arm':<10}" + "".join(f"{k[:14]:>16}" for k in keys))
     for label, s in summary.items():
         print(f"{label:<10}" + "".join(f"{s[k]:>16.2f}" for k in keys))
