@@ -21,6 +21,7 @@ import torch
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name
            for name in ("paged_decode_attention.cpp", "write_kv.cpp", "decode_linear.cpp", "bindings.cpp")]
+HEADERS = [Path(__file__).resolve().parent / "csrc" / "attention_math.h"]  # included by the sources; in the key
 # Reassociation lets the compiler vectorise the float sums; contraction fuses a * b + c into one FMA
 # (ISO C++ mode, -std=c++20, leaves it off).
 # -fopenmp: at::parallel_for is a header template whose OpenMP pragma is compiled into this extension;
@@ -44,11 +45,11 @@ def _cpu_flags() -> str:
 
 
 def _build_key() -> str:
-    """Names the build: the sources, their paths, the compiler flags, the torch version and the CPU's
+    """Names the build: the sources and headers, their paths, the compiler flags, the torch version and the CPU's
     instruction-set flags.
     The paths too, because ninja's build file names the sources by them: two checkouts sharing one
     build directory would rewrite that file and rebuild (half a minute each) on every load."""
-    sources = "\n".join(f"{path.read_text()}\n{path}" for path in SOURCES)
+    sources = "\n".join(f"{path.read_text()}\n{path}" for path in [*SOURCES, *HEADERS])
     text = f"{sources}\n{CFLAGS}\n{LDFLAGS}\n{torch.__version__}\n{_cpu_flags()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

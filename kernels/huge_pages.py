@@ -1,4 +1,4 @@
-"""A zeroed CPU tensor on transparent huge pages, for the KV pool.
+"""Zeroed CPU memory on transparent huge pages, for the KV pool and the model's weights.
 
 Decode attention reads each sequence's blocks where its block table puts them, scattered over a pool
 of a gigabyte or more. On 4 KiB pages nearly every block is on pages the TLB does not hold, so each
@@ -10,6 +10,10 @@ default; in "always" mode it would anyway, in "never" mode it will not). The map
 
 Where ``mmap.MADV_HUGEPAGE`` does not exist (not Linux) or ``madvise`` fails, the pool is a plain
 ``torch.zeros``: huge pages change how fast the pool is read, never what it holds.
+
+The weights are read whole in every decode step, after the K/V stream has flushed the TLB; on 4 KiB
+pages each page of a weight costs a (nested) walk and the hardware prefetcher stops at its end.
+``weights_on_huge_pages`` gives the parameters of a model one arena of huge pages between them.
 """
 
 import logging
@@ -17,9 +21,11 @@ import math
 import mmap
 
 import torch
+from torch import nn
 
 logger = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages): a PMD-sized transparent huge page
+CACHE_LINE = 64
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -41,6 +47,23 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     offset = -_address(region) % HUGE_PAGE
     flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)  # holds ``region``
     return flat.view(dtype).view(shape)
+
+
+def weights_on_huge_pages(model: nn.Module) -> None:
+    """Rebind every CPU parameter of ``model`` to a view of one zeroed arena on huge pages, each view
+    starting on a cache line. Meant for a model just made by ``to_empty`` (its values are not kept: the
+    loader fills them next); the storage it had is released. A model of under one huge page, or one
+    whose parameters live on a device, is left as it is."""
+    params = [p for p in model.parameters() if p.device.type == "cpu"]  # each shared parameter once
+    spans = [-(-p.numel() * p.element_size() // CACHE_LINE) * CACHE_LINE for p in params]
+    if sum(spans) < HUGE_PAGE:
+        return
+    arena = zeros_on_huge_pages((sum(spans),), torch.uint8)
+    offset = 0
+    for param, span in zip(params, spans):
+        nbytes = param.numel() * param.element_size()
+        param.data = arena[offset : offset + nbytes].view(param.dtype).view(param.shape)
+        offset += span
 
 
 def _address(region: mmap.mmap) -> int:

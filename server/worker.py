@@ -19,6 +19,7 @@ This module imports no torch at import time: the spawned child selects the devic
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -39,6 +40,15 @@ logger = logging.getLogger("xinserve.worker")
 HEARTBEAT_S = 1.0  # the idle heartbeat's default period; the server sends its own (heartbeat.tick_s)
 # Stats ride along with step outputs at most this often; /metrics needs freshness, not every step.
 STATS_INTERVAL_S = 0.05
+# How long a thread keeps the GIL while another waits for it (Python's default: 5 ms), while the loop
+# runs with async scheduling. The step thread needs the GIL between its C++ kernels (the compiled
+# graph's Python wrapper; inductor's fused kernels hold it), while this loop's thread runs ~2 ms of
+# Python per step at batch 32 (resolve, emit, schedule and prepare the next step): at 5 ms the step
+# waits out that whole chunk, at 0.5 ms it takes the GIL back within 0.5 ms. In-process A/B at batch 32
+# (1 thread, compiled, alternating arms; a saturated machine, load 12-25): the gap between forwards
+# 9.5 vs 16.9 ms and the forward's wall 75 vs 173 ms, medians of 4 (benchmarks/gil_switch_interval.py).
+# Served at c=32 (benchmarks/server_step_timeline.py, load ~10) the two did not differ above the noise.
+ASYNC_GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(slots=True)
@@ -194,9 +204,13 @@ class WorkerLoop:
             self._emit(InfoUpdate({"decode_graphs": warmup.report(), "kernels": self.engine.runner.kernels.report()}))
 
     def run(self) -> None:
+        switch_interval = sys.getswitchinterval()
+        if self.async_steps is not None:
+            sys.setswitchinterval(min(switch_interval, ASYNC_GIL_SWITCH_INTERVAL_S))
         try:
             self._run()
         finally:
+            sys.setswitchinterval(switch_interval)
             if self.async_steps is not None:
                 self.async_steps.close()
             if self.sender is not None:

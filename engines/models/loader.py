@@ -22,6 +22,7 @@ from engines.models.tensor_parallel import Collectives, check_tensor_parallel, r
 from engines.quantization.install import load_quantized, quant_shapes, swap_quantized_modules
 from engines.quantization.reader import checkpoint_reader
 from engines.quantization.sharding import keeps, read_rank_part
+from kernels.huge_pages import weights_on_huge_pages
 from kernels.model_shapes import ModelShapes
 from kernels.ops import REFERENCE_OPS, KernelOps
 
@@ -116,6 +117,7 @@ def load_model(
     model = model.to(dtype=dtype)
     model.keep_float32_parameters()
     model = model.to_empty(device=torch.device(device))
+    weights_on_huge_pages(model)  # CPU weights: one arena on huge pages (kernels/huge_pages.py); filled next
     read = None if group is None and pipeline is None else partial(read_shard, model)
     weights = weights if weights is not None else _iter_safetensors(path, read, rename=rename)
     model.load_weights(weights)

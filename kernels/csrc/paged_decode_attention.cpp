@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_math.h"
+
 #if defined(__F16C__) && defined(__SSE4_1__)
 #include <immintrin.h>
 #define XINSERVE_F16C 1
@@ -30,25 +32,7 @@
 
 namespace {
 
-// exp(x) for the softmax's x <= 0: 2^(x log2 e) as an integer power of two (built in the exponent
-// bits) times the degree-6 Taylor polynomial of 2^f for the remainder f in [-1/2, 1/2), relative
-// error about 1e-7. Unlike std::exp it has no branch or call, so the loops using it vectorise.
-inline float fast_exp(float x) {
-  const float t = std::max(x, -87.0f) * 1.44269504f;
-  const float whole = std::floor(t + 0.5f);
-  const float f = t - whole;
-  float p = 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using namespace xinserve_attention;
 
 // One stored element widened to float. The 16- and 8-bit conversions are written as branchless integer
 // arithmetic on the bits (c10's conversions are scalar calls and table lookups), so the dot-product and
@@ -157,70 +141,6 @@ inline const float* block_rows(const cache_t* first, int64_t tokens, int64_t row
   }
 }
 
-// Eight floats in one vector register (AVX2's ymm, half an AVX-512 zmm), written with GCC's and Clang's
-// generic vector extension rather than one instruction set's intrinsics: the accumulators below are
-// named registers, so the hot loops do not depend on what the auto-vectoriser makes of them.
-typedef float Vec8 __attribute__((vector_size(32)));
-
-inline Vec8 load8(const float* p) {
-  Vec8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float sum8(Vec8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
-
-// q . k over D floats: two vector accumulators (two FMA chains in flight), one horizontal sum.
-template <int64_t kFixedDim>
-inline float dot(const float* q, const float* k, int64_t head_dim) {
-  const int64_t dim = kFixedDim ? kFixedDim : head_dim;
-  Vec8 a = {}, b = {};
-  int64_t d = 0;
-  for (; d + 16 <= dim; d += 16) {
-    a += load8(q + d) * load8(k + d);
-    b += load8(q + d + 8) * load8(k + d + 8);
-  }
-  if (d + 8 <= dim) {
-    a += load8(q + d) * load8(k + d);
-    d += 8;
-  }
-  float sum = sum8(a + b);
-  for (; d < dim; ++d) sum += q[d] * k[d];
-  return sum;
-}
-
-// acc[c] += sum_t p[t] * v[t][c] for c < 8 kVecs: the output chunk stays in kVecs registers over the
-// block's tokens (independent FMA chains), each value row read once per query head.
-template <int64_t kVecs>
-inline void weighted_rows(float* acc, const float* p, const float* v, int64_t stride, int64_t tokens) {
-  Vec8 r[kVecs];
-  for (int64_t i = 0; i < kVecs; ++i) r[i] = load8(acc + 8 * i);
-  for (int64_t t = 0; t < tokens; ++t) {
-    const Vec8 w = Vec8{} + p[t];
-    const float* row = v + t * stride;
-    for (int64_t i = 0; i < kVecs; ++i) r[i] += w * load8(row + 8 * i);
-  }
-  for (int64_t i = 0; i < kVecs; ++i) store8(acc + 8 * i, r[i]);
-}
-
-// The same over D floats: chunks of 64, 32 and 8, then the last D % 8 one at a time.
-inline void weighted_sum(float* acc, const float* p, const float* v, int64_t stride, int64_t tokens, int64_t dim) {
-  int64_t c = 0;
-  for (; c + 64 <= dim; c += 64) weighted_rows<8>(acc + c, p, v + c, stride, tokens);
-  if (c + 32 <= dim) {
-    weighted_rows<4>(acc + c, p, v + c, stride, tokens);
-    c += 32;
-  }
-  for (; c + 8 <= dim; c += 8) weighted_rows<1>(acc + c, p, v + c, stride, tokens);
-  for (; c < dim; ++c) {
-    float r = acc[c];
-    for (int64_t t = 0; t < tokens; ++t) r += p[t] * v[t * stride + c];
-    acc[c] = r;
-  }
-}
-
 // How many blocks ahead of the one being computed the next blocks' rows are asked for. Block tables
 // scatter blocks over the pool, so the hardware prefetcher cannot guess the next block; a single
 // memory stream of one core keeps only a few lines in flight, so the fetch is started well ahead.
@@ -267,19 +187,19 @@ inline void attend_block(const cache_t* k_first, const cache_t* v_first, int64_t
   const Widen<cache_t> widen;
   int64_t k_stride, v_stride;
   const float* k = block_rows<cache_t, quantized>(k_first, tokens, row_stride, dim, widen, w.k_tile.data(), k_stride);
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = qf + g * dim;
-    float* s = w.scores.data() + g * block_size;
-    for (int64_t t = 0; t < tokens; ++t) s[t] = dot<kFixedDim>(qg, k + t * k_stride, dim);
-  }
-  // Per query head: the block's max, the rescale of what came before, the block's weights.
+  for (int64_t g = 0; g < group; ++g) scores<kFixedDim>(qf + g * dim, k, k_stride, tokens, dim, w.scores.data() + g * block_size);
+  // Per query head: the block's max, the rescale of what came before (only when the max grew: after the
+  // first blocks it seldom does), the block's weights.
   for (int64_t g = 0; g < group; ++g) {
     float* s = w.scores.data() + g * block_size;
     const float block_max = *std::max_element(s, s + tokens);
     const float new_max = std::max(running_max[g], block_max);
-    const float rescale = std::exp(running_max[g] - new_max);  // exp(-inf) = 0 on the first block
-    float* a = acc + g * dim;
-    for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
+    float rescale = 1.0f;
+    if (new_max > running_max[g]) {
+      rescale = std::exp(running_max[g] - new_max);  // exp(-inf) = 0 on the first block
+      float* a = acc + g * dim;
+      for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
+    }
     float sum = 0.0f;
     for (int64_t t = 0; t < tokens; ++t) {
       s[t] = fast_exp(s[t] - new_max);

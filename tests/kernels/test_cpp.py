@@ -15,7 +15,7 @@ from kernels import cpp, cpp_build, kv_quant, reference
 from kernels.attention_metadata import build_decode_gather
 
 # (head dim, KV heads, query heads, block size)
-SHAPES = [(8, 2, 6, 16), (96, 1, 3, 16), (64, 2, 2, 128), (96, 2, 6, 128)]
+SHAPES = [(8, 2, 6, 16), (96, 1, 3, 16), (64, 2, 2, 128), (96, 2, 6, 128), (64, 2, 4, 16)]
 
 
 def decode_case(shape, lens, dtype, seed=0):
@@ -44,6 +44,23 @@ def test_decode_equals_the_reference(shape, lens):
     gather = build_decode_gather(tables_np, lens_np, shape[3], torch.device("cpu"))
     want = reference.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.3, gather)
     got = cpp.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.3)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("growth", [4.0, -0.9])
+def test_a_running_max_that_grows_or_stays_over_the_blocks_equals_the_reference(growth):
+    """Keys scaled by position: with growth > 0 each block's logits outgrow the last (the kernel rescales
+    what came before at every block); with growth < 0 the first block holds the max (no rescale after it)."""
+    shape, lens = (64, 2, 4, 16), [300, 45, 8]
+    query, key_cache, value_cache, tables_np, lens_np = decode_case(shape, lens, torch.float32, seed=3)
+    for s, n in enumerate(lens):
+        for position in range(n):
+            block, row = tables_np[s, position // 16], position % 16
+            key_cache[block, row] = query[s].view(2, 2, 64)[:, 0] * (1 + growth * position / n)
+    tables, seq_lens = torch.from_numpy(tables_np), torch.from_numpy(lens_np)
+    gather = build_decode_gather(tables_np, lens_np, 16, torch.device("cpu"))
+    want = reference.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.125, gather)
+    got = cpp.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.125)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 

@@ -5,6 +5,7 @@ so the loop's own contract is pinned: one ``Outputs`` message per step, a bad re
 ``Failed`` without ending the loop, a failing step failing only the requests in it, and aborts.
 """
 
+import sys
 import threading
 import time
 
@@ -15,7 +16,7 @@ from engines.outputs import EngineStats, RequestFailure, StepOutput, StepResult
 from engines.sampling_params import SamplingParams
 from server import messages
 from server.messages import Abort, Add, Failed, Outputs, Shutdown, Stats
-from server.worker import WorkerLoop
+from server.worker import ASYNC_GIL_SWITCH_INTERVAL_S, WorkerLoop
 
 
 class ScriptedEngine:
@@ -202,3 +203,50 @@ def test_a_schema_that_failed_to_compile_is_a_400_not_a_500(loop_io):
     post(add("next", [1], max_tokens=1))
     until(finished("next"))
     assert thread.is_alive()
+
+
+class SteppingAhead:
+    """An engine's async stepper (engines/async_scheduling.py) that records the GIL switch interval."""
+
+    def __init__(self, engine: ScriptedEngine) -> None:
+        self.engine = engine
+        self.intervals: list[float] = []
+
+    def step(self) -> StepResult:
+        self.intervals.append(sys.getswitchinterval())
+        return self.engine.step()
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def close(self) -> None:
+        pass
+
+
+def test_async_loop_shortens_the_gil_switch_interval_while_it_runs():
+    """The step thread must not wait out 5 ms of the loop thread's Python for the GIL; the process's
+    own interval comes back when the loop ends."""
+    stepper = SteppingAhead(ScriptedEngine())
+    stepper.engine.async_steps = lambda: stepper
+    ctx = zmq.Context()
+    to_worker, recv, send, sink = (ctx.socket(k) for k in (zmq.PUSH, zmq.PULL, zmq.PUSH, zmq.PULL))
+    to_worker.bind("inproc://gil-in")
+    sink.bind("inproc://gil-out")
+    recv.connect("inproc://gil-in")
+    send.connect("inproc://gil-out")
+    before = sys.getswitchinterval()
+    loop = WorkerLoop(stepper.engine, recv, send, "test")
+    to_worker.send(messages.encode(add("a", [1, 2], max_tokens=3)))
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    assert sink.poll(5000), "no output from the loop"
+    deadline = time.monotonic() + 5
+    while stepper.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    to_worker.send(messages.encode(Shutdown()))
+    thread.join(5)
+    for s in (to_worker, recv, send, sink):
+        s.close(linger=0)
+    ctx.term()
+    assert stepper.intervals and set(stepper.intervals) == {min(before, ASYNC_GIL_SWITCH_INTERVAL_S)}
+    assert sys.getswitchinterval() == before
