@@ -28,7 +28,7 @@ def run_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
             runpy.run_path(argv[0], run_name="__main__")
             code = 0
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1  # as the interpreter exits
         finally:
             torch.set_num_threads(threads)
         stdout, stderr = capsys.readouterr()
