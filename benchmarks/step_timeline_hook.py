@@ -123,8 +123,28 @@ def install(loop) -> None:
     signal.signal(signal.SIGUSR2, _dump)
 
 
+def _compile_with_cpp_wrapper(on: bool) -> None:
+    """An experiment's arm: inductor's C++ wrapper for the decode buckets on or off, whatever the
+    product's default (the C++ wrapper runs a whole graph with the GIL released once)."""
+    from engines import direct_call
+
+    def call(self, graph, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": on})
+        if hasattr(self._local, "graphs"):
+            self._local.graphs.append((compiled, list(example_inputs)))
+        return compiled
+
+    direct_call.GraphRecorder.__call__ = call
+
+
 def patch_worker_loop() -> None:
     from server import worker
+
+    wrapper = os.environ.get("XINSERVE_BENCH_CPP_WRAPPER")
+    if wrapper is not None:
+        _compile_with_cpp_wrapper(wrapper == "1")
 
     init = worker.WorkerLoop.__init__
 
