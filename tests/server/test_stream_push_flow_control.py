@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 import socket
+from collections.abc import Callable
 
 import pytest
 import uvicorn
@@ -76,15 +77,21 @@ def dechunk(raw: bytes) -> bytes:
         at = end + 2 + size + 2
 
 
-async def fetch(port: int, path: str, payload: bytes, pause_s: float, stop_after: int | None = None) -> bytes:
-    """The response body, read ``pause_s`` apart 512 bytes at a time through a tiny receive buffer;
-    ``stop_after``: close the connection once that many bytes came (the client goes away)."""
+async def fetch(port: int, path: str, payload: bytes, pause_s: float, stop_after: int | None = None,
+                read_after: Callable[[], bool] = lambda: True) -> bytes:
+    """The response body, read ``pause_s`` apart 512 bytes at a time through a tiny receive buffer,
+    once ``read_after()`` holds (checked every 10 ms, up to 30 s); ``stop_after``: close the
+    connection once that many bytes came (the client goes away)."""
     loop = asyncio.get_running_loop()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
     sock.setblocking(False)
     await loop.sock_connect(sock, ("127.0.0.1", port))
     await loop.sock_sendall(sock, request_bytes(path, payload))
+    for _ in range(3000):
+        if read_after():
+            break
+        await asyncio.sleep(0.01)
     raw = b""
     try:
         while not raw.endswith(b"\r\n0\r\n\r\n"):
@@ -164,11 +171,12 @@ def test_a_slow_reader_gets_the_whole_stream_in_order(tok, paused, path, payload
 
     async def scenario(port: int, worker: CallbackWorker) -> None:
         bodies["fast"] = await fetch(port, path, payload, 0)
-        bodies["slow"] = await fetch(port, path, payload, 0.01)
+        before = paused[0]  # the slow reader starts once one of its stream's pushed writes paused
+        bodies["slow"] = await fetch(port, path, payload, 0.002, read_after=lambda: paused[0] > before)
+        assert paused[0] > before
         assert worker.fanout.load == 0
 
     serve_and(tok, scenario)
-    assert paused[0] > 0  # pushed writes did pause
     fast, slow = bodies["fast"], bodies["slow"]
     # The same text in the same order; a reader that fell behind may get several tokens in one frame.
     assert fast.count(b"data: {") >= MAX_TOKENS and slow.endswith(b"data: [DONE]\n\n")
@@ -177,7 +185,7 @@ def test_a_slow_reader_gets_the_whole_stream_in_order(tok, paused, path, payload
 
 def test_a_client_gone_during_a_paused_push_leaves_no_request_behind(tok, paused):
     async def scenario(port: int, worker: CallbackWorker) -> None:
-        await fetch(port, "/v1/chat/completions", CHAT, 0.01, stop_after=4096)
+        await fetch(port, "/v1/chat/completions", CHAT, 0.01, stop_after=4096, read_after=lambda: paused[0] > 0)
         for _ in range(500):  # the disconnect is seen by the server's next read
             if worker.fanout.load == 0:
                 break
