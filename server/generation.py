@@ -22,6 +22,7 @@ from engines.sampling_params import SamplingParams
 from server.errors import APIError
 from server.fanout import RequestStream
 from server.messages import RequestError
+from server.stream_queue import ItemQueue
 from server.worker_client import WorkerClient
 
 logger = logging.getLogger("xinserve.server")
@@ -98,6 +99,11 @@ class Generation:
         return sum(len(c.token_ids) for c in self.choices)
 
     @property
+    def queue(self) -> ItemQueue | None:
+        """The current stream's queue (a retry replaces it)."""
+        return self._stream.queue if self._stream else None
+
+    @property
     def queue_time(self) -> float | None:
         return self._stream.queue_time if self._stream else None
 
@@ -136,6 +142,10 @@ class Generation:
         if isinstance(items[0], RequestError) and self._may_retry(items):
             await self._start_elsewhere(items[0])
             return await self.next_deltas()
+        return self.take(items)
+
+    def take(self, items: list[object]) -> list[Delta]:
+        """What each choice gained from ``items`` (the stream's next items, in order), by choice index."""
         by_index: dict[int, Delta] = {}
         for item in items:
             self._apply(item, by_index)

@@ -34,12 +34,15 @@ class SSEResponse(Response):
         self.status_code = 200
         self.background = None  # FastAPI may set its (empty) background tasks here
         self.raw_headers = list(HEADERS)
+        self.push: Any = None  # a ``StreamPush`` (server/stream_push.py) to attach to the body's send
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         # The start goes through every middleware (status and headers for logs, metrics, errors); the
         # body messages, which they all pass through untouched, straight to the server when it can.
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         send = scope.get(DIRECT_SEND, send)
+        if self.push is not None:
+            self.push.attach(send)
         stream = asyncio.ensure_future(self._stream(send))
         helpers = [asyncio.ensure_future(_wait_disconnect(receive))]
         if self.ping_s > 0:

@@ -18,7 +18,7 @@ from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkSplitter, end_token_id, reasoning_for
 from server.responses import TokenTexts
 from server.routes.chat_frames import ContentFrames
-from server.routes.common import max_tokens_for, new_request_id
+from server.routes.common import max_tokens_for, new_request_id, sse_frame
 from server.routes.generate import GenerationGroup, respond
 from server.routes.prompt import route_encoded
 from server.routes.tools import OutputPlan, plan_output
@@ -31,7 +31,7 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     chat = await start_chat(request, body, new_request_id("chatcmpl"))
     view = _ChatView(body, chat)
-    return await respond(request, chat.group, bool(body.stream), view.frames, view.body)
+    return await respond(request, chat.group, bool(body.stream), view.frames, view.body, push=view.push)
 
 
 @dataclass(slots=True)
@@ -92,6 +92,7 @@ class _ChatView:
         # reasoning first, per choice: the readers see only the content after it
         self.splitters = [chat.reasoning() if chat.reasoning else None for _ in range(body.n)]
         self.content_frames = ContentFrames(chat.group.request_id, self.created, self.model, self.with_usage)
+        self.group = chat.group
 
     def body(self, group: GenerationGroup) -> dict[str, Any]:
         (gen,) = group.gens
@@ -121,6 +122,10 @@ class _ChatView:
         async for _, deltas in group.merged():
             if burst := self._deltas_burst(group, deltas, []):
                 yield burst
+
+    def push(self, deltas: list[Delta]) -> bytes:
+        """The encoded frames ``frames`` would yield for ``deltas`` (server/stream_push.py)."""
+        return b"".join(map(sse_frame, self._deltas_burst(self.group, deltas, [])))
 
     def _deltas_burst(
         self, group: GenerationGroup, deltas: list[Delta], burst: list[dict[str, Any] | bytes]

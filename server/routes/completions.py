@@ -16,7 +16,7 @@ from server.generation import Delta, Generation
 from server.limits import cap_max_tokens, check_completion
 from server.protocol import CompletionRequest
 from server.responses import TokenTexts
-from server.routes.common import max_tokens_for, new_request_id
+from server.routes.common import max_tokens_for, new_request_id, sse_frame
 from server.routes.generate import GenerationGroup, respond
 from server.routes.prompt import route_encoded
 
@@ -66,7 +66,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         echoes.append((prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if body.echo else "")
     # A text prompt is echoed as sent (no BOS), token ids as decoded with their special tokens.
     view = _CompletionView(body, pool.name, request_id, echoes, texts, [isinstance(p, str) for p in prompts])
-    return await respond(request, GenerationGroup(request_id, gens), bool(body.stream), view.frames, view.body)
+    group = GenerationGroup(request_id, gens)
+    return await respond(request, group, bool(body.stream), view.frames, view.body, push=partial(view.push, group))
 
 
 class _CompletionView:
@@ -78,6 +79,7 @@ class _CompletionView:
         self.echoes, self.texts = echoes, texts
         self.echoes_skip_special = echoes_skip_special
         self._prompt_offsets: dict[int, list[int]] = {}  # prompt index -> text_offset of its tokens
+        self._offsets = [[len(echo)] * body.n for echo in echoes]  # [prompt][choice] -> text_offset so far
         self.with_usage = body.include_usage
         self.created = int(time.time())
 
@@ -94,39 +96,43 @@ class _CompletionView:
 
     async def frames(self, group: GenerationGroup, firsts: list[list[Delta]]) -> AsyncIterator[list[dict[str, Any]]]:
         """Bursts of chunks, each burst what one batch of deltas gave (sent as one write)."""
-        n, echoes = self.n, self.echoes
-        offsets = [[len(echoes[k])] * n for k in range(len(group.gens))]
-
-        def frame(k: int, d: Delta, prefix: str) -> dict[str, Any]:
-            logprobs = responses.completion_logprobs(d.token_ids, d.logprobs, self.texts, offsets[k][d.index])
-            logprobs = self._with_prompt(k, group.gens[k], prefix, logprobs)
-            offsets[k][d.index] += len(d.text)
-            choice = responses.completion_choice(k * n + d.index, prefix + d.text, d.finish_reason, logprobs)
-            return responses.completion(self.request_id, self.created, self.model, [choice], None)
-
-        def usage_if_done() -> list[dict[str, Any]]:
-            """The usage chunk, with the burst after which every generation is done."""
-            if not self.with_usage or not all(g.done for g in group.gens):
-                return []
-            usage = responses.usage(group.prompt_tokens, group.completion_tokens)
-            return [responses.completion(self.request_id, self.created, self.model, [], usage)]
-
+        n, echoes, frame, usage_if_done = self.n, self.echoes, self._frame, self._usage_if_done
         burst = []  # the first deltas of every prompt: one write
         for k, deltas in enumerate(firsts):
             echoed = set()
             for d in deltas:
-                burst.append(frame(k, d, echoes[k]))
+                burst.append(frame(group, k, d, echoes[k]))
                 echoed.add(d.index)
             for i in range(n):  # a choice with no first delta yet still echoes first
                 if echoes[k] and i not in echoed:
                     logprobs = self._with_prompt(k, group.gens[k], echoes[k], None)
                     choice = responses.completion_choice(k * n + i, echoes[k], None, logprobs)
                     burst.append(responses.completion(self.request_id, self.created, self.model, [choice], None))
-        if burst := burst + usage_if_done():
+        if burst := burst + usage_if_done(group):
             yield burst
         async for k, deltas in group.merged():
-            if burst := [frame(k, d, "") for d in deltas] + usage_if_done():
+            if burst := [frame(group, k, d, "") for d in deltas] + usage_if_done(group):
                 yield burst
+
+    def push(self, group: GenerationGroup, deltas: list[Delta]) -> bytes:
+        """The encoded frames ``frames`` would yield for a one-prompt group's ``deltas`` (server/stream_push.py)."""
+        return b"".join([sse_frame(self._frame(group, 0, d, "")) for d in deltas]
+                        + [sse_frame(c) for c in self._usage_if_done(group)])
+
+    def _frame(self, group: GenerationGroup, k: int, d: Delta, prefix: str) -> dict[str, Any]:
+        offsets = self._offsets[k]
+        logprobs = responses.completion_logprobs(d.token_ids, d.logprobs, self.texts, offsets[d.index])
+        logprobs = self._with_prompt(k, group.gens[k], prefix, logprobs)
+        offsets[d.index] += len(d.text)
+        choice = responses.completion_choice(k * self.n + d.index, prefix + d.text, d.finish_reason, logprobs)
+        return responses.completion(self.request_id, self.created, self.model, [choice], None)
+
+    def _usage_if_done(self, group: GenerationGroup) -> list[dict[str, Any]]:
+        """The usage chunk, with the burst after which every generation is done."""
+        if not self.with_usage or not all(g.done for g in group.gens):
+            return []
+        usage = responses.usage(group.prompt_tokens, group.completion_tokens)
+        return [responses.completion(self.request_id, self.created, self.model, [], usage)]
 
     def _with_prompt(
         self, k: int, gen: Generation, echo: str, logprobs: dict[str, Any] | None

@@ -18,6 +18,8 @@ from fastapi.responses import JSONResponse, Response
 from server.errors import APIError
 from server.generation import Delta, Generation
 from server.routes.common import ClientDisconnected, log_fields, run_until_disconnect, sse_response
+from server.sse import SSEResponse
+from server.stream_push import PushFrames, StreamPush
 from server.worker_client import WorkerClient
 
 
@@ -97,18 +99,22 @@ Body = Callable[[GenerationGroup], dict[str, Any]]
 
 async def respond(
     request: Request, group: GenerationGroup, stream: bool, frames: Frames, body: Body,
-    stream_response: Callable[..., Response] = sse_response,
+    stream_response: Callable[..., Response] = sse_response, push: PushFrames | None = None,
 ) -> Response:
     """Run the group and answer: ``frames(group, first deltas)`` as SSE, or ``body(group)`` as JSON.
 
     ``stream_response(request, group, frames, metrics)`` frames the stream: OpenAI's ``data:`` lines
-    by default (``sse_response``); Anthropic's ``event:`` lines are ``server/anthropic/sse.py``'s."""
+    by default (``sse_response``); Anthropic's ``event:`` lines are ``server/anthropic/sse.py``'s.
+    ``push(deltas)``: the encoded frames the stream would send for ``deltas``, for a ``StreamPush``."""
     metrics = request.app.state.metrics
     group.start()
     try:
         firsts = await run_until_disconnect(request, group.first_deltas())
         if stream:
-            return stream_response(request, group, frames(group, firsts), metrics)
+            response = stream_response(request, group, frames(group, firsts), metrics)
+            if push is not None and isinstance(response, SSEResponse):
+                response.push = StreamPush.for_gens(group.gens, push)
+            return response
         await run_until_disconnect(request, group.collect())
     except ClientDisconnected:
         group.abort()
