@@ -54,6 +54,8 @@ class SSEResponse(Response):
                 task.cancel()
             # The stream's cleanup (the iterator's ``finally``) is done before the response returns.
             await asyncio.gather(stream, *helpers, return_exceptions=True)
+            if self.push is not None:
+                self.push.detach()
         if not stream.cancelled() and stream.exception() is not None:
             raise stream.exception()
         if self.background is not None:

@@ -51,6 +51,13 @@ class StreamPush:
             self._send, self._queue = send, queue
             queue.push = self._offer
 
+    def detach(self) -> None:
+        """Stop pushing (the response ended): the queue forgets this push, which breaks the cycle queue ->
+        push -> generation -> queue, so the request's objects are freed at once, not by the cyclic GC."""
+        if self._queue is not None and self._queue.push == self._offer:
+            self._queue.push = None
+        self._send = self._queue = None
+
     def _offer(self, item: Any) -> bool:
         if type(item) is not StepOutput or item.finished or item.prompt_logprobs is not None:
             return False

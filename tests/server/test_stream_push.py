@@ -3,6 +3,7 @@ not by waking the stream's task: the same bytes, in order even when the server p
 failed write still ends the stream and frees the request in the worker."""
 
 import asyncio
+import gc
 import json
 
 import pytest
@@ -124,3 +125,17 @@ def test_only_one_choice_without_stop_strings_is_pushed(tok):
     assert StreamPush.for_gens([gen(n=2)], lambda deltas: b"") is None
     assert StreamPush.for_gens([gen(stop=["x"])], lambda deltas: b"") is None
     assert StreamPush.for_gens([gen(), gen()], lambda deltas: b"") is None
+
+
+def test_a_finished_stream_frees_its_push_without_the_cyclic_collector(tok):
+    # queue -> push -> generation -> queue is a cycle until the response detaches the push; with the
+    # collector off, only reference counting can free the request's objects.
+    gc.collect()
+    gc.disable()
+    try:
+        sent = stream(tok, ScriptedWorker(tok.encode(TEXT, add_special_tokens=False)), no_wait)
+        del sent
+        alive = [o for o in gc.get_objects() if type(o) is StreamPush]
+    finally:
+        gc.enable()
+    assert alive == []
