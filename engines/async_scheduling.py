@@ -35,6 +35,8 @@ from engines.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
+Rows = torch.Tensor | slice  # [P] int64 row indices, or the slice they make
+
 
 def overlappable(params: SamplingParams) -> bool:
     """Whether a request's steps can run ahead of its tokens: nothing reads the token just sampled."""
@@ -93,7 +95,7 @@ class AsyncScheduling:
 
     def _can_overlap(self) -> bool:
         engine = self.engine
-        return not engine._compiling and all(overlappable(seqs[0].params) for seqs in engine.requests.values())
+        return not engine._compiling and not engine.synchronous_requests
 
     def _launch(self, previous: Launched | None) -> Launched | None:
         """Schedule and prepare a step (``previous`` still running) and hand it to the executor."""
@@ -113,12 +115,18 @@ class AsyncScheduling:
         launched.future = self._executor.submit(self._run, batch, sampling, rows, sources, previous, launched)
         return launched
 
-    def _pending_rows(self, batch: Any, previous: Launched | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _pending_rows(self, batch: Any, previous: Launched | None) -> tuple[Rows | None, Rows | None]:
         """The rows whose input is a placeholder ([P] int64) and where ``previous`` sampled each ([P] int64)."""
         ids = batch.host.input_ids
         rows = (ids == PLACEHOLDER).nonzero()[0]
         if not len(rows):
             return None, None
+        n = len(rows)
+        if (previous is not None and rows[-1] == n - 1 and n <= batch.metadata.num_decode_seqs
+                and batch.seqs[:n] == previous.sampled[:n]):
+            # The usual step: its first n rows decode the first n sequences the step before sampled, in that
+            # order (list equality of sequences is identity). Slices: no index tensors to build.
+            return slice(0, n), slice(0, n)
         order = {id(seq): i for i, seq in enumerate(previous.sampled)} if previous is not None else {}
         # Only a decode row reads a placeholder, and only the step before's (older ones are resolved).
         sources = [order.get(id(batch.seqs[row])) if row < batch.metadata.num_decode_seqs else None for row in rows]
@@ -127,8 +135,8 @@ class AsyncScheduling:
         device = self.runner.device
         return torch.from_numpy(rows).to(device), torch.tensor(sources, dtype=torch.int64, device=device)
 
-    def _run(self, batch: Any, sampling: list[SamplingRow] | None, rows: torch.Tensor | None,
-             sources: torch.Tensor | None, previous: Launched | None, launched: Launched) -> list[int]:
+    def _run(self, batch: Any, sampling: list[SamplingRow] | None, rows: Rows | None,
+             sources: Rows | None, previous: Launched | None, launched: Launched) -> list[int]:
         """On the executor thread: the pending inputs, the forward, the sample; the tokens to the host."""
         runner = self.runner
         with torch.inference_mode(), runner.step_lock:

@@ -8,7 +8,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from transformers import AutoTokenizer, GenerationConfig
 
 from engines import thread_split
-from engines.async_scheduling import AsyncScheduling
+from engines.async_scheduling import AsyncScheduling, overlappable
 from engines.config import EngineConfig
 from engines.kv_cache import BlockManager
 from engines.kv_connector.host import make_host_tier
@@ -59,6 +59,9 @@ class LLMEngine:
             config.speculative_config)
         self.proposer = None if self.speculative is None else make_proposer(self.speculative)
         self.requests: dict[str, list[Sequence]] = {}
+        # The ids in ``requests`` whose steps cannot run ahead of their tokens (async_scheduling.overlappable),
+        # kept as requests come and go so that async scheduling asks once per request, not every step.
+        self.synchronous_requests: set[str] = set()
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         # request_id -> (its grammar being compiled, its sequences): held back from the scheduler
         self._compiling: dict[str, tuple[PendingGrammar, list[Sequence]]] = {}
@@ -168,6 +171,8 @@ class LLMEngine:
         else:
             self._compiling[request_id] = (self.grammars.compile(params.json_schema), seqs)
         self.requests[request_id] = seqs
+        if not overlappable(params):
+            self.synchronous_requests.add(request_id)
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def abort_request(self, request_id: str, index: int | None = None, emitted: int | None = None) -> None:
@@ -299,6 +304,7 @@ class LLMEngine:
             choices = self.requests.get(seq.request_id, [])
             if all(s.is_finished for s in choices):
                 self.requests.pop(seq.request_id, None)
+                self.synchronous_requests.discard(seq.request_id)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -1,0 +1,221 @@
+"""The worker loop thread's CPU per steady decode step under async scheduling, phase by phase (issue 25:
+TPOT at c=32 within 1.3x of the step; the loop thread's Python serialises with the forward's on the GIL).
+
+In process, no HTTP: the 5M Llama (float32, C++ decode attention) driven by ``AsyncScheduling`` as the
+worker drives it, ``--batch`` requests (default 32) of ``--prompt-len`` tokens (32) and ``--max-tokens``
+outputs (128), each step's outputs encoded as the worker's ``Outputs`` message (server/messages.py).
+From outside the product code, the loop thread's methods are wrapped with ``time.thread_time`` stopwatches:
+schedule, prepare (``ModelRunner._prepare``), pending rows, commit, resolve (the scheduler's), kv events
+and forget (the engine's bookkeeping after a step) and emit (the message encoded); "other" is the rest of
+``AsyncScheduling.step`` (sampling settings, the executor hand-off, the future). Only steady steps count:
+every scheduled row a decode at the full batch. A second pass of the same run under cProfile (on the
+loop thread only) counts the Python function calls per steady step and names the costliest functions.
+CPU time, not wall time: the machine is shared. The forward runs on the step thread and is not counted.
+
+    python benchmarks/loop_thread_cpu.py [--quick] [--batch 32] [--repeats 3] [--threads 1]
+"""
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from engine_timing import LLAMA_5M, decode_engine, llama_5m
+
+RESULTS = Path(__file__).resolve().parent / "results" / "loop_thread_cpu.json"
+# phase -> (object attribute path from the stepper, method name)
+PHASES = {
+    "schedule": ("engine.scheduler", "schedule"),
+    "prepare": ("runner", "_prepare"),
+    "pending_rows": ("", "_pending_rows"),
+    "commit": ("engine.scheduler", "commit"),
+    "resolve": ("engine.scheduler", "resolve"),
+    "kv_events": ("engine", "_publish_kv_events"),
+    "forget": ("engine", "_forget_finished"),
+    "can_overlap": ("", "_can_overlap"),
+}
+
+
+def _owner(stepper, path: str):
+    owner = stepper
+    for name in filter(None, path.split(".")):
+        owner = getattr(owner, name)
+    return owner
+
+
+class PhaseClock:
+    """``time.thread_time`` stopwatches on the loop thread's methods (instance attributes, removed by ``close``)."""
+
+    def __init__(self, stepper) -> None:
+        self.stepper = stepper
+        self.cpu = dict.fromkeys(PHASES, 0.0)
+        for phase, (path, name) in PHASES.items():
+            self._wrap(phase, _owner(stepper, path), name)
+
+    def _wrap(self, phase: str, owner, name: str) -> None:
+        method = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.cpu[phase] += time.thread_time() - start
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        taken, self.cpu = self.cpu, dict.fromkeys(PHASES, 0.0)
+        return taken
+
+    def close(self) -> None:
+        for path, name in PHASES.values():
+            delattr(_owner(self.stepper, path), name)
+
+
+def _steady(stepper, batch: int) -> bool:
+    """Whether the step just launched is a full batch of plain decodes (the one ``step()`` resolves next)."""
+    launched = stepper.inflight
+    return (launched is not None and len(launched.scheduled) == batch
+            and all(s.num_new_tokens == 1 for s in launched.scheduled))
+
+
+def generate(engine, stepper, batch: int, prompt_len: int, max_tokens: int, tag: str, on_step) -> list[list[int]]:
+    """``batch`` greedy requests run to the end through ``stepper``; each step's outputs encoded as the
+    worker sends them. ``on_step(steady)`` after each step. Returns each request's tokens (a check that
+    every run generates the same)."""
+    from engines import SamplingParams
+    from server import messages
+    from server.messages import Outputs
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", [7 + (i * 31 + j * 7) % 500 for j in range(prompt_len)], params)
+    tokens: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(batch)}
+    while stepper.has_unfinished():
+        steady = _steady(stepper, batch)  # the step this call resolves
+        result = stepper.step()
+        start = time.thread_time()
+        messages.encode(Outputs(result.outputs, None, {}))
+        on_step(steady, time.thread_time() - start)
+        for out in result.outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    return list(tokens.values())
+
+
+def timed_run(engine, stepper, args, tag: str) -> tuple[dict[str, float], int, list[list[int]]]:
+    """CPU microseconds per steady step, per phase and in all (the loop thread), and the steady steps."""
+    clock = PhaseClock(stepper)
+    per_step: list[dict[str, float]] = []
+    last = [time.thread_time()]
+
+    def on_step(steady: bool, emit: float) -> None:
+        now = time.thread_time()
+        phases = clock.take()
+        phases["emit"] = emit
+        if steady:
+            phases["total"] = now - last[0]
+            per_step.append(phases)
+        last[0] = now
+
+    try:
+        tokens = generate(engine, stepper, args.batch, args.prompt_len, args.max_tokens, tag, on_step)
+    finally:
+        clock.close()
+    phases = {k: 1e6 * statistics.median(p[k] for p in per_step) for k in per_step[0]}
+    phases["other"] = phases["total"] - sum(phases[k] for k in (*PHASES, "emit"))
+    return phases, len(per_step), tokens
+
+
+def profiled_run(engine, stepper, args, tag: str) -> dict:
+    """Python function calls per steady step on the loop thread, and the costliest functions."""
+    profile = cProfile.Profile(time.thread_time)  # CPU, not the waits for the GIL or the step
+    steady_steps = [0]
+
+    def on_step(steady: bool, emit: float) -> None:
+        steady_steps[0] += steady
+
+    profile.enable()
+    generate(engine, stepper, args.batch, args.prompt_len, args.max_tokens, tag, on_step)
+    profile.disable()
+    stats = pstats.Stats(profile)
+    total_steps = args.max_tokens + 1  # a prefill step, then one step per output token
+    top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:12]  # by own time
+    return {
+        "calls_per_step": stats.total_calls / total_steps,
+        "steady_steps": steady_steps[0],
+        "top_own_time": [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": v[1] / total_steps,
+                          "own_us_per_step": 1e6 * v[2] / total_steps} for (f, line, name), v in top],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="batch 8, 24 tokens, one repeat (a smoke run)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compile", default="off", help="the engine's compile mode (the loop thread's work is the same)")
+    p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.max_tokens, args.repeats = 8, 24, 1
+    path = llama_5m(args.model_dir)
+    import torch
+
+    from server.worker import ASYNC_GIL_SWITCH_INTERVAL_S
+
+    torch.set_num_threads(args.threads)
+    llm = decode_engine(path, args.batch, args.prompt_len, args.max_tokens, compile=args.compile,
+                        kernels={"decode_attention": "cpp"}, warm_up_in_background=False)
+    engine = llm.engine
+    stepper = engine.async_steps()
+    sys.setswitchinterval(ASYNC_GIL_SWITCH_INTERVAL_S)  # as the worker's loop sets it
+    runs, profiles, reference = [], [], None
+    try:
+        for rep in range(args.repeats):
+            phases, steady, tokens = timed_run(engine, stepper, args, f"t{rep}")
+            profile = profiled_run(engine, stepper, args, f"p{rep}")
+            reference = reference or tokens
+            if tokens != reference:
+                raise SystemExit("a repeat generated other tokens than the first")
+            runs.append({"phases_us": phases, "steady_steps": steady})
+            profiles.append(profile)
+            print(f"repeat {rep}: {phases['total']:.0f} us CPU per steady step over {steady} steps; "
+                  f"{profile['calls_per_step']:.0f} Python calls per step", file=sys.stderr)
+    finally:
+        stepper.close()
+        llm.close()
+    names = [*PHASES, "emit", "other", "total"]
+    summary = {k: statistics.median(r["phases_us"][k] for r in runs) for k in names}
+    calls = statistics.median(p["calls_per_step"] for p in profiles)
+    print(f"loop thread, batch {args.batch} x {args.prompt_len}-token prompts, {args.max_tokens} outputs "
+          f"(load {os.getloadavg()[0]:.1f}): CPU us per steady decode step, median of {args.repeats}")
+    print("| phase | CPU us/step |\n|---|---:|")
+    for k in names:
+        print(f"| {k} | {summary[k]:.1f} |")
+    print(f"| Python calls/step (all steps) | {calls:.0f} |")
+    print("\ncostliest functions (own time, profiled run, per step):")
+    for f in profiles[-1]["top_own_time"]:
+        print(f"  {f['own_us_per_step']:7.1f} us  {f['calls_per_step']:7.1f} calls  {f['function']}")
+    result = {"model": LLAMA_5M, "dtype": "float32", "threads": args.threads, "compile": args.compile,
+              "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+              "load_average": os.getloadavg(), "summary_us": summary, "python_calls_per_step": calls,
+              "runs": runs, "profiles": profiles}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
