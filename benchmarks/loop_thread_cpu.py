@@ -100,10 +100,11 @@ def generate(engine, stepper, batch: int, prompt_len: int, max_tokens: int, tag:
     tokens: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(batch)}
     while stepper.has_unfinished():
         steady = _steady(stepper, batch)  # the step this call resolves
-        result = stepper.step()
         start = time.thread_time()
+        result = stepper.step()
+        emitted = time.thread_time()
         messages.encode(Outputs(result.outputs, None, {}))
-        on_step(steady, time.thread_time() - start)
+        on_step(steady, start, emitted, time.thread_time())
         for out in result.outputs:
             tokens[out.request_id].extend(out.new_token_ids)
     return list(tokens.values())
@@ -113,23 +114,18 @@ def timed_run(engine, stepper, args, tag: str) -> tuple[dict[str, float], int, l
     """CPU microseconds per steady step, per phase and in all (the loop thread), and the steady steps."""
     clock = PhaseClock(stepper)
     per_step: list[dict[str, float]] = []
-    last = [time.thread_time()]
 
-    def on_step(steady: bool, emit: float) -> None:
-        now = time.thread_time()
+    def on_step(steady: bool, start: float, emitted: float, end: float) -> None:
         phases = clock.take()
-        phases["emit"] = emit
         if steady:
-            phases["total"] = now - last[0]
-            per_step.append(phases)
-        last[0] = now
+            other = emitted - start - sum(phases.values())  # the rest of ``step()``
+            per_step.append({**phases, "emit": end - emitted, "other": other, "total": end - start})
 
     try:
         tokens = generate(engine, stepper, args.batch, args.prompt_len, args.max_tokens, tag, on_step)
     finally:
         clock.close()
     phases = {k: 1e6 * statistics.median(p[k] for p in per_step) for k in per_step[0]}
-    phases["other"] = phases["total"] - sum(phases[k] for k in (*PHASES, "emit"))
     return phases, len(per_step), tokens
 
 
@@ -138,7 +134,7 @@ def profiled_run(engine, stepper, args, tag: str) -> dict:
     profile = cProfile.Profile(time.thread_time)  # CPU, not the waits for the GIL or the step
     steady_steps = [0]
 
-    def on_step(steady: bool, emit: float) -> None:
+    def on_step(steady: bool, *_: float) -> None:
         steady_steps[0] += steady
 
     profile.enable()
@@ -146,7 +142,7 @@ def profiled_run(engine, stepper, args, tag: str) -> dict:
     profile.disable()
     stats = pstats.Stats(profile)
     total_steps = args.max_tokens + 1  # a prefill step, then one step per output token
-    top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:12]  # by own time
+    top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:20]  # by own time
     return {
         "calls_per_step": stats.total_calls / total_steps,
         "steady_steps": steady_steps[0],

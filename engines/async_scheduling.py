@@ -49,7 +49,7 @@ class Launched:
     """One step handed to the executor."""
 
     scheduled: list[ScheduledSeq]
-    before: list[int]  # each scheduled sequence's computed tokens before the step
+    computed: list[int]  # each scheduled sequence's computed tokens after the step
     sampled: list[Sequence]  # in the sampled tensor's order
     slots: list[int]  # each sampled sequence's placeholder index
     future: Future = field(default_factory=Future)
@@ -107,11 +107,11 @@ class AsyncScheduling:
             batch = self.runner._prepare(scheduled)
         rows, sources = self._pending_rows(batch, previous)
         # Sampling settings read on this thread: a sequence finished meanwhile must not create state.
-        sampling = None if all(_plain_greedy(s) for s in batch.sampled) else [
+        plain = not self.engine.sampling_requests or all(_plain_greedy(s) for s in batch.sampled)
+        sampling = None if plain else [
             self.runner._sampling_row(s) for s in batch.sampled]
-        before = [s.seq.num_computed_tokens for s in scheduled]
         slots = scheduler.commit(scheduled, batch.sampled)
-        launched = Launched(scheduled, before, batch.sampled, slots)
+        launched = Launched(scheduled, [s.seq.num_computed_tokens for s in scheduled], batch.sampled, slots)
         launched.future = self._executor.submit(self._run, batch, sampling, rows, sources, previous, launched)
         return launched
 
@@ -160,8 +160,8 @@ class AsyncScheduling:
             logger.exception("an async step of %d sequences failed; running it again synchronously",
                              len(launched.scheduled))
             return self._recover(launched)
-        computed = [b + s.num_new_tokens for b, s in zip(launched.before, launched.scheduled)]
-        result = engine.scheduler.resolve(launched.scheduled, computed, launched.sampled, launched.slots, token_ids)
+        result = engine.scheduler.resolve(launched.scheduled, launched.computed, launched.sampled, launched.slots,
+                                          token_ids)
         engine._publish_kv_events()
         engine._forget_finished(launched.sampled)
         engine.generation_tokens_total += len(result.outputs)
@@ -174,13 +174,13 @@ class AsyncScheduling:
             if launched is None:
                 continue
             self._wait(launched)
-            for s, before in zip(launched.scheduled, launched.before):
+            for s, computed in zip(launched.scheduled, launched.computed):
                 seq = s.seq
                 if seq.is_finished:
                     continue
                 del seq.token_ids[len(seq.token_ids) - num_pending(seq):]
                 if seq.status is SequenceStatus.RUNNING:
-                    seq.num_computed_tokens = before
+                    seq.num_computed_tokens = computed - s.num_new_tokens
         self.synchronous += 1
         return self.engine.step()
 

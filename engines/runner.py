@@ -293,3 +293,9 @@ def _plain_greedy(seq: Sequence) -> bool:
         and not p.logit_bias
     )
 
+
+def always_plain_greedy(params: SamplingParams) -> bool:
+    """Whether every sequence of these params is ``_plain_greedy`` from its first token (no min_tokens)."""
+    return (params.greedy and params.logprobs is None and not params.has_penalties and not params.logit_bias
+            and params.min_tokens <= 0)
+
