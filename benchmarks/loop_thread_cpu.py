@@ -12,7 +12,10 @@ every scheduled row a decode at the full batch. A second pass of the same run un
 loop thread only) counts the Python function calls per steady step and names the costliest functions.
 CPU time, not wall time: the machine is shared. The forward runs on the step thread and is not counted.
 
-    python benchmarks/loop_thread_cpu.py [--quick] [--batch 32] [--repeats 3] [--threads 1]
+    python benchmarks/loop_thread_cpu.py [--quick] [--batch 32] [--repeats 3] [--threads 1] [--before CHECKOUT]
+
+``--before``: an earlier checkout measured too, the two taking turns repeat by repeat (each in a process
+of its own, this script copied into it), so that load changes hit both alike.
 """
 
 import argparse
@@ -20,7 +23,9 @@ import cProfile
 import json
 import os
 import pstats
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -151,20 +156,8 @@ def profiled_run(engine, stepper, args, tag: str) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="batch 8, 24 tokens, one repeat (a smoke run)")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--compile", default="off", help="the engine's compile mode (the loop thread's work is the same)")
-    p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
-    p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.batch, args.max_tokens, args.repeats = 8, 24, 1
+def measure(args: argparse.Namespace) -> dict:
+    """This checkout's engine, in this process: the runs' phases and profiles."""
     path = llama_5m(args.model_dir)
     import torch
 
@@ -175,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         kernels={"decode_attention": "cpp"}, warm_up_in_background=False)
     engine = llm.engine
     stepper = engine.async_steps()
+    switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(ASYNC_GIL_SWITCH_INTERVAL_S)  # as the worker's loop sets it
     runs, profiles, reference = [], [], None
     try:
@@ -184,29 +178,79 @@ def main(argv: list[str] | None = None) -> int:
             reference = reference or tokens
             if tokens != reference:
                 raise SystemExit("a repeat generated other tokens than the first")
-            runs.append({"phases_us": phases, "steady_steps": steady})
+            runs.append({"phases_us": phases, "steady_steps": steady, "load_average": os.getloadavg()[0]})
             profiles.append(profile)
             print(f"repeat {rep}: {phases['total']:.0f} us CPU per steady step over {steady} steps; "
                   f"{profile['calls_per_step']:.0f} Python calls per step", file=sys.stderr)
     finally:
+        sys.setswitchinterval(switch_interval)
         stepper.close()
         llm.close()
+    return {"runs": runs, "profiles": profiles}
+
+
+def measure_elsewhere(root: Path, args: argparse.Namespace, out: Path) -> dict:
+    """One repeat of this script run on the checkout at ``root`` (its engines; this script copied in)."""
+    script = root / "benchmarks" / Path(__file__).name
+    if not script.exists() or script.read_bytes() != Path(__file__).read_bytes():
+        shutil.copy(__file__, script)
+    command = [sys.executable, str(script), "--repeats", "1", "--batch", str(args.batch), "--prompt-len",
+               str(args.prompt_len), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
+               "--compile", args.compile, "--model-dir", args.model_dir, "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run(command, check=True, cwd=root, env=env, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def summarise(arm: dict) -> dict:
     names = [*PHASES, "emit", "other", "total"]
-    summary = {k: statistics.median(r["phases_us"][k] for r in runs) for k in names}
-    calls = statistics.median(p["calls_per_step"] for p in profiles)
+    return {"phases_us": {k: statistics.median(r["phases_us"][k] for r in arm["runs"]) for k in names},
+            "python_calls_per_step": statistics.median(p["calls_per_step"] for p in arm["profiles"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="batch 8, 24 tokens, one repeat (a smoke run)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compile", default="off", help="the engine's compile mode (the loop thread's work is the same)")
+    p.add_argument("--before", type=Path, help="another checkout (a git worktree or archive of an earlier "
+                   "commit): both measured, one repeat each in turn, in subprocesses")
+    p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.max_tokens, args.repeats = 8, 24, 1
+    if args.before is None:
+        arms = {"this": measure(args)}
+    else:
+        arms = {"before": {"runs": [], "profiles": []}, "after": {"runs": [], "profiles": []}}
+        roots = {"before": args.before.resolve(), "after": Path(__file__).resolve().parents[1]}
+        with tempfile.TemporaryDirectory() as tmp:
+            for rep in range(args.repeats):
+                for name in ("before", "after") if rep % 2 == 0 else ("after", "before"):
+                    one = measure_elsewhere(roots[name], args, Path(tmp) / f"{name}{rep}.json")
+                    arms[name]["runs"] += one["runs"]
+                    arms[name]["profiles"] += one["profiles"]
+                    print(f"repeat {rep} {name}: {one['runs'][0]['phases_us']['total']:.0f} us", file=sys.stderr)
+    summary = {name: summarise(arm) for name, arm in arms.items()}
     print(f"loop thread, batch {args.batch} x {args.prompt_len}-token prompts, {args.max_tokens} outputs "
           f"(load {os.getloadavg()[0]:.1f}): CPU us per steady decode step, median of {args.repeats}")
-    print("| phase | CPU us/step |\n|---|---:|")
-    for k in names:
-        print(f"| {k} | {summary[k]:.1f} |")
-    print(f"| Python calls/step (all steps) | {calls:.0f} |")
+    print("| phase | " + " | ".join(summary) + " |\n|---|" + "---:|" * len(summary))
+    for k in [*PHASES, "emit", "other", "total"]:
+        print(f"| {k} | " + " | ".join(f"{s['phases_us'][k]:.1f}" for s in summary.values()) + " |")
+    print("| Python calls/step (all steps) | "
+          + " | ".join(f"{s['python_calls_per_step']:.0f}" for s in summary.values()) + " |")
+    last = list(arms.values())[-1]["profiles"][-1]
     print("\ncostliest functions (own time, profiled run, per step):")
-    for f in profiles[-1]["top_own_time"]:
+    for f in last["top_own_time"]:
         print(f"  {f['own_us_per_step']:7.1f} us  {f['calls_per_step']:7.1f} calls  {f['function']}")
     result = {"model": LLAMA_5M, "dtype": "float32", "threads": args.threads, "compile": args.compile,
               "batch": args.batch, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-              "load_average": os.getloadavg(), "summary_us": summary, "python_calls_per_step": calls,
-              "runs": runs, "profiles": profiles}
+              "load_average": os.getloadavg(), "summary": summary, "arms": arms}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -104,7 +104,8 @@ class AsyncScheduling:
         if not scheduled:
             return None
         with torch.inference_mode():
-            batch = self.runner._prepare(scheduled)
+            # The gather plan only an eager step reads is left to the step thread (ModelRunner.forward).
+            batch = self.runner._prepare(scheduled, with_gather=False)
         rows, sources = self._pending_rows(batch, previous)
         # Sampling settings read on this thread: a sequence finished meanwhile must not create state.
         plain = not self.engine.sampling_requests or all(_plain_greedy(s) for s in batch.sampled)

@@ -205,6 +205,7 @@ class ModelRunner:
         """``execute`` for a step in which a sequence asked for its prompt's log-probs (echo with
         logprobs): the logits of its prompt positions too. Off the normal path, with a second copy
         to the host for those log-probs."""
+        self.inputs.plan_gather(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
         for seq, start, first_row, count in batch.spans():
             if needs_prompt_logits(seq):
@@ -247,6 +248,7 @@ class ModelRunner:
                                             verifies=bool(batch.drafts))
             if logits is not None:
                 return logits
+        self.inputs.plan_gather(batch)  # an eager step reads it
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
         if not batch.sampled:
             return None
@@ -254,9 +256,9 @@ class ModelRunner:
             hidden = hidden.index_select(0, batch.logits_indices)
         return self.model.compute_logits(hidden)
 
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+    def _prepare(self, scheduled: list[ScheduledSeq], with_gather: bool = True) -> StepBatch:
         """The step's inputs, decode-first (engines/step_inputs.py)."""
-        return self.inputs.prepare(scheduled)
+        return self.inputs.prepare(scheduled, with_gather)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)

@@ -117,8 +117,10 @@ class StepInputs:
         self.device = device
         self.block_tables = BlockTables()
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
-        """The step's inputs, decode-first (``StepBatch``), on the device and on the host."""
+    def prepare(self, scheduled: list[ScheduledSeq], with_gather: bool = True) -> StepBatch:
+        """The step's inputs, decode-first (``StepBatch``), on the device and on the host. ``with_gather``
+        False (on the CPU): the decode part's gather plan is left out, for ``plan_gather`` to add when
+        the step runs eagerly (a compiled decode bucket does not read it: engines/decode_buckets.py)."""
         bs, device = self.block_size, self.device
         # Decode rows first: plain decodes and drafted sequences' 1 + k rows (engines/decode_rows.py).
         num_new = [s.num_new_tokens for s in scheduled]
@@ -151,7 +153,7 @@ class StepInputs:
             seq_lens = np.concatenate([rows.seq_lens, np.array(prefill_lens, dtype=np.int32)])
         else:
             block_tables = rows.block_tables
-        decode_gather = None if not num_decode else build_decode_gather(
+        decode_gather = None if not num_decode or not with_gather else build_decode_gather(
             block_tables[:num_decode], seq_lens[:num_decode], bs, device)
         metadata = AttentionMetadata(
             slot_mapping=to_device(slot_mapping, device),
@@ -185,3 +187,11 @@ class StepInputs:
             num_new=num_new,
             drafts=[d for d, yes in zip(drafts, is_sampled) if yes] if any(num_drafts) else [],
         )
+
+    def plan_gather(self, batch: StepBatch) -> None:
+        """Add the decode part's gather plan to a batch prepared without it (``prepare``)."""
+        metadata, host = batch.metadata, batch.host
+        d = metadata.num_decode_seqs
+        if d and metadata.decode_gather is None:
+            metadata.decode_gather = build_decode_gather(host.block_tables[:d], host.seq_lens[:d], self.block_size,
+                                                         self.device)
