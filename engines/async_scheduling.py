@@ -21,7 +21,7 @@ and run again synchronously, where a failing request is found and failed alone.
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,7 +52,7 @@ class Launched:
     computed: list[int]  # each scheduled sequence's computed tokens after the step
     sampled: list[Sequence]  # in the sampled tensor's order
     slots: list[int]  # each sampled sequence's placeholder index
-    future: Future = field(default_factory=Future)
+    future: Future | None = None  # the executor's, set as soon as the step is handed to it
     tokens: torch.Tensor | None = None  # [len(sampled)] int64 on the device, set when the step has run
 
 
@@ -103,9 +103,9 @@ class AsyncScheduling:
         scheduled = scheduler.schedule()
         if not scheduled:
             return None
-        with torch.inference_mode():
-            # The gather plan only an eager step reads is left to the step thread (ModelRunner.forward).
-            batch = self.runner._prepare(scheduled, with_gather=False)
+        # Host arrays and tensors viewing them, no autograd op: no inference mode needed here. The gather
+        # plan only an eager step reads is left to the step thread (ModelRunner.forward).
+        batch = self.runner._prepare(scheduled, with_gather=False)
         rows, sources = self._pending_rows(batch, previous)
         # Sampling settings read on this thread: a sequence finished meanwhile must not create state.
         plain = not self.engine.sampling_requests or all(_plain_greedy(s) for s in batch.sampled)

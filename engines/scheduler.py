@@ -239,10 +239,13 @@ class Scheduler:
         placeholder becomes its token, a stop finishes it (dropping the row a later step runs for it);
         ``computed``: each scheduled sequence's computed tokens after this step, whose full blocks enter
         the prefix cache. A sequence finished meanwhile (an abort) takes nothing."""
-        if self.block_manager.enable_prefix_caching:
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
             for s, num_computed in zip(scheduled, computed):
-                if s.seq.status is SequenceStatus.RUNNING:
-                    self.block_manager.cache_full_blocks(s.seq, num_computed)
+                # Only a step whose rows fill a block has blocks to cache (each earlier one's were cached
+                # when it resolved): rows [c - n, c) cross a block boundary when c % block_size < n.
+                if num_computed % bm.block_size < s.num_new_tokens and s.seq.status is SequenceStatus.RUNNING:
+                    bm.cache_full_blocks(s.seq, num_computed)
         result = StepResult()
         outputs = result.outputs
         for seq, slot, token in zip(sampled, slots, token_ids):
