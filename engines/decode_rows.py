@@ -29,10 +29,9 @@ class DecodeRows:
     seq_lens: np.ndarray  # [R] int32: each row's context length, position + 1
 
 
-def decode_rows(decodes: list[ScheduledSeq], tables: np.ndarray, block_size: int) -> DecodeRows:
+def decode_rows(decodes: list[ScheduledSeq], starts: list[int], tables: np.ndarray, block_size: int) -> DecodeRows:
     """``decodes``: D sequences each computing its last token (``num_new_tokens`` = 1 + its drafts);
-    ``tables``: [D, W] int32, their padded block tables."""
-    starts = [s.seq.num_computed_tokens for s in decodes]  # [D]
+    ``starts``: [D] their computed tokens; ``tables``: [D, W] int32, their padded block tables."""
     token_ids = [s.seq.token_ids[start] for s, start in zip(decodes, starts)]
     counts = [s.num_new_tokens for s in decodes]  # [D] 1 + k
     if counts.count(1) == len(counts):

@@ -124,7 +124,8 @@ class StepInputs:
         bs, device = self.block_size, self.device
         # Decode rows first: plain decodes and drafted sequences' 1 + k rows (engines/decode_rows.py).
         num_new = [s.num_new_tokens for s in scheduled]
-        if num_new.count(1) == len(num_new):  # the usual step: only decodes, without drafts
+        plain = num_new.count(1) == len(num_new)  # the usual step: only decodes, without drafts
+        if plain:
             decodes, prefills = scheduled, []
         else:
             decodes = [s for s in scheduled if s.num_new_tokens == 1 + len(s.draft_token_ids)]
@@ -134,7 +135,7 @@ class StepInputs:
         seqs = [s.seq for s in ordered]
         starts = [seq.num_computed_tokens for seq in seqs]
         block_tables = self.block_tables(seqs)  # [S, W]
-        rows = decode_rows(decodes, block_tables[: len(decodes)], bs)
+        rows = decode_rows(decodes, starts[: len(decodes)], block_tables[: len(decodes)], bs)
         num_decode = len(rows.positions)  # decode rows, each its own decode query
         ids, positions, slot_mapping, seq_lens = rows.token_ids, rows.positions, rows.slot_mapping, rows.seq_lens
         query_start_loc = [0]
@@ -166,8 +167,7 @@ class StepInputs:
             prefill_prompt_lens=[s.seq.num_prompt_tokens for s in prefills],
         )
         # A sequence gets a token when this step's tokens reach its end (not mid-prompt chunks).
-        drafts = [s.draft_token_ids for s in ordered]
-        num_drafts = [len(d) for d in drafts]
+        num_drafts = [0] * len(seqs) if plain else [len(s.draft_token_ids) for s in ordered]
         is_sampled = [start + n == len(seq.token_ids) + k
                       for start, n, seq, k in zip(starts, num_new, seqs, num_drafts)]
         logits_indices = None  # None: every token is sampled, in order, so no gather is needed
@@ -185,7 +185,7 @@ class StepInputs:
             seqs=seqs,
             starts=starts,
             num_new=num_new,
-            drafts=[d for d, yes in zip(drafts, is_sampled) if yes] if any(num_drafts) else [],
+            drafts=[s.draft_token_ids for s, yes in zip(ordered, is_sampled) if yes] if any(num_drafts) else [],
         )
 
     def plan_gather(self, batch: StepBatch) -> None:
