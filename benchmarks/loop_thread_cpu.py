@@ -199,7 +199,7 @@ def measure_elsewhere(root: Path, args: argparse.Namespace, out: Path) -> dict:
                "--compile", args.compile, "--model-dir", args.model_dir, "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(root)}
     subprocess.run(command, check=True, cwd=root, env=env, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+    return json.loads(out.read_text())["arms"]["this"]
 
 
 def summarise(arm: dict) -> dict:
