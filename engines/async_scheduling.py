@@ -21,7 +21,7 @@ and run again synchronously, where a failing request is found and failed alone.
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +35,8 @@ from engines.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
+Rows = torch.Tensor | slice  # [P] int64 row indices, or the slice they make
+
 
 def overlappable(params: SamplingParams) -> bool:
     """Whether a request's steps can run ahead of its tokens: nothing reads the token just sampled."""
@@ -47,10 +49,10 @@ class Launched:
     """One step handed to the executor."""
 
     scheduled: list[ScheduledSeq]
-    before: list[int]  # each scheduled sequence's computed tokens before the step
+    computed: list[int]  # each scheduled sequence's computed tokens after the step
     sampled: list[Sequence]  # in the sampled tensor's order
     slots: list[int]  # each sampled sequence's placeholder index
-    future: Future = field(default_factory=Future)
+    future: Future | None = None  # the executor's, set as soon as the step is handed to it
     tokens: torch.Tensor | None = None  # [len(sampled)] int64 on the device, set when the step has run
 
 
@@ -93,7 +95,7 @@ class AsyncScheduling:
 
     def _can_overlap(self) -> bool:
         engine = self.engine
-        return not engine._compiling and all(overlappable(seqs[0].params) for seqs in engine.requests.values())
+        return not engine._compiling and not engine.synchronous_requests
 
     def _launch(self, previous: Launched | None) -> Launched | None:
         """Schedule and prepare a step (``previous`` still running) and hand it to the executor."""
@@ -101,24 +103,31 @@ class AsyncScheduling:
         scheduled = scheduler.schedule()
         if not scheduled:
             return None
-        with torch.inference_mode():
-            batch = self.runner._prepare(scheduled)
+        # Host arrays and tensors viewing them, no autograd op: no inference mode needed here. The gather
+        # plan only an eager step reads is left to the step thread (ModelRunner.forward).
+        batch = self.runner._prepare(scheduled, with_gather=False)
         rows, sources = self._pending_rows(batch, previous)
         # Sampling settings read on this thread: a sequence finished meanwhile must not create state.
-        sampling = None if all(_plain_greedy(s) for s in batch.sampled) else [
+        plain = not self.engine.sampling_requests or all(_plain_greedy(s) for s in batch.sampled)
+        sampling = None if plain else [
             self.runner._sampling_row(s) for s in batch.sampled]
-        before = [s.seq.num_computed_tokens for s in scheduled]
         slots = scheduler.commit(scheduled, batch.sampled)
-        launched = Launched(scheduled, before, batch.sampled, slots)
+        launched = Launched(scheduled, [s.seq.num_computed_tokens for s in scheduled], batch.sampled, slots)
         launched.future = self._executor.submit(self._run, batch, sampling, rows, sources, previous, launched)
         return launched
 
-    def _pending_rows(self, batch: Any, previous: Launched | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _pending_rows(self, batch: Any, previous: Launched | None) -> tuple[Rows | None, Rows | None]:
         """The rows whose input is a placeholder ([P] int64) and where ``previous`` sampled each ([P] int64)."""
         ids = batch.host.input_ids
         rows = (ids == PLACEHOLDER).nonzero()[0]
         if not len(rows):
             return None, None
+        n = len(rows)
+        if (previous is not None and rows[-1] == n - 1 and n <= batch.metadata.num_decode_seqs
+                and batch.seqs[:n] == previous.sampled[:n]):
+            # The usual step: its first n rows decode the first n sequences the step before sampled, in that
+            # order (list equality of sequences is identity). Slices: no index tensors to build.
+            return slice(0, n), slice(0, n)
         order = {id(seq): i for i, seq in enumerate(previous.sampled)} if previous is not None else {}
         # Only a decode row reads a placeholder, and only the step before's (older ones are resolved).
         sources = [order.get(id(batch.seqs[row])) if row < batch.metadata.num_decode_seqs else None for row in rows]
@@ -127,8 +136,8 @@ class AsyncScheduling:
         device = self.runner.device
         return torch.from_numpy(rows).to(device), torch.tensor(sources, dtype=torch.int64, device=device)
 
-    def _run(self, batch: Any, sampling: list[SamplingRow] | None, rows: torch.Tensor | None,
-             sources: torch.Tensor | None, previous: Launched | None, launched: Launched) -> list[int]:
+    def _run(self, batch: Any, sampling: list[SamplingRow] | None, rows: Rows | None,
+             sources: Rows | None, previous: Launched | None, launched: Launched) -> list[int]:
         """On the executor thread: the pending inputs, the forward, the sample; the tokens to the host."""
         runner = self.runner
         with torch.inference_mode(), runner.step_lock:
@@ -152,8 +161,8 @@ class AsyncScheduling:
             logger.exception("an async step of %d sequences failed; running it again synchronously",
                              len(launched.scheduled))
             return self._recover(launched)
-        computed = [b + s.num_new_tokens for b, s in zip(launched.before, launched.scheduled)]
-        result = engine.scheduler.resolve(launched.scheduled, computed, launched.sampled, launched.slots, token_ids)
+        result = engine.scheduler.resolve(launched.scheduled, launched.computed, launched.sampled, launched.slots,
+                                          token_ids)
         engine._publish_kv_events()
         engine._forget_finished(launched.sampled)
         engine.generation_tokens_total += len(result.outputs)
@@ -166,13 +175,13 @@ class AsyncScheduling:
             if launched is None:
                 continue
             self._wait(launched)
-            for s, before in zip(launched.scheduled, launched.before):
+            for s, computed in zip(launched.scheduled, launched.computed):
                 seq = s.seq
                 if seq.is_finished:
                     continue
                 del seq.token_ids[len(seq.token_ids) - num_pending(seq):]
                 if seq.status is SequenceStatus.RUNNING:
-                    seq.num_computed_tokens = before
+                    seq.num_computed_tokens = computed - s.num_new_tokens
         self.synchronous += 1
         return self.engine.step()
 

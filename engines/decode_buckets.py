@@ -106,7 +106,7 @@ class DecodeBuffers:
         caller runs it eagerly."""
         n = input_ids.shape[0]
         tables = metadata.block_tables  # [n, w] int32
-        if tables.shape[1] > self.width or metadata.decode_gather is None:
+        if tables.shape[1] > self.width:
             return False
         w = tables.shape[1]
         v, xp = self._views, self._xp
@@ -121,7 +121,10 @@ class DecodeBuffers:
         v["block_tables"][n:size] = self.scratch_block
         v["seq_lens"][:n] = _host_view(metadata.seq_lens, xp)
         v["seq_lens"][n:size] = 1
-        self._host_seq_lens[:n] = metadata.decode_gather.host_seq_lens.numpy()
+        gather = metadata.decode_gather
+        # A step prepared without its gather plan (async scheduling, engines/step_inputs.py) is on the CPU,
+        # its seq_lens on the host.
+        self._host_seq_lens[:n] = (metadata.seq_lens if gather is None else gather.host_seq_lens).numpy()
         self._host_seq_lens[n:size] = 1
         v["block_ids"][: size * self.width] = v["block_tables"][:size].reshape(-1)
         xp.less(v["_arange"], v["seq_lens"][:size, None], out=v["mask"][:size, 0, 0])

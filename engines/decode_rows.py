@@ -29,20 +29,23 @@ class DecodeRows:
     seq_lens: np.ndarray  # [R] int32: each row's context length, position + 1
 
 
-def decode_rows(decodes: list[ScheduledSeq], tables: np.ndarray, block_size: int) -> DecodeRows:
+def decode_rows(decodes: list[ScheduledSeq], starts: list[int], tables: np.ndarray, block_size: int) -> DecodeRows:
     """``decodes``: D sequences each computing its last token (``num_new_tokens`` = 1 + its drafts);
-    ``tables``: [D, W] int32, their padded block tables."""
-    starts = np.array([s.seq.num_computed_tokens for s in decodes], dtype=np.int64)  # [D]
-    counts = np.array([s.num_new_tokens for s in decodes], dtype=np.int64)  # [D] 1 + k
-    token_ids = [s.seq.token_ids[s.seq.num_computed_tokens] for s in decodes]
-    if counts.sum() == len(decodes):  # no drafts: one row per sequence, no repeats
-        positions, owner, row_tables = starts, np.arange(len(decodes)), tables
-    else:
-        token_ids = [t for s, first in zip(decodes, token_ids) for t in (first, *s.draft_token_ids)]
-        owner = np.repeat(np.arange(len(decodes)), counts)  # [R] each row's sequence
-        first_row = np.repeat(np.cumsum(counts) - counts, counts)  # [R] its sequence's first row
-        positions = starts[owner] + np.arange(len(owner)) - first_row
-        row_tables = tables[owner]
+    ``starts``: [D] their computed tokens; ``tables``: [D, W] int32, their padded block tables."""
+    token_ids = [s.seq.token_ids[start] for s, start in zip(decodes, starts)]
+    counts = [s.num_new_tokens for s in decodes]  # [D] 1 + k
+    if counts.count(1) == len(counts):
+        # No drafts: one row per sequence, in Python over D ints. On the loop thread, which prepares a
+        # step right after it wakes, each numpy call costs tens of microseconds (cold code), a
+        # comprehension a few (benchmarks/loop_thread_cpu.py).
+        slots = [s.seq.block_table[p // block_size] * block_size + p % block_size for s, p in zip(decodes, starts)]
+        return DecodeRows(token_ids, np.array(starts, dtype=np.int64), np.array(slots, dtype=np.int64), tables,
+                          np.array([p + 1 for p in starts], dtype=np.int32))
+    counts = np.array(counts, dtype=np.int64)
+    token_ids = [t for s, first in zip(decodes, token_ids) for t in (first, *s.draft_token_ids)]
+    owner = np.repeat(np.arange(len(decodes)), counts)  # [R] each row's sequence
+    first_row = np.repeat(np.cumsum(counts) - counts, counts)  # [R] its sequence's first row
+    positions = np.array(starts, dtype=np.int64)[owner] + np.arange(len(owner)) - first_row
     blocks = tables[owner, positions // block_size].astype(np.int64)  # [R] the block each row writes
-    return DecodeRows(token_ids, positions, blocks * block_size + positions % block_size, row_tables,
+    return DecodeRows(token_ids, positions, blocks * block_size + positions % block_size, tables[owner],
                       (positions + 1).astype(np.int32))

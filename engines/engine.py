@@ -8,7 +8,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from transformers import AutoTokenizer, GenerationConfig
 
 from engines import thread_split
-from engines.async_scheduling import AsyncScheduling
+from engines.async_scheduling import AsyncScheduling, overlappable
 from engines.config import EngineConfig
 from engines.kv_cache import BlockManager
 from engines.kv_connector.host import make_host_tier
@@ -16,6 +16,7 @@ from engines.kv_event_publisher import make_publisher
 from engines.kv_events import EventBatch
 from engines.outputs import EngineStats, FinishReason, RequestFailure, StepResult, spec_decode_stats
 from engines.platforms import get_platform
+from engines.runner import always_plain_greedy
 from engines.sampling_params import SamplingParams
 from engines.scheduler import SampledTokens, ScheduledSeq, Scheduler, num_pending
 from engines.sequence import Sequence, SequenceStatus
@@ -59,6 +60,11 @@ class LLMEngine:
             config.speculative_config)
         self.proposer = None if self.speculative is None else make_proposer(self.speculative)
         self.requests: dict[str, list[Sequence]] = {}
+        # Ids in ``requests`` that async scheduling must know of, kept as requests come and go so that it asks
+        # once per request, not every step: those whose steps cannot run ahead of their tokens
+        # (async_scheduling.overlappable), and those that may sample past a plain argmax (runner.always_plain_greedy).
+        self.synchronous_requests: set[str] = set()
+        self.sampling_requests: set[str] = set()
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         # request_id -> (its grammar being compiled, its sequences): held back from the scheduler
         self._compiling: dict[str, tuple[PendingGrammar, list[Sequence]]] = {}
@@ -168,6 +174,10 @@ class LLMEngine:
         else:
             self._compiling[request_id] = (self.grammars.compile(params.json_schema), seqs)
         self.requests[request_id] = seqs
+        if not overlappable(params):
+            self.synchronous_requests.add(request_id)
+        if not always_plain_greedy(params):
+            self.sampling_requests.add(request_id)
         self.prompt_tokens_total += len(prompt_token_ids)
 
     def abort_request(self, request_id: str, index: int | None = None, emitted: int | None = None) -> None:
@@ -293,12 +303,14 @@ class LLMEngine:
     def _forget_finished(self, seqs: list[Sequence]) -> None:
         """Drop the runner's state of each finished sequence, and a request once all its choices are done."""
         for seq in seqs:
-            if not seq.is_finished:
+            if seq.status is not SequenceStatus.FINISHED:
                 continue
             self.runner.release(seq)
             choices = self.requests.get(seq.request_id, [])
             if all(s.is_finished for s in choices):
                 self.requests.pop(seq.request_id, None)
+                self.synchronous_requests.discard(seq.request_id)
+                self.sampling_requests.discard(seq.request_id)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -135,6 +135,9 @@ class BlockManager:
         which are adopted first, and the blocks of the ``external`` tier hashes, which are loaded).
         Returns False and changes nothing when there are not enough free blocks; the caller then
         preempts and retries."""
+        if not computed and not external and (
+                seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size):
+            return True  # the usual decode step: its token fits in its last block, nothing to adopt or take
         computed = computed or []
         external = external or []
         num_cached = len(computed) + len(external)
@@ -214,7 +217,9 @@ class BlockManager:
             return
         computed = seq.num_computed_tokens if num_computed is None else min(num_computed, seq.num_computed_tokens)
         num_full = min(computed // self.block_size, len(seq.block_table))
-        # Blocks are hashed in order, so walk back to the first unhashed one (O(1) on most steps).
+        if num_full == 0 or self.blocks[seq.block_table[num_full - 1]].hash is not NO_HASH:
+            return  # no full block since the last call (most decode steps)
+        # Blocks are hashed in order, so walk back to the first unhashed one.
         first = num_full
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash is NO_HASH:
             first -= 1

@@ -2,8 +2,7 @@
 
 import logging
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -12,7 +11,6 @@ import torch
 from engines.capacity import pool_blocks
 from engines.config import EngineConfig
 from engines.decode_buckets import max_decode_rows
-from engines.decode_rows import decode_rows
 from engines.graphs import DecodeGraphs, build_decode_graphs, capture_memory_probe, effective_mode
 from engines.models.loader import load_model, parse_dtype
 from engines.models.tensor_parallel import Collectives
@@ -23,9 +21,9 @@ from engines.sampler import Sampler, SamplingRow, choice_seed
 from engines.sampling_params import SamplingParams
 from engines.scheduler import SampledTokens, ScheduledSeq
 from engines.sequence import Sequence, needs_prompt_logits
-from engines.speculative.verify import draft_logits_indices, verify_drafts
+from engines.speculative.verify import verify_drafts
+from engines.step_inputs import StepBatch, StepInputs, to_device
 from engines.structured.bitmask import apply_grammars
-from kernels.attention_metadata import AttentionMetadata, build_decode_gather
 from kernels.ep_dispatch import choose_ep_dispatch
 from kernels.huge_pages import kv_pool
 from kernels.kv_quant import storage_dtype
@@ -34,52 +32,6 @@ from kernels.ops import KernelOps
 from kernels.registry import KernelSelection, select
 
 logger = logging.getLogger(__name__)
-
-@dataclass(slots=True)
-class HostInputs:
-    """The host arrays a step's device inputs were copied from: a tensor-parallel rank 0 sends these
-    to its other ranks (engines/step_message.py) without copying anything back from the device."""
-
-    input_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
-    slot_mapping: np.ndarray  # [T] int64
-    block_tables: np.ndarray  # [S, B] int32
-    seq_lens: np.ndarray  # [S] int32
-    logits_indices: np.ndarray | None  # [N] int64
-
-
-@dataclass(slots=True)
-class StepBatch:
-    """Device inputs of one step plus which sequences get a new token from it.
-
-    Rows are decode-first: the single-token sequences form the vectorized decode part of attention,
-    the multi-token ones end the batch. ``seqs``, ``starts`` and ``num_new`` say whose rows are
-    whose, in that order (empty in a batch a tensor-parallel follower rebuilt)."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    metadata: AttentionMetadata
-    # [N] int64: flat index of the last token of each sampled sequence; None when that is every token
-    logits_indices: torch.Tensor | None
-    sampled: list[Sequence]  # N sequences whose computed tokens reach their end this step
-    host: HostInputs | None = None  # set by ModelRunner._prepare; None in a batch rebuilt by a follower
-    seqs: list[Sequence] = field(default_factory=list)  # S, in row order
-    starts: list[int] = field(default_factory=list)  # [S] the position of each one's first row
-    num_new: list[int] = field(default_factory=list)  # [S] its row count
-    # [N] each sampled sequence's draft tokens (its last 1 + k rows all have logits); empty without drafts
-    drafts: list[list[int]] = field(default_factory=list)
-
-    def spans(self) -> Iterator[tuple[Sequence, int, int, int]]:
-        """(sequence, its first position, its first row, its row count), in row order."""
-        row = 0
-        for seq, start, count in zip(self.seqs, self.starts, self.num_new):
-            yield seq, start, row, count
-            row += count
-
-    @property
-    def needs_prompt_logits(self) -> bool:
-        """Whether a sequence asks for its prompt's log-probs (echo with logprobs) in this step."""
-        return any(needs_prompt_logits(seq) for seq in self.seqs)
 
 
 class ModelRunner:
@@ -125,6 +77,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.max_decode_rows = max_decode_rows(config)  # the largest decode bucket
         self.scratch_block = 0  # the KV block past the pool where padded decode rows write
+        self.inputs = StepInputs(block_size, self.device)  # builds each step's StepBatch
 
     def _choose_kernels(self, config: EngineConfig, shapes: ModelShapes, dtype: torch.dtype) -> KernelOps:
         """Probe this device's kernel candidates for the model's shapes (kernels/registry.py)."""
@@ -252,6 +205,7 @@ class ModelRunner:
         """``execute`` for a step in which a sequence asked for its prompt's log-probs (echo with
         logprobs): the logits of its prompt positions too. Off the normal path, with a second copy
         to the host for those log-probs."""
+        self.inputs.plan_gather(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
         for seq, start, first_row, count in batch.spans():
             if needs_prompt_logits(seq):
@@ -294,6 +248,7 @@ class ModelRunner:
                                             verifies=bool(batch.drafts))
             if logits is not None:
                 return logits
+        self.inputs.plan_gather(batch)  # an eager step reads it
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
         if not batch.sampled:
             return None
@@ -301,70 +256,12 @@ class ModelRunner:
             hidden = hidden.index_select(0, batch.logits_indices)
         return self.model.compute_logits(hidden)
 
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
-        """The step's inputs, decode-first (``StepBatch``), on the device and on the host."""
-        bs = self.block_size
-        # Decode rows first: plain decodes and drafted sequences' 1 + k rows (engines/decode_rows.py).
-        decodes = [s for s in scheduled if s.num_new_tokens == 1 + len(s.draft_token_ids)]
-        prefills = [s for s in scheduled if s.num_new_tokens != 1 + len(s.draft_token_ids)]
-        seqs, num_new = [s.seq for s in decodes + prefills], [s.num_new_tokens for s in decodes + prefills]
-        starts = [seq.num_computed_tokens for seq in seqs]
-        seq_lens = [start + n for start, n in zip(starts, num_new)]  # context after this step
-        width = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.array(
-            [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs], dtype=np.int32
-        )
-        rows = decode_rows(decodes, block_tables[: len(decodes)], bs)
-        num_decode = len(rows.positions)  # decode rows, each its own decode query
-        ids = rows.token_ids
-        pos_parts, slot_parts = [rows.positions], [rows.slot_mapping]
-        query_start_loc = [0]
-        for s, start, n in zip(prefills, starts[len(decodes) :], num_new[len(decodes) :]):
-            seq = s.seq
-            ids.extend(seq.token_ids[start : start + n])
-            pos = np.arange(start, start + n, dtype=np.int64)
-            pos_parts.append(pos)
-            slot_parts.append(np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            query_start_loc.append(query_start_loc[-1] + n)
-        block_tables = np.concatenate([rows.block_tables, block_tables[len(decodes) :]])
-        seq_lens_np = np.concatenate([rows.seq_lens, np.array(seq_lens[len(decodes) :], dtype=np.int32)])
-        decode_gather = None if not num_decode else build_decode_gather(
-            block_tables[:num_decode], seq_lens_np[:num_decode], bs, self.device)
-        slot_mapping = np.concatenate(slot_parts)
-        metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            block_tables=self._to_device(block_tables),
-            seq_lens=self._to_device(seq_lens_np),
-            num_decode_seqs=num_decode,
-            prefill_query_start_loc=query_start_loc,
-            prefill_seq_lens=seq_lens[len(decodes) :],
-            decode_gather=decode_gather,
-            prefill_prompt_lens=[s.seq.num_prompt_tokens for s in prefills],
-        )
-        # A sequence gets a token when this step's tokens reach its end (not mid-prompt chunks).
-        drafts = [s.draft_token_ids for s in decodes + prefills]
-        num_drafts = [len(d) for d in drafts]
-        is_sampled = [n == seq.num_tokens + k for n, seq, k in zip(seq_lens, seqs, num_drafts)]
-        logits_indices = None  # None: every token is sampled, in order, so no gather is needed
-        if prefills or not all(is_sampled):
-            logits_indices = draft_logits_indices(num_new, num_drafts, is_sampled)
-        host = HostInputs(np.array(ids, dtype=np.int64), np.concatenate(pos_parts), slot_mapping, block_tables,
-                          seq_lens_np, logits_indices)
-        return StepBatch(
-            input_ids=self._to_device(host.input_ids),
-            positions=self._to_device(host.positions),
-            metadata=metadata,
-            logits_indices=None if logits_indices is None else self._to_device(logits_indices),
-            sampled=[seq for seq, yes in zip(seqs, is_sampled) if yes],
-            host=host,
-            seqs=seqs,
-            starts=starts,
-            num_new=num_new,
-            drafts=[d for d, yes in zip(drafts, is_sampled) if yes] if any(num_drafts) else [],
-        )
+    def _prepare(self, scheduled: list[ScheduledSeq], with_gather: bool = True) -> StepBatch:
+        """The step's inputs, decode-first (engines/step_inputs.py)."""
+        return self.inputs.prepare(scheduled, with_gather)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params
@@ -397,4 +294,10 @@ def _plain_greedy(seq: Sequence) -> bool:
         p.greedy and p.logprobs is None and not p.has_penalties and seq.num_output_tokens >= p.min_tokens
         and not p.logit_bias
     )
+
+
+def always_plain_greedy(params: SamplingParams) -> bool:
+    """Whether every sequence of these params is ``_plain_greedy`` from its first token (no min_tokens)."""
+    return (params.greedy and params.logprobs is None and not params.has_penalties and not params.logit_bias
+            and params.min_tokens <= 0)
 

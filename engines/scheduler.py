@@ -87,11 +87,11 @@ class Scheduler:
             if self._ends_with_pending_token(seq):
                 i += 1  # its pending token is its last: it gets no row past it
                 continue
-            k = self._num_drafts(seq, budget)
+            k = self._num_drafts(seq, budget) if seq.draft_token_ids else 0
             if k and self._drafts_fit(seq, k, len(self.running) - i - 1) and self.block_manager.allocate_slots(seq, 1 + k):
                 step = ScheduledSeq(seq, 1 + k, seq.draft_token_ids[:k])
             else:
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
                 while not self.block_manager.allocate_slots(seq, num_new):
                     self._preempt(self.running.pop())
                     preempted = True
@@ -107,9 +107,9 @@ class Scheduler:
         """Whether ``seq`` ends for certain with its token still being sampled (max_tokens or the context)."""
         if seq.token_ids[-1] != PLACEHOLDER:
             return False
-        limit = seq.params.max_tokens
-        return (limit is not None and seq.num_output_tokens >= limit) or (
-            self.max_model_len is not None and seq.num_tokens >= self.max_model_len)
+        limit, num_tokens = seq.params.max_tokens, len(seq.token_ids)
+        return (limit is not None and num_tokens - seq.num_prompt_tokens >= limit) or (
+            self.max_model_len is not None and num_tokens >= self.max_model_len)
 
     def _drafts_fit(self, seq: Sequence, k: int, num_after: int) -> bool:
         """Drafts never cost another running sequence its step: the blocks they take leave one free
@@ -228,9 +228,8 @@ class Scheduler:
         from this step's sampled tensor on the device). Returns each one's placeholder index."""
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-        slots = []
+        slots = [len(seq.token_ids) for seq in sampled]
         for seq in sampled:
-            slots.append(seq.num_tokens)
             seq.token_ids.append(PLACEHOLDER)
         return slots
 
@@ -240,18 +239,23 @@ class Scheduler:
         placeholder becomes its token, a stop finishes it (dropping the row a later step runs for it);
         ``computed``: each scheduled sequence's computed tokens after this step, whose full blocks enter
         the prefix cache. A sequence finished meanwhile (an abort) takes nothing."""
-        for s, num_computed in zip(scheduled, computed):
-            if s.seq.status is SequenceStatus.RUNNING:
-                self.block_manager.cache_full_blocks(s.seq, num_computed)
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
+            for s, num_computed in zip(scheduled, computed):
+                # Only a step whose rows fill a block has blocks to cache (each earlier one's were cached
+                # when it resolved): rows [c - n, c) cross a block boundary when c % block_size < n.
+                if num_computed % bm.block_size < s.num_new_tokens and s.seq.status is SequenceStatus.RUNNING:
+                    bm.cache_full_blocks(s.seq, num_computed)
         result = StepResult()
+        outputs = result.outputs
         for seq, slot, token in zip(sampled, slots, token_ids):
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 continue
             seq.token_ids[slot] = token
             reason = self._stop_reason(seq, token, slot + 1)
             if reason is not None:
                 self.finish(seq, reason)
-            result.outputs.append(StepOutput(seq.request_id, seq.index, [token], reason is not None, reason))
+            outputs.append(StepOutput(seq.request_id, seq.index, [token], reason is not None, reason))
         return result
 
     def _stop_reason(self, seq: Sequence, token: int, num_tokens: int | None = None) -> FinishReason | None:

@@ -156,12 +156,13 @@ class WorkerLoop:
             return
         outputs = self._report_failed(result)
         queue_times: dict[str, float] = {}
-        finished = False  # a request started or finished: the gauges moved, send them now
-        for out in outputs:
-            added_at = self.arrived.pop(out.request_id, None)
-            if added_at is not None:
-                queue_times[out.request_id] = started - added_at
-            finished |= out.finished
+        if self.arrived:  # requests waiting for their first step (none in a steady decode)
+            for out in outputs:
+                added_at = self.arrived.pop(out.request_id, None)
+                if added_at is not None:
+                    queue_times[out.request_id] = started - added_at
+        # a request started or finished: the gauges moved, send them now
+        finished = any(out.finished for out in outputs)
         force = finished or bool(queue_times) or not self._has_work()
         self._emit(Outputs(outputs, self._stats_if_due(force), queue_times))
 

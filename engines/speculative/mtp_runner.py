@@ -84,9 +84,9 @@ class MTPModelRunner(ModelRunner):
         if self.seeds.pop(seq.seq_id, None) is not None:
             self.released.append(seq.seq_id)
 
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+    def _prepare(self, scheduled: list[ScheduledSeq], with_gather: bool = True) -> StepBatch:
         self._write_drafts([s for s in scheduled if s.draft_token_ids])
-        return super()._prepare(scheduled)
+        return super()._prepare(scheduled, with_gather)
 
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
         self._step = None  # set by the model's hook when the step runs eagerly

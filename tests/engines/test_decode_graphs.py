@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import engines.graphs
+import engines.step_inputs
 from engines import LLM, EngineConfig, SamplingParams
 from engines.decode_buckets import bucket_for, bucket_sizes
 from engines.scheduler import ScheduledSeq
@@ -111,6 +112,38 @@ def test_compiled_buckets_run_without_dynamo_equal_transformers_and_fall_back_to
     direct_runs, runs = graphs.direct_runs[4], graphs.bucket_runs[4]
     assert [r.token_ids for r in compiled.generate(batch, GREEDY)] == want
     assert graphs.bucket_runs[4] > runs and graphs.direct_runs[4] == direct_runs and 4 not in graphs.direct
+
+
+def test_async_steps_run_compiled_buckets_without_building_a_gather_plan(compiled, eager, monkeypatch):
+    """With async scheduling a step is prepared without the decode part's gather plan
+    (engines/step_inputs.py): a compiled bucket does not read it, and only a step that runs eagerly builds
+    it, on the step thread. Greedy tokens equal the eager engine's, with preemption and prefix hits."""
+    engine = compiled.engine
+    batch = prompts(engine.vocab_size, 9, seed=21)
+    want = [r.token_ids for r in eager.generate(batch, GREEDY)]
+    built, forwards = [], []
+    build = engines.step_inputs.build_decode_gather
+    monkeypatch.setattr(engines.step_inputs, "build_decode_gather", lambda *a: built.append(a) or build(*a))
+    graphs, runner = engine.runner.decode_graphs, engine.runner
+    forward = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda batch: forwards.append(batch) or forward(batch))
+    preemptions, runs = engine.scheduler.num_preemptions, graphs.steps_run
+    stepper = engine.async_steps()
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"async-{i}", prompt, GREEDY)
+    got: dict[str, list[int]] = {}
+    while stepper.has_unfinished():
+        for out in stepper.step().outputs:
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    stepper.close()
+    assert [got[f"async-{i}"] for i in range(len(batch))] == want
+    assert stepper.overlapped > 0 and stepper.synchronous == 0
+    assert engine.scheduler.num_preemptions > preemptions
+    compiled_steps = graphs.steps_run - runs
+    assert compiled_steps >= GREEDY.max_tokens - 1
+    assert all(b.metadata.decode_gather is None for b in forwards[-3:])  # the last steps: compiled decodes
+    # A gather plan is built only for a step that ran eagerly (one with prefill rows), never for a compiled one.
+    assert len(built) <= len(forwards) - compiled_steps < len(forwards)
 
 
 def decode_step(vocab_size: int) -> list[ScheduledSeq]:

@@ -69,14 +69,15 @@ def test_decode_rows_give_each_draft_its_own_causal_context():
     # sequence 0 verifies 2 drafts (its rows cross into block 2's second slot), 1 none, 2 three
     scheduled = [ScheduledSeq(seqs[0], 3, [50, 51]), ScheduledSeq(seqs[1], 1), ScheduledSeq(seqs[2], 4, [60, 61, 62])]
     tables = np.array([[7, 2, 0], [5, 0, 0], [1, 4, 9]], dtype=np.int32)
-    rows = decode_rows(scheduled, tables, BS)
+    rows = decode_rows(scheduled, [s.seq.num_computed_tokens for s in scheduled], tables, BS)
     assert rows.token_ids == [105, 50, 51, 102, 107, 60, 61, 62]
     assert rows.positions.tolist() == [5, 6, 7, 2, 7, 8, 9, 10]
     assert rows.seq_lens.tolist() == [6, 7, 8, 3, 8, 9, 10, 11]  # row j sees its own position and before
     assert rows.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 5 * 4 + 2, 4 * 4 + 3, 9 * 4, 9 * 4 + 1,
                                           9 * 4 + 2]
     assert rows.block_tables.tolist() == [tables[0].tolist()] * 3 + [tables[1].tolist()] + [tables[2].tolist()] * 4
-    plain = decode_rows([ScheduledSeq(seqs[1], 1)], tables[1:2], BS)  # no drafts: one row, as before
+    # no drafts: one row, as before
+    plain = decode_rows([ScheduledSeq(seqs[1], 1)], [seqs[1].num_computed_tokens], tables[1:2], BS)
     assert (plain.token_ids, plain.positions.tolist(), plain.seq_lens.tolist()) == ([102], [2], [3])
 
 
