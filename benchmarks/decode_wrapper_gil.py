@@ -26,29 +26,15 @@ import time
 from pathlib import Path
 
 from engine_timing import LLAMA_5M, decode_engine, llama_5m
+from step_timeline_hook import compile_with_cpp_wrapper
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "decode_wrapper_gil.json"
 
 
-def compile_with(cpp_wrapper: bool) -> None:
-    """Every decode bucket compiled from now on uses inductor's C++ (or Python) wrapper."""
-    from engines import direct_call
-
-    def call(self, graph, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        compiled = compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": cpp_wrapper})
-        if hasattr(self._local, "graphs"):
-            self._local.graphs.append((compiled, list(example_inputs)))
-        return compiled
-
-    direct_call.GraphRecorder.__call__ = call
-
-
 def build(path: str, cpp_wrapper: bool, batch: int, context: int, steps: int):
     """An engine whose buckets all compiled with the given wrapper; (engine, compile seconds)."""
-    compile_with(cpp_wrapper)
+    compile_with_cpp_wrapper(cpp_wrapper)
     start = time.perf_counter()
     llm = decode_engine(path, batch, context, steps, compile="on")
     engine = llm.engine

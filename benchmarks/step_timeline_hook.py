@@ -123,7 +123,7 @@ def install(loop) -> None:
     signal.signal(signal.SIGUSR2, _dump)
 
 
-def _compile_with_cpp_wrapper(on: bool) -> None:
+def compile_with_cpp_wrapper(on: bool) -> None:
     """An experiment's arm: inductor's C++ wrapper for the decode buckets on or off, whatever the
     product's default (the C++ wrapper runs a whole graph with the GIL released once)."""
     from engines import direct_call
@@ -144,7 +144,7 @@ def patch_worker_loop() -> None:
 
     wrapper = os.environ.get("XINSERVE_BENCH_CPP_WRAPPER")
     if wrapper is not None:
-        _compile_with_cpp_wrapper(wrapper == "1")
+        compile_with_cpp_wrapper(wrapper == "1")
 
     init = worker.WorkerLoop.__init__
 
