@@ -11,7 +11,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from server.bench import dataset, report
 from server.bench.client import RequestResult, one_request
@@ -82,13 +82,14 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     prompts = _prompts(args)
     plan = levels(args.concurrency, args.request_rate)
     caps = [lv.concurrency or len(prompts) for lv in plan]
-    limits = httpx.Limits(max_connections=max(caps) + 2, max_keepalive_connections=max(caps))
-    async with httpx.AsyncClient(headers=headers, timeout=args.timeout, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=max(caps) + 2)
+    # --timeout bounds connecting and each wait for bytes (as httpx's did), not a whole stream
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=args.timeout, sock_read=args.timeout)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as client:
         model = args.model
         if model is None:
-            response = await client.get(f"{base}/models")
-            response.raise_for_status()
-            model = response.json()["data"][0]["id"]
+            async with client.get(f"{base}/models", raise_for_status=True) as response:
+                model = (await response.json())["data"][0]["id"]
         url = f"{base}/chat/completions" if args.endpoint == "chat" else f"{base}/completions"
         # Built before any is sent, so a dataset that does not fit the endpoint fails at once.
         requests = [(dataset.payload(p, model, args.endpoint, args.output_tokens, not args.no_ignore_eos),
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         result = asyncio.run(benchmark(args))
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         print(f"xinserve bench: cannot reach {args.base_url}: {exc}")
         return 1
     except ValueError as exc:  # a bad dataset

@@ -1,11 +1,17 @@
-"""One streamed request and what the client saw of it: when each piece of text came, and the usage."""
+"""One streamed request and what the client saw of it: when each piece of text came, and the usage.
 
+The client is aiohttp: the load generator shares the machine with the server it measures, and per
+streamed chunk aiohttp's C parser costs a fraction of httpx's pure-Python stack (httpcore, h11, anyio),
+which at concurrency 32 took most of a core on a 2-core machine (``benchmarks/bench_client_cpu.py``).
+"""
+
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 
 @dataclass(slots=True)
@@ -28,7 +34,7 @@ def _chunk_has_text(chunk: dict[str, Any]) -> bool:
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], category: str | None = None
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], category: str | None = None
 ) -> RequestResult:
     """POST ``body`` (a streaming request) and time its chunks; never raises for a failed request.
 
@@ -40,16 +46,16 @@ async def one_request(
     last = None
     text_chunks = 0
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                text = await response.text(errors="replace")
+                result.error = f"HTTP {response.status}: {text[:200]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in response.content:  # one line per iteration, its newline kept
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -66,7 +72,7 @@ async def one_request(
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.latency = time.perf_counter() - start

@@ -6,10 +6,13 @@ import asyncio
 import json
 import math
 import random
+import socket
 import time
 
-import httpx
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from server.bench import dataset, report
 from server.bench.client import RequestResult, one_request
@@ -77,10 +80,22 @@ def chunk(text: str | None = None, usage: dict | None = None) -> dict:
     return {"choices": choices, **({"usage": usage} if usage else {})}
 
 
-def send(handler, body=None) -> RequestResult:
+def send(status: int, body: bytes, chunk_size: int = 7) -> RequestResult:
+    """``one_request`` against a real local HTTP server that answers ``status`` and streams ``body`` in
+    pieces of ``chunk_size`` bytes (lines split across reads, as a network splits them)."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=status)
+        await response.prepare(request)
+        for i in range(0, len(body), chunk_size):
+            await response.write(body[i:i + chunk_size])
+        await response.write_eof()
+        return response
+
     async def go() -> RequestResult:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await one_request(client, "http://test/v1/chat/completions", body or {}, "cat")
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            return await one_request(session, str(server.make_url("/v1/chat/completions")), {}, "cat")
 
     return asyncio.run(go())
 
@@ -89,27 +104,31 @@ def test_tokens_come_from_usage_not_from_chunks():
     # Two chunks of text carried seven tokens: the usage chunk is what counts.
     body = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, chunk("ab"), chunk("cd"),
                chunk(usage={"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}), b"[DONE]")
-    r = send(lambda request: httpx.Response(200, content=body))
+    r = send(200, body)
     assert r.ok and (r.prompt_tokens, r.output_tokens, r.category) == (11, 7, "cat")
     assert len(r.itls) == 1 and 0 < r.ttft <= r.latency
     # Without usage, one token per chunk with text (the role-only first chunk is not text).
-    r = send(lambda request: httpx.Response(200, content=sse(chunk(""), chunk("a"), chunk("b"), chunk("c"),
-                                                             b"[DONE]")))
+    r = send(200, sse(chunk(""), chunk("a"), chunk("b"), chunk("c"), b"[DONE]"))
     assert r.ok and (r.prompt_tokens, r.output_tokens) == (0, 3)
 
 
 def test_failures_are_results_not_exceptions():
-    r = send(lambda request: httpx.Response(429, json={"error": {"message": "queue full"}}))
-    assert not r.ok and r.error.startswith("HTTP 429")
-    r = send(lambda request: httpx.Response(200, content=sse(chunk("a"), {"error": {"message": "worker died"}},
-                                                             b"[DONE]")))
+    r = send(429, json.dumps({"error": {"message": "queue full"}}).encode())
+    assert not r.ok and r.error.startswith("HTTP 429") and "queue full" in r.error
+    r = send(200, sse(chunk("a"), {"error": {"message": "worker died"}}, b"[DONE]"))
     assert not r.ok and r.error == "stream error: worker died"
+    r = send(200, b"data: {not json\n\n")
+    assert not r.ok and r.error.startswith("JSONDecodeError")
 
-    def refuse(request):
-        raise httpx.ConnectError("refused", request=request)
+    async def refused() -> RequestResult:
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        async with aiohttp.ClientSession() as session:
+            return await one_request(session, f"http://127.0.0.1:{port}/v1/chat/completions", {})
 
-    r = send(refuse)
-    assert not r.ok and r.error.startswith("ConnectError")
+    r = asyncio.run(refused())
+    assert not r.ok and r.error.startswith("ClientConnectorError")
 
 
 def test_levels():
