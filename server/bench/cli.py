@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +67,13 @@ def _prompts(args: argparse.Namespace) -> list[dataset.Prompt]:
     return dataset.random_prompts(args.num_prompts or 64, args.input_words, args.seed)
 
 
-def _level_run(level: Level, results: list[RequestResult], duration: float) -> dict[str, Any]:
+def _level_run(level: Level, results: list[RequestResult], duration: float, client_cpu_s: float) -> dict[str, Any]:
     run = {"label": level.label, "concurrency": level.concurrency,
            "request_rate": None if math.isinf(level.request_rate) else level.request_rate}
     run.update(summarize(results, duration))
+    # The load generator's own CPU over the level: on a machine it shares with the server, every
+    # second of it is taken from the server being measured.
+    run["client_cpu_s"] = client_cpu_s
     if any(r.category for r in results):
         run["categories"] = by_category(results)
     return run
@@ -100,8 +104,9 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         runs = []
         for level in plan:
+            cpu = time.process_time()
             results, duration = await run_level(send, requests, level, args.seed)
-            run = _level_run(level, results, duration)
+            run = _level_run(level, results, duration, time.process_time() - cpu)
             print(report.level_block(run))
             if "categories" in run:
                 print(report.category_table(run["categories"]))

@@ -21,6 +21,8 @@ def level_block(run: dict[str, Any]) -> str:
         ("Output token throughput (tok/s)", f"{run['output_throughput_tok_s']:.1f}"),
         ("Total token throughput (tok/s)", f"{run['total_throughput_tok_s']:.1f}"),
     ]
+    if "client_cpu_s" in run:  # absent from results saved before it was recorded
+        rows.append(("Load generator CPU (s)", f"{run['client_cpu_s']:.2f}"))
     quantiles = " / ".join(f"p{q}" for q in PERCENTILES)
     for key in LATENCIES:
         d = run[key]

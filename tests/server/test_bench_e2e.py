@@ -63,6 +63,9 @@ def test_levels_categories_json_and_plot(server, xinserve, tmp_path):
             d = run[key]
             assert 0 < d["p50"] <= d["p90"] <= d["p95"] <= d["p99"], key
         assert run["ttft_ms"]["p50"] < run["e2e_ms"]["p50"]
+        # the load generator's own CPU over the level: some, and no more than its two cores' worth
+        assert 0 < run["client_cpu_s"] <= 2 * run["duration_s"] + 0.1
+    assert "Load generator CPU (s)" in stdout
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size == PNG_SIZE
 
