@@ -12,7 +12,6 @@ from typing import Any
 from engines.kv_events import KVEventsConfig
 from engines.parallel_config import ParallelConfig
 from engines.speculative.config import parse_speculative_config, uses_mtp
-from kernels.kv_quant import KV_CACHE_DTYPES
 
 COMPILE_MODES = ("auto", "off", "on")
 COMPILE_ENV_VAR = "XINSERVE_COMPILE"  # the mode when a config leaves ``compile`` unset
@@ -20,6 +19,10 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")  # "auto" (or None): the che
 # vLLM's --quantization names: the checkpoint formats of engines/quantization/formats/, and the schemes a
 # float checkpoint is quantized to on the fly (fp8, w8a8; engines/quantization/online.py)
 QUANTIZATION_METHODS = ("fp8", "w8a8", "compressed-tensors", "ascend", "gptq", "awq")
+# --kv-cache-dtype's spellings: the keys of kernels/kv_quant.KV_CACHE_DTYPES (tests/engines/test_engine_config.py
+# pins that), written out here because that module imports torch and the HTTP process reads this config
+# before it spawns its workers (server/heavy_imports.py).
+KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
 
 
 def setting(help: str, *, ge: int | None = None, gt: float | None = None, le: float | None = None,
@@ -109,7 +112,7 @@ class EngineConfig:
     kv_cache_dtype: str | None = field(default=None, metadata=setting(
         "the KV cache's storage dtype (vLLM's flag): auto (or None) = the model's dtype; bfloat16 / float16 halve a float32 "
         "model's KV bytes; int8 / fp8_e4m3 (alias fp8) store 8-bit codes with a float32 scale per token and head "
-        "(kernels/kv_quant.py); attention accumulates in float32", choices=tuple(KV_CACHE_DTYPES)))
+        "(kernels/kv_quant.py); attention accumulates in float32", choices=KV_CACHE_DTYPE_NAMES))
 
     def __post_init__(self) -> None:
         for f in fields(self):

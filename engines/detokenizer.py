@@ -1,10 +1,12 @@
 """Incremental detokenization with stop strings, for streaming and offline generation alike."""
 
 import codecs
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from engines.token_bytes import token_bytes_of
+
+if TYPE_CHECKING:  # a type only: the HTTP process imports this before transformers (server/heavy_imports.py)
+    from transformers import PreTrainedTokenizerBase
 
 # Prompt tokens decoded with the output so the first output token gets its leading space right
 # (SentencePiece-style tokenizers drop it when a token is decoded on its own).
@@ -37,7 +39,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: "PreTrainedTokenizerBase",
         prompt_token_ids: list[int],
         stop: list[str] | None = None,
         skip_special_tokens: bool = True,
@@ -193,7 +195,7 @@ class IncrementalDetokenizer:
         return best
 
 
-def text_offsets(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool = True) -> list[int]:
+def text_offsets(tokenizer: "PreTrainedTokenizerBase", token_ids: list[int], skip_special_tokens: bool = True) -> list[int]:
     """Where each token's text starts in ``decode(token_ids)``: ``len(decode(token_ids[:i]))``, in one
     linear pass. A token inside a character split over tokens gets that character's start."""
     detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip_special_tokens)

@@ -2,25 +2,22 @@
 
 It is created on first use in ``$XINSERVE_CACHE_DIR`` (default ``~/.cache/xinserve``) by
 ``server.embedded_model.llama_files.write_llama``; nothing is downloaded. The build runs in this
-process: it writes the files directly from torch (which the HTTP process has loaded already, with
-transformers' tokenizers) in well under a second, without the ~10 CPU seconds of transformers'
-model classes that ``factory.make_tiny_model`` imports.
+process: it writes the files directly from torch in well under a second, without the ~10 CPU seconds
+of transformers' model classes that ``factory.make_tiny_model`` imports. ``llama_files`` imports torch
+and transformers' configuration classes: only when a build is needed, one importer at a time
+(``server/heavy_imports.py``).
 """
 
 import logging
-import threading
 import time
 
 from kernels.cache_dir import cache_dir
 from server.embedded_model.build_once import ensure_built
-from server.embedded_model.llama_files import write_llama
+from server.heavy_imports import IMPORT_LOCK
 from server.hub import local_path
 from server.model_settings import EMBEDDED_PREFIX, ModelSettings
 
 logger = logging.getLogger("xinserve.server")
-
-# Several models of one config may resolve at once (each in a thread): one build at a time.
-_BUILD_LOCK = threading.Lock()
 
 
 def resolve_model_path(model: ModelSettings) -> str:
@@ -34,7 +31,10 @@ def resolve_model_path(model: ModelSettings) -> str:
     target = cache / name
     if target.is_dir():
         return str(target)
-    with _BUILD_LOCK:
+    # Several models of one config may resolve at once (each in a thread): one build at a time.
+    with IMPORT_LOCK:
+        from server.embedded_model.llama_files import write_llama
+
         logger.info("building embedded model %r in %s (first use; nothing is downloaded)", name, cache)
         start = time.perf_counter()
         path = ensure_built(cache, name, write_llama)

@@ -3,17 +3,14 @@
 import asyncio
 import logging
 import os
-import threading
 import time
 from typing import Any
-
-# Imported here, in the main thread, before any tokenizer loads in a worker thread (see below).
-from transformers import AutoTokenizer
 
 from engines.parallel_config import ParallelConfig
 from server import heartbeat
 from server.config import DistributedSettings, ModelSettings
 from server.embedded import resolve_model_path
+from server.heavy_imports import IMPORT_LOCK
 from server.hub import local_path
 from server.responses import TokenTexts
 from server.worker import WorkerSpec
@@ -71,14 +68,12 @@ def cpu_thread_share(num_cpu_workers: int) -> int:
     return max(1, available_cores() // max(1, num_cpu_workers))
 
 
-# transformers imports its classes lazily, and that import is not thread-safe: two models loading
-# their tokenizers in two threads at once failed with "cannot import name 'AutoTokenizer'". One
-# load at a time (they take well under a second each).
-_TOKENIZER_LOCK = threading.Lock()
-
-
 def load_tokenizer(path: str) -> Any:
-    with _TOKENIZER_LOCK:
+    """The tokenizer at ``path``, one load at a time (server/heavy_imports.py: the first imports
+    transformers and torch, ~5 CPU seconds, beside the workers spawned before it)."""
+    with IMPORT_LOCK:
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engines.sampling_params import SamplingParams
 from engines.structured.schema import check_json_schema
 from server.errors import APIError
+from server.heavy_imports import load
 
 # OpenAI's own API limits; the operator's limits are the config's ``limits`` section.
 MAX_STOP_STRINGS = 4
@@ -109,6 +110,7 @@ class ResponseFormat(_Strict):
 def checked_schema(schema: dict[str, Any], param: str) -> str:
     """The schema as JSON text for the engine; a 400 naming ``param`` when it cannot be enforced."""
     text = json.dumps(schema)
+    load("xgrammar")  # the check's converter, imported on first use (server/heavy_imports.py)
     try:
         check_json_schema(text)
     except ValueError as exc:

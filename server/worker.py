@@ -29,7 +29,6 @@ import zmq
 
 from engines.outputs import EngineStats, StepOutput, StepResult
 from engines.process_exit import leave_quickly
-from engines.quantization.install import weights_report
 from engines.rank_role import RankRole
 from server import messages
 from server.messages import Add, Failed, InfoUpdate, Outputs, RequestError, Stats
@@ -235,6 +234,9 @@ class WorkerLoop:
 
 
 def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]:
+    # Imported here, in the worker: the HTTP process imports this module (for run_worker) without torch.
+    from engines.quantization.install import weights_report
+
     tokenizer = engine.tokenizer
     return {
         "max_model_len": int(engine.max_model_len),

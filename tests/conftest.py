@@ -2,6 +2,7 @@
 
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,16 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Compiling decode buckets costs seconds per engine: only tests/engines/test_decode_graphs.py (which
 # asks for it) compiles; every other engine, in-process or a server's worker, decodes eagerly.
 os.environ.setdefault("XINSERVE_COMPILE", "off")
+# Compiled bytecode: where the environment sets PYTHONDONTWRITEBYTECODE (this machine's does) over a venv
+# installed without byte-compiling (the Makefile's --no-compile), no module has a .pyc and every process
+# the suite starts (xdist workers, servers, their workers and ranks: hundreds) compiles all it imports
+# from source: 9.5 CPU s for a worker's imports and tokenizer, 3.9 s with bytecode (README "Suite
+# time"). The suite keeps what it compiles in a directory of its own, beside neither the sources nor
+# the venv; every process started from here reads it (PYTHONPYCACHEPREFIX).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"xinserve-pycache-{os.getuid()}"))
+    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
+    sys.dont_write_bytecode = False
 # Under pytest-xdist each worker gets its share of the cores for torch (set before torch is imported;
 # servers started by tests pick their own threads), so two workers on two cores do not oversubscribe.
 _XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

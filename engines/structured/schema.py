@@ -1,13 +1,13 @@
 """Checking a JSON schema before any request uses it: the same check in the HTTP process (a 400) and
 in the engine (a ValueError). The static bounds (``limits.py``) come first and keep the rest cheap:
 xgrammar's tokenizer-free conversion costs at most about 0.1 s within them. The tokenizer-specific
-compile runs in the worker (``engines/structured/compiler.py``)."""
+compile runs in the worker (``engines/structured/compiler.py``). xgrammar is imported on the first
+check: it imports torch and transformers, which the HTTP process loads after spawning its workers
+(``server/heavy_imports.py``)."""
 
 import json
 import re
 import threading
-
-import xgrammar
 
 from engines.structured.digest_cache import DigestCache, schema_digest
 from engines.structured.limits import DEFAULT_LIMITS, SchemaTooCostly, check_schema_shape, check_schema_size
@@ -55,6 +55,8 @@ def _verdict(schema: str) -> str | None:
         return f"the JSON schema is not valid JSON: {exc}"
     except RecursionError:
         return "the JSON schema nests too deeply"
+    import xgrammar
+
     try:
         xgrammar.Grammar.from_json_schema(schema, **GRAMMAR_OPTIONS)
     except Exception as exc:  # noqa: BLE001  xgrammar raises RuntimeError and its own types

@@ -5,6 +5,8 @@ from dataclasses import fields
 import pytest
 
 from engines import EngineConfig
+from engines.config import KV_CACHE_DTYPE_NAMES
+from kernels.kv_quant import KV_CACHE_DTYPES
 
 
 def test_every_field_has_help_text():
@@ -32,3 +34,10 @@ def test_bad_values_name_the_field(options, message):
 def test_bounds_are_inclusive_where_they_say_so():
     config = EngineConfig(model="m", kv_cache_memory_fraction=1, max_num_seqs=1, dtype="auto", block_size=1)
     assert (config.kv_cache_memory_fraction, config.max_num_seqs, config.dtype) == (1, 1, "auto")
+
+
+def test_kv_cache_dtype_choices_are_the_kernels_dtypes():
+    # engines/config.py names them without importing torch; kernels/kv_quant.py maps them to storage dtypes.
+    assert KV_CACHE_DTYPE_NAMES == tuple(KV_CACHE_DTYPES)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model="m", kv_cache_memory_fraction=0.5, kv_cache_dtype="fp16")
