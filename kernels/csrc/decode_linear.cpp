@@ -180,9 +180,10 @@ void rows_block(const float* x, int64_t rows, const w_t* w, int64_t k, float* y,
 // y^T [N, M] = W [N, K] @ x^T [K, M]: each weight value is broadcast to a vector and multiplied with kLanes
 // input rows at once, read from x transposed (xt [K, MV * kLanes], rows past M zero). kBroadcastRows weight
 // rows x MV vectors of input rows are 12 accumulators (MV = 4), 3 broadcasts and one x vector: AVX2's 16
-// registers; no horizontal sums. Measured on the 2-core AVX2 EPYC at 16 and 32 rows, weight cold: 62-80 GF/s
-// where the dot-product tiles reach 40-62 (benchmarks/decode_linear.py).
-constexpr int64_t kInnerRows = 8;
+// registers; no horizontal sums. Measured on the 2-core AVX2 EPYC, weight cold, the 5M Llama's shapes: at 16
+// and 32 rows 62-80 GF/s where the dot-product tiles reach 40-62; level at 12 rows; 6-12% behind at 9-11
+// (a vector of input rows partly empty).
+constexpr int64_t kInnerRows = 12;
 constexpr int64_t kBroadcastRows = 3;
 
 // y[m, n] for the NB weight rows at w (float32, row stride k) and the M <= MV * kLanes rows of xt. ``ahead``
