@@ -272,7 +272,7 @@ void linear(const float* x, int64_t rows, const w_t* w, int64_t n_out, int64_t k
       case 2: broadcast_linear<2>(x, rows, w, n_out, k, bias, y); return;
       case 3: broadcast_linear<3>(x, rows, w, n_out, k, bias, y); return;
       case 4: broadcast_linear<4>(x, rows, w, n_out, k, bias, y); return;
-      default: break;  // past 32 rows (64 with AVX-512's lanes): the dot-product tiles
+      default: break;  // one vector (AVX-512: up to 16 rows) or past 4: the dot-product tiles
     }
   }
   const int64_t blocks = n_out / kBlock;

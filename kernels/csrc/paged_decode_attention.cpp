@@ -174,7 +174,9 @@ struct Ahead {
   int64_t bytes = 0, done = 0, lines_per_piece = 0;
   // ``lines`` more lines (K's run, then V's)
   inline void step(int64_t lines) {
-    for (; lines > 0 && done < 2 * bytes; --lines, done += 64) __builtin_prefetch(done < bytes ? k + done : v + done - bytes);
+    for (; lines > 0 && done < 2 * bytes; --lines, done += 64) {
+      __builtin_prefetch(done < bytes ? k + done : v + done - bytes);
+    }
   }
   inline void piece() { step(lines_per_piece); }
   inline void finish() { step(2 * bytes); }
