@@ -45,12 +45,24 @@ def test_the_extension_itself_for_rows_past_the_routing_limit():
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 def test_half_precision_weights_accumulate_in_float32(dtype, tol):
-    for rows in (1, 5, 16):
-        x, weight, bias = case(rows, 45, 259, dtype, seed=rows)
+    for rows in (1, 5, 16, 17, 32):  # the dot-product tiles, then the broadcast tiles (N = 47: a tail of 2 rows)
+        x, weight, bias = case(rows, 47, 259, dtype, seed=rows)
         got = cpp.linear(x, weight, bias)
         assert got.dtype == dtype
         want = F.linear(x.float(), weight.float(), bias.float())
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_two_threads_split_the_weight_rows_alike():
+    # the broadcast tiles' blocks of 3 weight rows and the dot-product tiles' blocks of 4, over 2 threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (3, 8, 9, 24, 32):
+            x, weight, bias = case(rows, 301, 520, seed=rows)
+            torch.testing.assert_close(cpp.linear(x, weight, bias), F.linear(x, weight, bias), atol=2e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_strided_rows_and_a_transposed_weight():
