@@ -72,7 +72,8 @@ async def one_request(
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as exc:
+    # ValueError: a frame that is not JSON (json.JSONDecodeError), or a line past aiohttp's length limit
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.latency = time.perf_counter() - start
