@@ -16,6 +16,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& key_cache,
               const torch::Tensor& value_cache, const torch::Tensor& slot_mapping);
 torch::Tensor decode_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
+int64_t decode_linear_lanes();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache, in place",
@@ -24,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_linear", &decode_linear, "x @ weight^T (+ bias) for a few rows, streaming the weight once",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("decode_linear_lanes", &decode_linear_lanes, "the decode linear's vector width in floats (8: AVX2, 16: AVX-512)");
 }
 
 // TORCH_LIBRARY pastes its namespace argument into names, so the macro holding it is expanded first.

@@ -28,11 +28,23 @@
 namespace {
 
 // A tile of 4 weight rows x 2 input rows holds 8 accumulators, 4 weight and 2 input vectors: 14 of AVX2's
-// 16 vector registers.
-#if defined(__AVX512F__)
+// 16 vector registers. XINSERVE_DECODE_LINEAR_LANES forces the width: 16 on an AVX2 machine runs AVX-512's
+// lane logic (folds, tails, the broadcast tiles' row groups) with each vector split in two registers, which
+// tests/kernels/test_decode_linear_wide.py checks against F.linear where no AVX-512 machine is at hand.
+#if defined(XINSERVE_DECODE_LINEAR_LANES)
+constexpr int64_t kLanes = XINSERVE_DECODE_LINEAR_LANES;
+#elif defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 #else
 constexpr int64_t kLanes = 8;
+#endif
+
+// Keeps vector v in a register from here on (why: tile below). A vector wider than the machine's registers
+// (the forced width above) fits in none, and is left to the compiler.
+#if defined(XINSERVE_DECODE_LINEAR_LANES) && !defined(__AVX512F__) && XINSERVE_DECODE_LINEAR_LANES > 8
+#define PIN(v) static_cast<void>(0)
+#else
+#define PIN(v) asm("" : "+v"(v))
 #endif
 constexpr int64_t kBlock = 4;  // output rows per block
 // How far ahead of the block being multiplied its weight is prefetched, in bytes of the flat weight:
@@ -72,9 +84,12 @@ inline vfloat load_weight(const w_t* p) {
 
 typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
 
-// 8 lanes holding the partial sums of one vector accumulator (16 lanes: the halves added)
-inline vfloat8 fold(vfloat v) {
-  if constexpr (kLanes == 16) {
+// 8 lanes holding the partial sums of one vector accumulator (16 lanes: the halves added). A template so that
+// the branch of the other width is discarded, not compiled: in a plain function ``if constexpr`` still
+// type-checks both, and a 16-lane build failed on ``return v`` (every AVX-512 machine fell back to F.linear).
+template <typename V>
+inline vfloat8 fold(V v) {
+  if constexpr (sizeof(V) == 16 * sizeof(float)) {
     return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   } else {
@@ -106,7 +121,7 @@ inline vfloat8 horizontal_sums4(vfloat a, vfloat b, vfloat c, vfloat d) {
 // y[m, n] for the NB (1 or 4) weight rows at w (row stride k) and the MB (1 or 2) input rows at x (float32,
 // row stride k). Named accumulators, not arrays: with arrays GCC keeps them in registers only while it may
 // fold the weight loads into the FMAs, loading each weight vector MB times; the empty asm statements pin
-// each loaded vector to a register, so every k step is NB + MB loads for NB x MB FMAs. The first group of
+// each loaded vector to a register (PIN), so every k step is NB + MB loads for NB x MB FMAs. The first group of
 // a block prefetches the weight run kPrefetchBytes ahead (later groups find the block in cache), into every
 // cache level: a non-temporal prefetch would keep a model that fits in the L3 from staying there. y rows
 // are out_stride apart; bias (float32, NB values) or null.
@@ -125,23 +140,26 @@ inline void tile(const float* x, const w_t* w, int64_t k, float* y, int64_t out_
       ahead += lines_per_step * kLine;
     }
     vfloat x0 = load(x + i);
-    asm("" : "+v"(x0));
+    PIN(x0);
     if constexpr (NB == 1) {
       vfloat w0 = load_weight(w + i);
-      asm("" : "+v"(w0));
+      PIN(w0);
       a0 += x0 * w0;
       if constexpr (MB == 2) b0 += load(x + k + i) * w0;
     } else {
       vfloat w0 = load_weight(w + i), w1 = load_weight(w + k + i), w2 = load_weight(w + 2 * k + i),
              w3 = load_weight(w + 3 * k + i);
-      asm("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+      PIN(w0);
+      PIN(w1);
+      PIN(w2);
+      PIN(w3);
       a0 += x0 * w0;
       a1 += x0 * w1;
       a2 += x0 * w2;
       a3 += x0 * w3;
       if constexpr (MB == 2) {
         vfloat x1 = load(x + k + i);
-        asm("" : "+v"(x1));
+        PIN(x1);
         b0 += x1 * w0;
         b1 += x1 * w1;
         b2 += x1 * w2;
@@ -203,12 +221,12 @@ inline void broadcast_tile(const float* xt, const float* w, int64_t k, int64_t r
     vfloat b[NB];
     for (int64_t n = 0; n < NB; ++n) {
       b[n] = vfloat{} + w[n * k + i];
-      asm("" : "+v"(b[n]));
+      PIN(b[n]);
     }
     const float* row = xt + i * MV * kLanes;
     for (int64_t j = 0; j < MV; ++j) {
       vfloat xv = load(row + j * kLanes);
-      asm("" : "+v"(xv));
+      PIN(xv);
       for (int64_t n = 0; n < NB; ++n) c[n][j] += b[n] * xv;
     }
   }
@@ -325,3 +343,6 @@ torch::Tensor decode_linear(const torch::Tensor& x, const torch::Tensor& weight,
   }
   return dtype == at::kFloat ? y32 : y32.to(dtype);
 }
+
+// The vector width the kernel was built with, in floats: 8 (AVX2), 16 (AVX-512 or the forced width above).
+int64_t decode_linear_lanes() { return kLanes; }
