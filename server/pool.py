@@ -70,11 +70,17 @@ def cpu_thread_share(num_cpu_workers: int) -> int:
 
 def load_tokenizer(path: str) -> Any:
     """The tokenizer at ``path``, one load at a time (server/heavy_imports.py: the first imports
-    transformers and torch, ~5 CPU seconds, beside the workers spawned before it)."""
+    transformers and torch, ~5 CPU seconds, beside the workers spawned before it).
+
+    xgrammar too: the first request with a JSON schema checks it (server/protocol.py) while its body is
+    parsed, on the event loop, and importing xgrammar there held every stream for ~0.4 s once. Here the
+    import overlaps the workers' start."""
     with IMPORT_LOCK:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        import xgrammar  # noqa: F401
+    return tokenizer
 
 
 # The CPU workers' OpenMP threads sleep at a barrier instead of spinning. libgomp reads this when torch
