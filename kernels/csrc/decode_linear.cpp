@@ -39,12 +39,12 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kLanes = 8;
 #endif
 
-// Keeps vector v in a register from here on (why: tile below). A vector wider than the machine's registers
-// (the forced width above) fits in none, and is left to the compiler.
-#if defined(XINSERVE_DECODE_LINEAR_LANES) && !defined(__AVX512F__) && XINSERVE_DECODE_LINEAR_LANES > 8
-#define PIN(v) static_cast<void>(0)
-#else
+// Keeps vector v in a register from here on (why: tile below). Only where a vector fits in one of x86's
+// registers: one wider (the forced width above on AVX2; any of ours on NEON's 128 bits) is left to the compiler.
+#if defined(__AVX512F__) || (defined(__AVX__) && !(defined(XINSERVE_DECODE_LINEAR_LANES) && XINSERVE_DECODE_LINEAR_LANES > 8))
 #define PIN(v) asm("" : "+v"(v))
+#else
+#define PIN(v) static_cast<void>(0)
 #endif
 constexpr int64_t kBlock = 4;  // output rows per block
 // How far ahead of the block being multiplied its weight is prefetched, in bytes of the flat weight:
@@ -55,7 +55,13 @@ constexpr int64_t kLine = 64;
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint16_t vbits16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t vbits32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef _Float16 vhalf __attribute__((vector_size(kLanes * sizeof(_Float16))));
+// IEEE half precision as the compiler knows it: _Float16 on x86, __fp16 on ARM (Kunpeng, Ascend's hosts).
+#if defined(__aarch64__) || defined(__arm__)
+typedef __fp16 half_t;
+#else
+typedef _Float16 half_t;
+#endif
+typedef half_t vhalf __attribute__((vector_size(kLanes * sizeof(half_t))));
 
 inline vfloat load(const float* p) {
   vfloat v;
