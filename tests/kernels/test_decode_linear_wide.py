@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpp_build
+from tests.kernels.test_decode_linear import case  # x, weight, bias of a seeded random case
 
 SOURCE = next(path for path in cpp_build.SOURCES if path.name == "decode_linear.cpp")
 WIDE_FLAGS = [*cpp_build.CFLAGS, "-DXINSERVE_DECODE_LINEAR_LANES=16"]
@@ -41,14 +42,6 @@ def wide():
             name=f"xinserve_decode_linear_wide_{key[:16]}", cpp_sources=[text], functions=["decode_linear", "decode_linear_lanes"],
             extra_cflags=WIDE_FLAGS, extra_ldflags=list(cpp_build.LDFLAGS), build_directory=str(build_dir),
             verbose=False)
-
-
-def case(rows: int, n_out: int, k: int, dtype: torch.dtype = torch.float32, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=g).to(dtype)
-    weight = (torch.randn(n_out, k, generator=g) * k**-0.5).to(dtype)
-    bias = torch.randn(n_out, generator=g).to(dtype)
-    return x, weight, bias
 
 
 # K: under one vector, a tail of 5 past 16 lanes, exact multiples; N: tails of the 4-row and 3-row blocks.
