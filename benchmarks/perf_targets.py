@@ -60,21 +60,18 @@ def throughput_rows(compare_dir: Path, workload: str, bound: float) -> list[dict
     return rows
 
 
-def _best_step(floor: dict, batch: int, context: int) -> dict:
-    """The fastest measured step at batch x context over the modes and thread counts in the run."""
+def _best(floor: dict, batch: int, context: int, key: str) -> dict:
+    """The row at batch x context with the least ``key`` over the modes and thread counts in the run."""
     rows = [r for r in floor["rows"] if r["batch"] == batch and r["context"] == context]
     if not rows:
         raise KeyError(f"decode_floor has no {batch}x{context} point (run it with --points 32x512,32x160)")
-    return min(rows, key=lambda r: r["step_ms"])
+    return min(rows, key=lambda r: r[key])
 
 
 def floor_rows(floor: dict, short_dir: Path) -> list[dict]:
-    """The 32 x 512 step against its memory floor; TPOT at c=32 against the 32 x 160 step."""
-    at_512 = min((r for r in floor["rows"] if r["batch"] == 32 and r["context"] == 512),
-                 key=lambda r: r["step_over_floor"], default=None)
-    if at_512 is None:
-        raise KeyError("decode_floor has no 32x512 point")
-    step = _best_step(floor, 32, 160)
+    """The 32 x 512 step against its memory floor; TPOT at c=32 against the (fastest) 32 x 160 step."""
+    at_512 = _best(floor, 32, 512, "step_over_floor")
+    step = _best(floor, 32, 160, "step_ms")
     tpot = _runs(short_dir / "xinserve.json")[32]["tpot_ms"]["p50"]
     return [
         {"target": "decode step 32 x 512 / memory floor", "measured": round(at_512["step_over_floor"], 3),

@@ -92,7 +92,8 @@ typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
 
 // 8 lanes holding the partial sums of one vector accumulator (16 lanes: the halves added). A template so that
 // the branch of the other width is discarded, not compiled: in a plain function ``if constexpr`` still
-// type-checks both, and a 16-lane build failed on ``return v`` (every AVX-512 machine fell back to F.linear).
+// type-checks both, and a 16-lane build failed on ``return v`` (the whole extension did not build on
+// AVX-512 machines, which then ran the reference kernels).
 template <typename V>
 inline vfloat8 fold(V v) {
   if constexpr (sizeof(V) == 16 * sizeof(float)) {
