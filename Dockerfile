@@ -20,22 +20,24 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     XINSERVE_CACHE_DIR=/cache
 
 WORKDIR /app
-# Dependencies first, so code changes do not reinstall torch.
-COPY pyproject.toml README.md ./
+# torch first, so code changes do not reinstall it.
 RUN if [ -n "$TORCH_SPEC" ]; then pip install --index-url "$TORCH_INDEX" "$TORCH_SPEC"; fi
+# Every other version from the lock the test suite passed with (make lock); the folders install as
+# xinserve.server, xinserve.engines, xinserve.kernels, xinserve.config (setup.py).
+COPY pyproject.toml setup.py README.md requirements.lock ./
 COPY server ./server
 COPY engines ./engines
 COPY kernels ./kernels
 COPY config ./config
-RUN pip install . \
+RUN pip install -c requirements.lock . \
     && useradd --create-home --uid 1000 xinserve \
     && mkdir -p /cache && chown xinserve /cache
 
 USER xinserve
 VOLUME ["/cache"]
 EXPOSE 8000
-# The default config is looked up next to the package; pass it explicitly as the package is installed.
+# `xinserve serve` alone serves config/default.yaml, installed with the package (xinserve.config).
 ENTRYPOINT ["xinserve"]
-CMD ["serve", "--config", "/app/config/default.yaml"]
+CMD ["serve"]
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health').status != 200)"

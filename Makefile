@@ -1,25 +1,29 @@
 # Two commands: `make serve` (install + start the server on the embedded tiny model, CPU)
 # and `make test` (install + run the whole test suite). Each creates .venv itself.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
 # Pin torch first so the range in pyproject.toml installs nothing more (for the CPU-only wheel:
 # TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu").
-# On Ascend, install torch-npu's own torch instead: `make TORCH_SPEC="torch-npu" ...`.
+# On Ascend, install torch-npu's own torch instead: `make TORCH_SPEC="torch-npu" LOCK= ...`.
 TORCH_SPEC ?= torch==2.13.0
+# Every other version comes from the lock (the versions the suite last passed with), so a release upstream
+# cannot change what a user's first command installs. `make lock` refreshes it on purpose; `LOCK=` (empty)
+# installs the newest versions pyproject.toml allows instead.
+LOCK ?= requirements.lock
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast lint bench
+.PHONY: serve test test-fast test-latest lock lint bench
 
 # --no-compile: pip would byte-compile all ~250 MB of installed Python, ~80 CPU s on one core (measured:
 # installing transformers alone, 54 MB of .py, 19.7 -> 2.7 CPU s). Python compiles what is imported on
 # first use instead and keeps it in __pycache__ (the venv is writable) -- unless PYTHONDONTWRITEBYTECODE
 # is set (the developers' machine sets it): then nothing is kept, and the test suite keeps the bytecode of
 # the processes it starts in a directory of its own (tests/conftest.py, PYTHONPYCACHEPREFIX).
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile $(TORCH_SPEC)
-	$(BIN)/pip install -q --no-compile -e '.[test]'
+	$(BIN)/pip install -q --no-compile $(if $(LOCK),-c $(LOCK)) -e '.[test]'
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -38,6 +42,23 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(PYTEST) -m "not slow"
+
+# The suite on the newest versions pyproject.toml allows (what `pip install xinserve` would pick today), in a
+# venv of its own that is upgraded on every run.
+test-latest:
+	$(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/pip install -q --no-compile $(TORCH_SPEC)
+	.venv-latest/bin/pip install -q --no-compile --upgrade --upgrade-strategy eager -e '.[test]'
+	touch .venv-latest/.installed
+	$(MAKE) test VENV=.venv-latest LOCK=
+
+# Refresh the lock on purpose: the newest versions pyproject.toml allows, resolved for every Python the
+# project supports (torch is left to TORCH_SPEC, vendors pin their own), then the suite against the result.
+lock: $(STAMP)
+	$(BIN)/pip install -q --no-compile 'uv>=0.9'
+	$(BIN)/uv pip compile -q pyproject.toml --extra test --extra bench --universal --python-version 3.10 \
+		--no-emit-package torch --custom-compile-command "make lock" -o $(LOCK)
+	$(MAKE) test
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/offline_throughput.py

@@ -4,7 +4,7 @@ process and of the worker, at one closed-loop level (default c=32, 32-word promp
 On a 2-core machine the client shares the cores with the server it measures, so every CPU second it
 spends is taken from the server: its cost shows up in the server's TPOT and throughput. One xinserve
 server (this checkout, the 5M Llama of ../shared/PEERS.md, float32) is started and kept up; each arm is
-a checkout whose ``python -m server.cli bench`` is the client (``--before CHECKOUT`` adds an older
+a checkout whose ``python -m xinserve.server.cli bench`` is the client (``--before CHECKOUT`` adds an older
 client as the second arm, e.g. the httpx one before session 12). Per repeat and arm, in alternating
 order, the client runs one level; its CPU over the level is the ``client_cpu_s`` it records in its
 JSON, or, for a client older than that field, the difference of its CPU time (``RUSAGE_CHILDREN``)
@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from compare import DEFAULT_MODEL, wait_warmed_up
 
-from server.bench import launch
-from server.bench.cli import machine
-from server.embedded_model.factory import ensure_tiny_model
+from xinserve.server.bench import launch
+from xinserve.server.bench.cli import machine
+from xinserve.server.embedded_model.factory import ensure_tiny_model
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_client_cpu.json"
 
@@ -53,7 +53,7 @@ def process_cpu(proc: psutil.Process) -> float:
 def run_client(root: Path, url: str, levels: str, args: argparse.Namespace, out: Path) -> tuple[float, dict]:
     """(the client's CPU seconds, its JSON document) for one ``xinserve bench`` of ``root``."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    cmd = [sys.executable, "-m", "server.cli", "bench", "--base-url", f"{url}/v1", "--concurrency", levels,
+    cmd = [sys.executable, "-m", "xinserve.server.cli", "bench", "--base-url", f"{url}/v1", "--concurrency", levels,
            "--num-prompts", str(args.num_prompts), "--output-tokens", str(args.output_tokens),
            "--input-words", str(args.input_words), "--json", str(out)]
     before = children_cpu()
@@ -95,7 +95,7 @@ def main() -> None:
     model = ensure_tiny_model(scratch, "llama-h256-l4", **DEFAULT_MODEL)
     port = launch.free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "xinserve.server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32"]
     log = scratch / "server.log"
     proc = launch.start(cmd, log, ROOT)

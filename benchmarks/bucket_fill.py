@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.decode_buckets import DecodeBuffers
-from kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from xinserve.engines.decode_buckets import DecodeBuffers
+from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bucket_fill.json"
 POINTS = ((1, 1), (8, 8), (30, 32))  # (rows, bucket)

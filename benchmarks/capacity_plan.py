@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import GlmMoeDsaConfig
 
-from engines.capacity import GIB, Layout, plan
+from xinserve.engines.capacity import GIB, Layout, plan
 
 RESULTS = Path(__file__).resolve().parent / "results" / "capacity_plan.json"
 FORMATS = {"bf16": "none", "W8A8": "w8a8", "W4A8": "w4a8"}

@@ -92,7 +92,7 @@ def one_start(cache: Path, timeout: float) -> dict:
     log = (cache / f"server-{port}.log").open("w")
     start = time.perf_counter()
     # A session of its own: what the server leaves running (a C++ build's compiler) is stopped with it.
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "xinserve.server.cli", "serve", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     result: dict = {}
     try:

@@ -3,7 +3,7 @@ the CPU), each phase in a fresh interpreter where it would run in a fresh proces
 not depend on the machine's load the way wall-clock seconds do. Caches are fresh temporary
 directories ($XINSERVE_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR, TORCH_EXTENSIONS_DIR).
 
-Phases: the HTTP process's imports (``server.app``), building the embedded model (in the HTTP process
+Phases: the HTTP process's imports (``xinserve.server.app``), building the embedded model (in the HTTP process
 with ``llama_files.py``; in a checkout without it, ``--before CHECKOUT``, the former spawned builder: a
 fresh interpreter importing the factory's transformers model classes), the HTTP process's tokenizer
 load, the worker's imports, and
@@ -30,14 +30,14 @@ RESULTS = REPO / "benchmarks" / "results" / "cold_start_profile.json"
 HTTP_IMPORTS = """
 import json, time
 start = time.process_time()
-import server.app
+import xinserve.server.app
 print(json.dumps({"http_imports": time.process_time() - start}))
 """
 EMBEDDED_BUILD = """
 import json, sys, time
-import server.app  # already imported by the HTTP process when it builds
-from server.embedded_model.llama_files import write_llama
-from server.pool import load_tokenizer
+import xinserve.server.app # already imported by the HTTP process when it builds
+from xinserve.server.embedded_model.llama_files import write_llama
+from xinserve.server.pool import load_tokenizer
 start = time.process_time()
 write_llama(sys.argv[1])
 built = time.process_time()
@@ -45,11 +45,11 @@ load_tokenizer(sys.argv[1])
 print(json.dumps({"embedded_build": built - start, "http_tokenizer_load": time.process_time() - built}))
 """
 # What server/embedded.py did before llama_files.py: a spawned child importing the factory (every model
-# class); the spawn's own import of the parent's main module (server.cli) is not counted.
+# class); the spawn's own import of the parent's main module (xinserve.server.cli) is not counted.
 FACTORY_BUILD = """
 import json, sys, time
 start = time.process_time()
-from server.embedded_model.factory import make_tiny_model
+from xinserve.server.embedded_model.factory import make_tiny_model
 imported = time.process_time()
 make_tiny_model(sys.argv[1])
 print(json.dumps({"factory_imports": imported - start, "factory_build": time.process_time() - imported}))
@@ -59,15 +59,15 @@ WORKER = """
 import cProfile, json, pstats, sys, threading, time
 start = time.process_time()
 import torch, zmq
-import server.worker
-from engines import EngineConfig, LLMEngine
-import engines.engine
-import engines.warmup
+import xinserve.server.worker
+from xinserve.engines import EngineConfig, LLMEngine
+import xinserve.engines.engine
+import xinserve.engines.warmup
 imported = time.process_time()
 held = threading.Event()
-engines.warmup.Warmup._run = lambda self: held.wait()
+xinserve.engines.warmup.Warmup._run = lambda self: held.wait()
 torch.set_num_threads(1)
-from server.config import default_config_path, load_config
+from xinserve.server.config import default_config_path, load_config
 settings = load_config(default_config_path()).models[0]
 profile = cProfile.Profile(time.process_time)
 profile.enable()

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from server.bench import launch, report
-from server.bench.cli import machine
-from server.bench.plot import plot
+from xinserve.server.bench import launch, report
+from xinserve.server.bench.cli import machine
+from xinserve.server.bench.plot import plot
 
 ROOT = Path(__file__).resolve().parents[1]
 # The shape of the 5M-parameter Llama the peers' figures in PEERS.md were measured on.
@@ -51,7 +51,7 @@ class Server:
 
 
 def xinserve_command(model: Path, port: int, dtype: str, peers: Path, scratch: Path) -> tuple[list[str], dict]:
-    return ([sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+    return ([sys.executable, "-m", "xinserve.server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
              "--port", str(port), "--dtype", dtype], {})
 
 
@@ -74,7 +74,7 @@ SERVERS = (
 
 def bench(url: str, label: str, args: argparse.Namespace, out: Path | None, concurrency: str,
           num_prompts: int) -> None:
-    cmd = [sys.executable, "-m", "server.cli", "bench", "--base-url", f"{url}/v1", "--label", label,
+    cmd = [sys.executable, "-m", "xinserve.server.cli", "bench", "--base-url", f"{url}/v1", "--label", label,
            "--concurrency", concurrency, "--num-prompts", str(num_prompts), "--output-tokens",
            str(args.output_tokens), "--input-words", str(args.input_words)]
     if out is not None:
@@ -130,7 +130,7 @@ def run_server(server: Server, model: Path, args: argparse.Namespace, scratch: P
 def default_model(scratch: Path) -> Path:
     """The random 5M Llama (``DEFAULT_MODEL``), built in ``scratch``. Imported here, not at the top: the
     factory imports torch and transformers (~6 CPU s), which a run given ``--model`` never needs."""
-    from server.embedded_model.factory import ensure_tiny_model
+    from xinserve.server.embedded_model.factory import ensure_tiny_model
 
     return ensure_tiny_model(scratch, "llama-h256-l4", **DEFAULT_MODEL)
 

@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    from kernels import cpp
+    from xinserve.kernels import cpp
 
     arms = {"baseline": load_module(args.baseline_so), "this tree": cpp._extension}
     cache = make_pool("auto", "thp", 1 << 30)

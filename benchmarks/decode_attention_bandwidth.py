@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    from kernels import cpp, kv_quant
+    from xinserve.kernels import cpp, kv_quant
 
     per_seq = CONTEXT // BLOCK
     num_blocks = BATCH * per_seq + 8

@@ -58,14 +58,14 @@ def sum_bandwidth(threads: int) -> tuple[float, float]:
 
 def make_pool(kind: str, pool: str, pool_bytes: int) -> torch.Tensor:
     """[2, LAYERS, N, BLOCK, KV_HEADS, W] in the KV dtype, N blocks filling ``pool_bytes``, random."""
-    from kernels import kv_quant
+    from xinserve.kernels import kv_quant
 
     dtype = kv_quant.storage_dtype(kind, torch.float32)
     width = kv_quant.head_width(HEAD_DIM, dtype)
     num_blocks = pool_bytes // (2 * LAYERS * BLOCK * KV_HEADS * width * dtype.itemsize)
     shape = (2, LAYERS, num_blocks, BLOCK, KV_HEADS, width)
     if pool == "thp":
-        from kernels.huge_pages import zeros_on_huge_pages
+        from xinserve.kernels.huge_pages import zeros_on_huge_pages
 
         cache = zeros_on_huge_pages(shape, dtype)
     else:
@@ -82,7 +82,7 @@ def make_pool(kind: str, pool: str, pool_bytes: int) -> torch.Tensor:
 def time_pool(cache: torch.Tensor, kind: str, pool: str, threads_list: list[int],
               floors: dict[int, tuple[float, float]], rng: np.random.Generator, args: argparse.Namespace) -> list[dict]:
     """One row per thread count: 4-layer steps over ``cache``, each layer with its own scattered tables."""
-    from kernels import cpp
+    from xinserve.kernels import cpp
 
     num_blocks, per_seq = cache.shape[2], CONTEXT // BLOCK
     lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32)
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     threads_list = [int(t) for t in args.threads.split(",")]
-    pools = [p for p in args.pools.split(",") if p != "thp" or importlib.util.find_spec("kernels.huge_pages")]
+    pools = [p for p in args.pools.split(",") if p != "thp" or importlib.util.find_spec("xinserve.kernels.huge_pages")]
     floors = {t: sum_bandwidth(t) for t in threads_list}
     rng = np.random.default_rng(0)
     rows = []

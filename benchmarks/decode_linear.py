@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the server's CPU worke
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp
+from xinserve.kernels import cpp
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_linear.json"
 SHAPES = {  # name -> (N, K): y[M, N] = x[M, K] @ W[N, K]^T

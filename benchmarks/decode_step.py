@@ -37,7 +37,7 @@ def measure(model_path: str, windows: int) -> dict[int, tuple[float, float]]:
     """In this process (the engine on sys.path): batch -> (step s, forward s) of the best window."""
     import torch
 
-    from engines import LLM, SamplingParams
+    from xinserve.engines import LLM, SamplingParams
 
     num_blocks = max(BATCHES) * 24 + 8  # room for every sequence's 128 + up to 256 tokens
     llm = LLM(model_path, num_kv_blocks=num_blocks, max_num_seqs=max(BATCHES), block_size=16)
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from server.embedded_model.factory import ensure_tiny_model
+    from xinserve.server.embedded_model.factory import ensure_tiny_model
 
     trees = {"this": ROOT} | ({"compare": args.compare.resolve()} if args.compare else {})
     rows = []

@@ -48,7 +48,7 @@ def build(path: str, cpp_wrapper: bool, batch: int, context: int, steps: int):
 
 def run(engine, batch: int, prompt: int, steps: int) -> dict:
     """One async-scheduled run; per steady full-batch step: wall, forward wall/CPU, loop CPU."""
-    from engines import SamplingParams
+    from xinserve.engines import SamplingParams
 
     runner, forwards = engine.runner, []
     forward = runner.forward

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engines.outputs import StepResult
+    from xinserve.engines.outputs import StepResult
 
 ROOT = Path(__file__).resolve().parents[1]
 # The 5M-parameter Llama of ../shared/PEERS.md; its context is 2048
@@ -77,7 +77,7 @@ def forward_clock(runner) -> Iterator[Clock]:
 def decoding(engine, batch: int, context: int, steps: int) -> Iterator[None]:
     """``batch`` sequences of ``context`` prompt tokens, prefilled and 4 decode steps in, with
     ``steps`` more tokens to go; aborted on exit."""
-    from engines import SamplingParams
+    from xinserve.engines import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=8 + steps, ignore_eos=True)
     for i in range(batch):
@@ -118,7 +118,7 @@ def llama_5m(model_dir: str) -> str:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from server.embedded_model.factory import ensure_tiny_model
+    from xinserve.server.embedded_model.factory import ensure_tiny_model
 
     torch.set_num_threads(1)
     return str(ensure_tiny_model(model_dir, name="llama-5m", **LLAMA_5M))
@@ -127,7 +127,7 @@ def llama_5m(model_dir: str) -> str:
 def decode_engine(path: str, max_num_seqs: int, max_context: int, steps: int, **options):
     """An ``LLM`` of ``path`` in float32 with KV blocks of 16 tokens for ``max_num_seqs`` sequences of
     ``max_context`` prompt tokens and ``steps`` decode steps (``decoding``'s), plus ``options``."""
-    from engines import LLM
+    from xinserve.engines import LLM
 
     num_blocks = max_num_seqs * -(-(max_context + 8 + steps) // 16) + 16
     return LLM(path, dtype="float32", num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs, block_size=16,
@@ -139,7 +139,7 @@ def collectives_per_step(engine, batches: tuple[int, ...], prompt_len: int, warm
     """Per batch size: (batch, best milliseconds per step over ``windows`` windows of ``window`` decode
     steps, each collective's count per step in the last window; empty on one device). The batch's
     requests are added, warmed up for ``warm_steps`` steps, timed, then aborted."""
-    from engines import SamplingParams
+    from xinserve.engines import SamplingParams
 
     group = getattr(engine.runner, "group", None)
     params = SamplingParams(temperature=0, max_tokens=warm_steps + windows * window + 8, ignore_eos=True)

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from server import worker
+    from xinserve.server import worker
 
     path = llama_5m(os.path.join("/tmp", "xinserve-bench"))
     torch.set_num_threads(1)

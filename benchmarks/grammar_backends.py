@@ -40,7 +40,7 @@ import xgrammar
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from server.embedded_model.tokenizer import build_tokenizer
+from xinserve.server.embedded_model.tokenizer import build_tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "grammar_backends.json"
 BATCH = 32

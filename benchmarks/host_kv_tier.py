@@ -23,7 +23,7 @@ PROMPT_TOKENS = 2000  # the 5M Llama's context is 2048
 
 def ttft(llm, prompt: list[int]) -> float:
     """Seconds to the first token of ``prompt`` alone (its one output token)."""
-    from engines import SamplingParams
+    from xinserve.engines import SamplingParams
 
     start = time.perf_counter()
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
@@ -31,7 +31,7 @@ def ttft(llm, prompt: list[int]) -> float:
 
 
 def measure(path: str, tier_gib: float | None, rounds: int) -> dict:
-    from engines import LLM
+    from xinserve.engines import LLM
 
     rng = random.Random(0)
     num_blocks = -(-(PROMPT_TOKENS + 1) // 16) + 2  # one prompt fits; the next one evicts it

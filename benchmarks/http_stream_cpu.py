@@ -43,9 +43,9 @@ def serve(port: int, tokenizer_dir: str, step_ms: float) -> None:
     from stepping_worker import SteppingWorker
     from transformers import AutoTokenizer
 
-    from server.app import create_app
-    from server.config import parse_config
-    from server.responses import TokenTexts
+    from xinserve.server.app import create_app
+    from xinserve.server.config import parse_config
+    from xinserve.server.responses import TokenTexts
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokens = [t for w in TEXT.split() for t in tok.encode(" " + w, add_special_tokens=False)]
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "http_stream_cpu.json")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from server.bench.cli import machine
-    from server.bench.launch import free_port
-    from server.embedded_model.factory import ensure_tiny_model
+    from xinserve.server.bench.cli import machine
+    from xinserve.server.bench.launch import free_port
+    from xinserve.server.embedded_model.factory import ensure_tiny_model
 
     arms = [("after", ROOT, [], [x for x in args.after_path.split(os.pathsep) if x])]
     if args.before is not None:

@@ -30,11 +30,11 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engines.outputs import EngineStats, StepOutput
-from server import messages, responses
-from server.fanout import RequestStream
-from server.messages import Outputs
-from server.worker_client import READY, WorkerClient
+from xinserve.engines.outputs import EngineStats, StepOutput
+from xinserve.server import messages, responses
+from xinserve.server.fanout import RequestStream
+from xinserve.server.messages import Outputs
+from xinserve.server.worker_client import READY, WorkerClient
 
 STATS = EngineStats(3, 0, 0.1, 0, 10, 5, 100, 1000)
 
@@ -202,8 +202,8 @@ def round_trip_pipe(rounds: int) -> float:
 
 def http_side_costs(tokens: int) -> dict[str, float]:
     """Seconds per token for detokenising one token and building + serialising one SSE chunk."""
-    from engines.detokenizer import IncrementalDetokenizer
-    from server.embedded_model.tokenizer import build_tokenizer
+    from xinserve.engines.detokenizer import IncrementalDetokenizer
+    from xinserve.server.embedded_model.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     text = "The morning fog rolled slowly over the harbour, and the fishing boats waited. " * 40

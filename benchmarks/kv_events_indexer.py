@@ -62,7 +62,7 @@ def main() -> None:
     indexer = subprocess.Popen([args.indexer_python, "-m", "dynamo.indexer", "--block-size", str(BLOCK),
                                 "--port", str(args.port), "--threads", "1",
                                 "--workers", f"1=tcp://127.0.0.1:{args.zmq_port}"], env=env)
-    from engines import LLM, SamplingParams
+    from xinserve.engines import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     prompt = [(7 * i) % 250 + 3 for i in range(70)]  # 4 full blocks

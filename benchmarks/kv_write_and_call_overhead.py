@@ -42,7 +42,7 @@ def per_call(call: Callable[[], object], repeats: int, calls: int) -> float:
 
 
 def write_rows(repeats: int, calls: int) -> list[dict]:
-    from kernels import cpp, kv_quant, reference
+    from xinserve.kernels import cpp, kv_quant, reference
 
     rows = []
     for kind in ("auto", "bfloat16", "int8"):
@@ -64,7 +64,7 @@ def write_rows(repeats: int, calls: int) -> list[dict]:
 
 
 def call_rows(repeats: int, calls: int) -> list[dict]:
-    from kernels import cpp
+    from xinserve.kernels import cpp
 
     @torch.library.custom_op("xinserve_bench::paged_decode_attention", mutates_args=())
     def python_op(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

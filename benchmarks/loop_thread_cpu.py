@@ -95,9 +95,9 @@ def generate(engine, stepper, batch: int, prompt_len: int, max_tokens: int, tag:
     """``batch`` greedy requests run to the end through ``stepper``; each step's outputs encoded as the
     worker sends them. ``on_step(steady)`` after each step. Returns each request's tokens (a check that
     every run generates the same)."""
-    from engines import SamplingParams
-    from server import messages
-    from server.messages import Outputs
+    from xinserve.engines import SamplingParams
+    from xinserve.server import messages
+    from xinserve.server.messages import Outputs
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
@@ -161,7 +161,7 @@ def measure(args: argparse.Namespace) -> dict:
     path = llama_5m(args.model_dir)
     import torch
 
-    from server.worker import ASYNC_GIL_SWITCH_INTERVAL_S
+    from xinserve.server.worker import ASYNC_GIL_SWITCH_INTERVAL_S
 
     torch.set_num_threads(args.threads)
     llm = decode_engine(path, args.batch, args.prompt_len, args.max_tokens, compile=args.compile,

@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from server.bench.dataset import random_words
+from xinserve.server.bench.dataset import random_words
 
 
 def long_prompt(tokenizer: Any, rng: random.Random, tokens: int) -> str:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     else:
-        from server.embedded_model.tokenizer import build_tokenizer
+        from xinserve.server.embedded_model.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer()
     data = rows(tokenizer, args.per_category, args.long_tokens, args.seed)

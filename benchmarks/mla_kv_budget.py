@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import DeepseekV3Config, GlmMoeDsaConfig, LlamaConfig
 
-from engines.models import MODEL_REGISTRY
+from xinserve.engines.models import MODEL_REGISTRY
 
 RESULTS = Path(__file__).resolve().parent / "results" / "mla_kv_budget.json"
 

@@ -40,7 +40,7 @@ def prompts(batch: int) -> list[list[int]]:
 
 def engine_steps(path: str, windows: int, fused_moe: str) -> dict[int, dict[str, float]]:
     """batch -> best window's step and forward milliseconds of the engine."""
-    from engines import LLM, SamplingParams
+    from xinserve.engines import LLM, SamplingParams
 
     num_blocks = max(BATCHES) * (PROMPT_LEN + WARM_STEPS + windows * WINDOW + 16) // 16 + 8
     llm = LLM(path, num_kv_blocks=num_blocks, max_num_seqs=max(BATCHES), block_size=16,
@@ -99,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(1)
-    from server.embedded_model.factory import ensure_tiny_model
+    from xinserve.server.embedded_model.factory import ensure_tiny_model
 
     path = str(ensure_tiny_model(args.model_dir, name="qwen3-moe-48m", **MODEL))
     ours = {impl: engine_steps(path, args.windows, impl) for impl in ("reference", "grouped_mm")}

@@ -38,8 +38,8 @@ from engine_timing import StepClock, forward_clock
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from engines import LLM, SamplingParams
-from server.embedded_model.factory import ensure_tiny_model
+from xinserve.engines import LLM, SamplingParams
+from xinserve.server.embedded_model.factory import ensure_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "offline_throughput.json"
 FIRST_ID = 7  # past the tiny tokenizer's special tokens

@@ -4,7 +4,7 @@ A small Qwen3-MoE (random weights, built locally: hidden 256, 4 layers, the firs
 top-2), batch 1 and 8 with 64-token prompts, greedy, ignore_eos. Every layout uses ``--threads``
 torch threads in all (split between its ranks), so on a 2-core machine no speed gain is expected:
 the point is the communication each layout costs per step, counted by rank 0's
-``engines.distributed.ParallelGroup.counts`` (rank 0's view: under PP the other stage's sends are
+``xinserve.engines.distributed.ParallelGroup.counts`` (rank 0's view: under PP the other stage's sends are
 not in it). Prints a markdown table and writes ``benchmarks/results/parallel_collectives.json``.
 
     python benchmarks/parallel_collectives.py [--threads 2]
@@ -33,8 +33,8 @@ PROMPT_LEN, WARM_STEPS, WINDOW = 64, 4, 10
 def measure(model_path: str, layout: str, threads: int, windows: int) -> list[dict]:
     import torch
 
-    from engines import LLM
-    from engines.parallel_config import ParallelConfig
+    from xinserve.engines import LLM
+    from xinserve.engines.parallel_config import ParallelConfig
 
     tp, pp, ep = LAYOUTS[layout]
     torch.set_num_threads(threads)
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from server.embedded_model.factory import ensure_tiny_model
+    from xinserve.server.embedded_model.factory import ensure_tiny_model
 
     path = str(ensure_tiny_model(args.model_dir, name="qwen3-moe-bench", **SHAPE))
     rows = [row for layout in LAYOUTS for row in measure(path, layout, args.threads, args.windows)]

@@ -50,7 +50,7 @@ def prompts(count: int, length: int, salt: int) -> list[list[int]]:
 
 def run_round(llm, token_lists: list[list[int]]) -> dict:
     """Add every prompt at once, step until each has its first token; CPU seconds and TTFTs."""
-    from engines import SamplingParams
+    from xinserve.engines import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -113,8 +113,8 @@ def main() -> None:
     path = llama_5m(args.model_dir)
     import torch
 
-    from engines import LLM
-    from kernels import registry
+    from xinserve.engines import LLM
+    from xinserve.kernels import registry
 
     count = 8 if args.quick else CONCURRENCY
     repeats = 1 if args.quick else args.repeats

@@ -50,7 +50,7 @@ def build(model_dir: Path) -> dict[str, Path]:
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import load_file, save_file
 
-    from server.embedded_model.factory import make_tiny_model
+    from xinserve.server.embedded_model.factory import make_tiny_model
 
     float_dir, w4_dir = model_dir / "float", model_dir / "w4a16"
     if not (float_dir / "config.json").exists():
@@ -86,8 +86,8 @@ def run_variant(name: str, path: Path, windows: int) -> dict:
     """In this process: load the variant, time its decode steps, report its memory."""
     import torch
 
-    from engines import LLM
-    from engines.quantization.install import weights_report
+    from xinserve.engines import LLM
+    from xinserve.engines.quantization.install import weights_report
 
     torch.set_num_threads(1)
     _, quantization, kernel = VARIANTS[name]

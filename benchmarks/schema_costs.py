@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 import xgrammar
 from transformers import AutoTokenizer
 
-from engines.structured.limits import SchemaTooCostly, check_schema_shape, check_schema_size
-from engines.structured.schema import GRAMMAR_OPTIONS
+from xinserve.engines.structured.limits import SchemaTooCostly, check_schema_shape, check_schema_size
+from xinserve.engines.structured.schema import GRAMMAR_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Before/after serving benchmark of two (or more) xinserve checkouts on one machine, interleaved.
 
-Each arm is a checkout served from its own root (``python -m server.cli serve`` with that root first
+Each arm is a checkout served from its own root (``python -m xinserve.server.cli serve`` with that root first
 on ``PYTHONPATH``; ``--extra-path`` adds a folder of extra packages to one more arm). Every arm is
 started once and kept up; the load levels then run arm after arm, in alternating order each repeat,
 so a machine whose load drifts (a shared one) shifts both sides alike. Reported: output tok/s, mean
@@ -22,9 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from server.bench import launch
-from server.bench.cli import machine
-from server.embedded_model.factory import ensure_tiny_model
+from xinserve.server.bench import launch
+from xinserve.server.bench.cli import machine
+from xinserve.server.embedded_model.factory import ensure_tiny_model
 
 LLAMA_5M = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
 
@@ -42,7 +42,7 @@ def _start(label: str, root: Path, pythonpath: str | None, model: Path, scratch:
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     port = launch.free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "xinserve.server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype]
     log = scratch / f"{label}.log"
     with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
@@ -51,7 +51,7 @@ def _start(label: str, root: Path, pythonpath: str | None, model: Path, scratch:
 
 
 def _bench(url: str, concurrency: int, words: int, prompts: int, tokens: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "server.cli", "bench", "--base-url", f"{url}/v1", "--concurrency", str(concurrency),
+    cmd = [sys.executable, "-m", "xinserve.server.cli", "bench", "--base-url", f"{url}/v1", "--concurrency", str(concurrency),
            "--num-prompts", str(prompts), "--output-tokens", str(tokens), "--input-words", str(words),
            "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)

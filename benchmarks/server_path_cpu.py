@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.server_path_ab import LLAMA_5M, _bench
-from server.bench import launch
-from server.bench.cli import machine
-from server.embedded_model.factory import ensure_tiny_model
+from xinserve.server.bench import launch
+from xinserve.server.bench.cli import machine
+from xinserve.server.embedded_model.factory import ensure_tiny_model
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
@@ -64,7 +64,7 @@ def _hidden(names: list[str], scratch: Path) -> list[str]:
 
 def _start(label: str, root: Path, flags: list[str], model: Path, scratch: Path, hidden: list[str]):
     port = launch.free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "xinserve.server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", *flags]
     # No compile thread beside the measurement: its CPU would land on the worker's account.
     env = {"PYTHONPATH": os.pathsep.join([*_hidden(hidden, scratch), str(root)]), "XINSERVE_COMPILE": "off"}

@@ -52,7 +52,7 @@ def one_start(tree: Path, cache: Path, timeout: float, settle: bool = False, byt
     row: dict = {}
     with log_path.open("w") as log:
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "xinserve.server.cli", "serve", "--host", "127.0.0.1", "--port",
                                  str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tree,
                                 start_new_session=True)
         try:

@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.server_path_ab import LLAMA_5M
 from benchmarks.server_path_cpu import cpu_s
-from server.bench import launch
-from server.bench.cli import machine
-from server.embedded_model.factory import ensure_tiny_model
+from xinserve.server.bench import launch
+from xinserve.server.bench.cli import machine
+from xinserve.server.embedded_model.factory import ensure_tiny_model
 
 SITECUSTOMIZE = "import os\nif os.environ.get('XINSERVE_STEP_TIMELINE'):\n" \
                 "    from benchmarks import step_timeline_hook\n    step_timeline_hook.patch_worker_loop()\n"
@@ -67,7 +67,7 @@ def _start(label: str, words: str, model: Path, scratch: Path) -> tuple[subproce
     out = scratch / f"timeline-{label}"
     out.mkdir()
     port = launch.free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "xinserve.server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", *flags]
     env = {"PYTHONPATH": os.pathsep.join([str(hook_dir), str(ROOT)]), "XINSERVE_STEP_TIMELINE": str(out),
            **dict(w.split("=", 1) for w in settings)}
@@ -78,7 +78,7 @@ def _start(label: str, words: str, model: Path, scratch: Path) -> tuple[subproce
 def _bench(url: str, concurrency: int, prompts: int, words: int, tokens: int, out: Path) -> tuple[dict, float]:
     """The bench's first run and the client's CPU seconds (its start-up imports included)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cmd = [sys.executable, "-m", "server.cli", "bench", "--base-url", f"{url}/v1", "--concurrency", str(concurrency),
+    cmd = [sys.executable, "-m", "xinserve.server.cli", "bench", "--base-url", f"{url}/v1", "--concurrency", str(concurrency),
            "--num-prompts", str(prompts), "--output-tokens", str(tokens), "--input-words", str(words),
            "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)

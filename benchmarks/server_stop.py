@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from server.bench.launch import free_port
-from server.embedded_model.factory import make_tiny_model
+from xinserve.server.bench.launch import free_port
+from xinserve.server.embedded_model.factory import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "server_stop.json"
@@ -38,7 +38,7 @@ def one_stop(root: Path, model: Path, log: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root), "XINSERVE_COMPILE": "off", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "xinserve.server.cli", "serve", "--host", "127.0.0.1", "--port",
                                  str(port), "--model", str(model), "--cpu-threads", "1"],
                                 cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600

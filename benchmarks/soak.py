@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.bench import launch
+from xinserve.server.bench import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 GAUGES = ("xinserve:kv_cache_usage_perc", "xinserve:num_requests_running", "xinserve:num_requests_waiting")
@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start_server(model: str | None, log: Path) -> tuple[subprocess.Popen, str]:
     """``xinserve serve`` on a free port, logging to ``log``."""
     port = launch.free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "xinserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     if model:
         cmd += ["--model", model]
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 import torch
 from transformers.utils import logging as hf_logging
 
-from engines import LLM, SamplingParams
-from server.embedded_model.factory import make_tiny_model
+from xinserve.engines import LLM, SamplingParams
+from xinserve.server.embedded_model.factory import make_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "speculative.json"
 STORIES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260K"

@@ -126,7 +126,7 @@ def install(loop) -> None:
 def compile_with_cpp_wrapper(on: bool) -> None:
     """An experiment's arm: inductor's C++ wrapper for the decode buckets on or off, whatever the
     product's default (the C++ wrapper runs a whole graph with the GIL released once)."""
-    from engines import direct_call
+    from xinserve.engines import direct_call
 
     def call(self, graph, example_inputs):
         from torch._inductor.compile_fx import compile_fx
@@ -140,7 +140,7 @@ def compile_with_cpp_wrapper(on: bool) -> None:
 
 
 def patch_worker_loop() -> None:
-    from server import worker
+    from xinserve.server import worker
 
     wrapper = os.environ.get("XINSERVE_BENCH_CPP_WRAPPER")
     if wrapper is not None:

@@ -5,8 +5,8 @@
 ``--step-ms``) and stream_path_cpu.py (a step once every stream took the last one).
 """
 
-from engines.outputs import StepOutput
-from server.fanout import Fanout, RequestStream
+from xinserve.engines.outputs import StepOutput
+from xinserve.server.fanout import Fanout, RequestStream
 
 
 class SteppingWorker:

@@ -37,9 +37,9 @@ def measure(tokenizer_dir: str, concurrency: int, output_tokens: int, requests: 
     from stepping_worker import SteppingWorker
     from transformers import AutoTokenizer
 
-    from server.app import create_app
-    from server.config import parse_config
-    from server.responses import TokenTexts
+    from xinserve.server.app import create_app
+    from xinserve.server.config import parse_config
+    from xinserve.server.responses import TokenTexts
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokens = [t for w in TEXT.split() for t in tok.encode(" " + w, add_special_tokens=False)]
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stream_path_cpu.json")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from server.bench.cli import machine
-    from server.embedded_model.factory import ensure_tiny_model
+    from xinserve.server.bench.cli import machine
+    from xinserve.server.embedded_model.factory import ensure_tiny_model
 
     arms = [("after", ROOT)] + ([("before", args.before.resolve())] if args.before else [])
     runs: dict[str, dict[str, list[list[float]]]] = {label: {} for label, _ in arms}

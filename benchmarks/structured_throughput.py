@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 import torch
 
-from engines import LLM, SamplingParams
-from server.embedded_model.factory import ensure_tiny_model
+from xinserve.engines import LLM, SamplingParams
+from xinserve.server.embedded_model.factory import ensure_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "structured_throughput.json"
 BATCH, PROMPT_LEN, MAX_TOKENS = 32, 16, 128

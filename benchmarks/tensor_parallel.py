@@ -4,7 +4,7 @@ The 33M-parameter Llama of decode_step.py (random weights, built locally), batch
 128-token prompts, greedy, ignore_eos. TP=1 runs with ``--threads`` torch threads, TP=2 with
 ``--threads`` / 2 per rank, so both use the same cores (on a 2-core machine no gain is expected:
 the point is the communication cost). The collectives are counted by rank 0's
-``engines.distributed.ParallelGroup.counts`` over the timed steps. Prints a markdown table and
+``xinserve.engines.distributed.ParallelGroup.counts`` over the timed steps. Prints a markdown table and
 writes ``benchmarks/results/tensor_parallel.json``.
 
     python benchmarks/tensor_parallel.py [--threads 2]
@@ -30,8 +30,8 @@ PROMPT_LEN, WARM_STEPS, WINDOW = 128, 4, 10
 def measure(model_path: str, tp: int, threads: int, windows: int) -> list[dict]:
     import torch
 
-    from engines import LLM
-    from engines.parallel_config import ParallelConfig
+    from xinserve.engines import LLM
+    from xinserve.engines.parallel_config import ParallelConfig
 
     torch.set_num_threads(threads)
     options = {"num_kv_blocks": max(BATCHES) * 24 + 8, "max_num_seqs": max(BATCHES), "block_size": 16}
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from server.embedded_model.factory import ensure_tiny_model
+    from xinserve.server.embedded_model.factory import ensure_tiny_model
 
     path = str(ensure_tiny_model(args.model_dir, name="llama-30m", **SHAPE))
     rows = measure(path, 1, args.threads, args.windows) + measure(path, 2, args.threads, args.windows)

@@ -36,8 +36,8 @@ def main() -> None:
     path = llama_5m(args.model_dir)
     import torch
 
-    from engines.thread_split import choose, decode_step_timer
-    from kernels.timing import TimingCache
+    from xinserve.engines.thread_split import choose, decode_step_timer
+    from xinserve.kernels.timing import TimingCache
 
     llm = decode_engine(path, BATCH, CONTEXT, 8, compile="off", kernels={"decode_attention": "cpp"})
     measure = decode_step_timer(llm.engine.runner, BATCH, CONTEXT)

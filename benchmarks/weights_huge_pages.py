@@ -29,7 +29,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "weights_huge_pages.json
 
 def place(model, huge: bool) -> None:
     """Move the parameters (values kept) onto one huge-page arena, or each onto its own plain allocation."""
-    from kernels.huge_pages import weights_on_huge_pages
+    from xinserve.kernels.huge_pages import weights_on_huge_pages
 
     params = list(model.parameters())
     values = [p.data.clone() for p in params]

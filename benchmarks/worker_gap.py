@@ -41,7 +41,7 @@ def _consume(addr: str, stop_addr: str) -> None:
     """The HTTP side: receive and decode every message until told to stop."""
     import zmq
 
-    from server import messages
+    from xinserve.server import messages
 
     ctx = zmq.Context()
     pull, stop = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
@@ -115,9 +115,9 @@ class Timeline:
 def run_arm(llm, batch: int, prompt_len: int, steps: int, arm: str, tag: str) -> dict:
     import zmq
 
-    from engines import SamplingParams
-    from server import messages
-    from server.worker import WorkerLoop
+    from xinserve.engines import SamplingParams
+    from xinserve.server import messages
+    from xinserve.server.worker import WorkerLoop
 
     tmp = tempfile.mkdtemp(prefix="xinserve-gap-")
     out_addr, stop_addr, in_addr = (f"ipc://{tmp}/{n}" for n in ("out", "stop", "in"))

@@ -24,10 +24,10 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engines.outputs import EngineStats, StepOutput, StepResult
-from server import messages
-from server.bench.cli import machine
-from server.worker import WorkerLoop
+from xinserve.engines.outputs import EngineStats, StepOutput, StepResult
+from xinserve.server import messages
+from xinserve.server.bench.cli import machine
+from xinserve.server.worker import WorkerLoop
 
 
 class NullEngine:

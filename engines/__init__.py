@@ -1,21 +1,21 @@
 """xinserve's engine: paged KV cache, continuous batching, our own compact models.
 
-Names are imported lazily so that the plain-Python core (``engines.scheduler``, ``engines.kv_cache``,
-``engines.sequence``) can be used without loading torch or transformers.
+Names are imported lazily so that the plain-Python core (``xinserve.engines.scheduler``, ``xinserve.engines.kv_cache``,
+``xinserve.engines.sequence``) can be used without loading torch or transformers.
 """
 
 import importlib
 
 _EXPORTS = {
-    "LLM": "engines.llm",
-    "CompletionOutput": "engines.outputs",
-    "EngineConfig": "engines.config",
-    "EngineStats": "engines.outputs",
-    "LLMEngine": "engines.engine",
-    "RequestOutput": "engines.outputs",
-    "SamplingParams": "engines.sampling_params",
-    "StepOutput": "engines.outputs",
-    "TokenLogprob": "engines.outputs",
+    "LLM": "xinserve.engines.llm",
+    "CompletionOutput": "xinserve.engines.outputs",
+    "EngineConfig": "xinserve.engines.config",
+    "EngineStats": "xinserve.engines.outputs",
+    "LLMEngine": "xinserve.engines.engine",
+    "RequestOutput": "xinserve.engines.outputs",
+    "SamplingParams": "xinserve.engines.sampling_params",
+    "StepOutput": "xinserve.engines.outputs",
+    "TokenLogprob": "xinserve.engines.outputs",
 }
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams", "StepOutput", "TokenLogprob"]

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from engines.outputs import StepResult
-from engines.runner import _plain_greedy
-from engines.sampler import SamplingRow
-from engines.sampling_params import SamplingParams
-from engines.scheduler import PLACEHOLDER, ScheduledSeq, num_pending
-from engines.sequence import Sequence, SequenceStatus
+from xinserve.engines.outputs import StepResult
+from xinserve.engines.runner import _plain_greedy
+from xinserve.engines.sampler import SamplingRow
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.engines.scheduler import PLACEHOLDER, ScheduledSeq, num_pending
+from xinserve.engines.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -27,12 +27,12 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from engines.models import MODEL_REGISTRY
-from engines.models.loader import _checkpoint_names, _config_dtype
-from engines.models.mtp import attach_mtp
-from engines.models.tensor_parallel import check_model_splits, shard_model
-from kernels.kv_quant import KV_CACHE_DTYPES, storage_dtype
-from kernels.ops import REFERENCE_OPS
+from xinserve.engines.models import MODEL_REGISTRY
+from xinserve.engines.models.loader import _checkpoint_names, _config_dtype
+from xinserve.engines.models.mtp import attach_mtp
+from xinserve.engines.models.tensor_parallel import check_model_splits, shard_model
+from xinserve.kernels.kv_quant import KV_CACHE_DTYPES, storage_dtype
+from xinserve.kernels.ops import REFERENCE_OPS
 
 QUANTIZATION_SCHEMES = ("none", "fp8", "w8a8", "w4a8", "w4a16")
 SCALE_BYTES = 4  # scales are float32 in device memory (kernels/quantized_weight.py's layout)

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from engines.kv_events import KVEventsConfig
-from engines.parallel_config import ParallelConfig
-from engines.speculative.config import parse_speculative_config, uses_mtp
+from xinserve.engines.kv_events import KVEventsConfig
+from xinserve.engines.parallel_config import ParallelConfig
+from xinserve.engines.speculative.config import parse_speculative_config, uses_mtp
 
 COMPILE_MODES = ("auto", "off", "on")
 COMPILE_ENV_VAR = "XINSERVE_COMPILE"  # the mode when a config leaves ``compile`` unset

@@ -17,9 +17,9 @@ past the pool), so they never touch a real sequence's cache; their logits are dr
 import numpy as np
 import torch
 
-from engines.config import EngineConfig
-from engines.speculative.config import parse_speculative_config
-from kernels.attention_metadata import AttentionMetadata, DecodeGather
+from xinserve.engines.config import EngineConfig
+from xinserve.engines.speculative.config import parse_speculative_config
+from xinserve.kernels.attention_metadata import AttentionMetadata, DecodeGather
 
 
 def max_decode_rows(config: EngineConfig) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.scheduler import ScheduledSeq
+from xinserve.engines.scheduler import ScheduledSeq
 
 
 @dataclass(slots=True)

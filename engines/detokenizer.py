@@ -3,7 +3,7 @@
 import codecs
 from typing import TYPE_CHECKING
 
-from engines.token_bytes import token_bytes_of
+from xinserve.engines.token_bytes import token_bytes_of
 
 if TYPE_CHECKING:  # a type only: the HTTP process imports this before transformers (server/heavy_imports.py)
     from transformers import PreTrainedTokenizerBase

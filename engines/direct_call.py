@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from xinserve.kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

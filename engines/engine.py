@@ -7,25 +7,25 @@ from concurrent.futures import FIRST_COMPLETED, wait
 
 from transformers import AutoTokenizer, GenerationConfig
 
-from engines import thread_split
-from engines.async_scheduling import AsyncScheduling, overlappable
-from engines.config import EngineConfig
-from engines.kv_cache import BlockManager
-from engines.kv_connector.host import make_host_tier
-from engines.kv_event_publisher import make_publisher
-from engines.kv_events import EventBatch
-from engines.outputs import EngineStats, FinishReason, RequestFailure, StepResult, spec_decode_stats
-from engines.platforms import get_platform
-from engines.runner import always_plain_greedy
-from engines.sampling_params import SamplingParams
-from engines.scheduler import SampledTokens, ScheduledSeq, Scheduler, num_pending
-from engines.sequence import Sequence, SequenceStatus
-from engines.speculative.config import parse_speculative_config
-from engines.speculative.proposer import make_proposer
-from engines.structured.compiler import GrammarCompiler, PendingGrammar
-from engines.structured.schema import check_json_schema
-from engines.tp_runner import make_runner
-from engines.warmup import Warmup
+from xinserve.engines import thread_split
+from xinserve.engines.async_scheduling import AsyncScheduling, overlappable
+from xinserve.engines.config import EngineConfig
+from xinserve.engines.kv_cache import BlockManager
+from xinserve.engines.kv_connector.host import make_host_tier
+from xinserve.engines.kv_event_publisher import make_publisher
+from xinserve.engines.kv_events import EventBatch
+from xinserve.engines.outputs import EngineStats, FinishReason, RequestFailure, StepResult, spec_decode_stats
+from xinserve.engines.platforms import get_platform
+from xinserve.engines.runner import always_plain_greedy
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.engines.scheduler import SampledTokens, ScheduledSeq, Scheduler, num_pending
+from xinserve.engines.sequence import Sequence, SequenceStatus
+from xinserve.engines.speculative.config import parse_speculative_config
+from xinserve.engines.speculative.proposer import make_proposer
+from xinserve.engines.structured.compiler import GrammarCompiler, PendingGrammar
+from xinserve.engines.structured.schema import check_json_schema
+from xinserve.engines.tp_runner import make_runner
+from xinserve.engines.warmup import Warmup
 
 logger = logging.getLogger(__name__)
 

@@ -37,12 +37,12 @@ from pathlib import Path
 
 import torch
 
-from engines.config import COMPILE_ENV_VAR, COMPILE_MODES
-from engines.decode_buckets import DecodeBuffers, bucket_for, bucket_sizes
-from engines.direct_call import GraphRecorder, direct_call
-from engines.platforms import Platform
-from kernels.attention_metadata import AttentionMetadata
-from kernels.cache_dir import cache_dir
+from xinserve.engines.config import COMPILE_ENV_VAR, COMPILE_MODES
+from xinserve.engines.decode_buckets import DecodeBuffers, bucket_for, bucket_sizes
+from xinserve.engines.direct_call import GraphRecorder, direct_call
+from xinserve.engines.platforms import Platform
+from xinserve.kernels.attention_metadata import AttentionMetadata
+from xinserve.kernels.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,14 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from engines.kv_events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from engines.sequence import Sequence
+from xinserve.engines.kv_events import (
+    MEDIUM_DEVICE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from xinserve.engines.sequence import Sequence
 
 NO_HASH = None
 # The hash "before" a prompt's first block: a constant, so a prefix hashes the same in every process

@@ -15,7 +15,7 @@ from collections import deque
 import msgspec
 import zmq
 
-from engines.kv_events import EventBatch, KVEventsConfig, offset_endpoint
+from xinserve.engines.kv_events import EventBatch, KVEventsConfig, offset_endpoint
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ import weakref
 from collections.abc import Sequence as Seq
 from typing import Self
 
-from engines.config import EngineConfig
-from engines.detokenizer import IncrementalDetokenizer
-from engines.engine import LLMEngine
-from engines.outputs import CompletionOutput, RequestOutput
-from engines.sampling_params import SamplingParams
+from xinserve.engines.config import EngineConfig
+from xinserve.engines.detokenizer import IncrementalDetokenizer
+from xinserve.engines.engine import LLMEngine
+from xinserve.engines.outputs import CompletionOutput, RequestOutput
+from xinserve.engines.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

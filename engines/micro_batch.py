@@ -10,7 +10,7 @@ from itertools import pairwise
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata, DecodeGather
+from xinserve.kernels.attention_metadata import AttentionMetadata, DecodeGather
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from engines.speculative.stats import SpecDecodeStats
+from xinserve.engines.speculative.stats import SpecDecodeStats
 
 # Why a sequence ended: a stop token, its length budget, or an abort (the client's, a stop string's,
 # or the engine's when the request failed: that travels beside the outputs as a ``RequestFailure``).

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engines.distributed import GroupFailure, ParallelGroup
-from engines.micro_batch import micro_batches
-from engines.models.expert_parallel import ExpertPlacement
-from engines.rank_role import RankRole
-from kernels.attention_metadata import AttentionMetadata
+from xinserve.engines.distributed import GroupFailure, ParallelGroup
+from xinserve.engines.micro_batch import micro_batches
+from xinserve.engines.models.expert_parallel import ExpertPlacement
+from xinserve.engines.rank_role import RankRole
+from xinserve.kernels.attention_metadata import AttentionMetadata
 
 MICRO_BATCHES = 2
 

@@ -8,28 +8,28 @@ from functools import partial
 import numpy as np
 import torch
 
-from engines.capacity import pool_blocks
-from engines.config import EngineConfig
-from engines.decode_buckets import max_decode_rows
-from engines.graphs import DecodeGraphs, build_decode_graphs, capture_memory_probe, effective_mode
-from engines.models.loader import load_model, parse_dtype
-from engines.models.tensor_parallel import Collectives
-from engines.outputs import TokenLogprob
-from engines.pipeline_parallel import PipelineStage
-from engines.platforms import Platform
-from engines.sampler import Sampler, SamplingRow, choice_seed
-from engines.sampling_params import SamplingParams
-from engines.scheduler import SampledTokens, ScheduledSeq
-from engines.sequence import Sequence, needs_prompt_logits
-from engines.speculative.verify import verify_drafts
-from engines.step_inputs import StepBatch, StepInputs, to_device
-from engines.structured.bitmask import apply_grammars
-from kernels.ep_dispatch import choose_ep_dispatch
-from kernels.huge_pages import kv_pool
-from kernels.kv_quant import storage_dtype
-from kernels.model_shapes import ModelShapes
-from kernels.ops import KernelOps
-from kernels.registry import KernelSelection, select
+from xinserve.engines.capacity import pool_blocks
+from xinserve.engines.config import EngineConfig
+from xinserve.engines.decode_buckets import max_decode_rows
+from xinserve.engines.graphs import DecodeGraphs, build_decode_graphs, capture_memory_probe, effective_mode
+from xinserve.engines.models.loader import load_model, parse_dtype
+from xinserve.engines.models.tensor_parallel import Collectives
+from xinserve.engines.outputs import TokenLogprob
+from xinserve.engines.pipeline_parallel import PipelineStage
+from xinserve.engines.platforms import Platform
+from xinserve.engines.sampler import Sampler, SamplingRow, choice_seed
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.engines.scheduler import SampledTokens, ScheduledSeq
+from xinserve.engines.sequence import Sequence, needs_prompt_logits
+from xinserve.engines.speculative.verify import verify_drafts
+from xinserve.engines.step_inputs import StepBatch, StepInputs, to_device
+from xinserve.engines.structured.bitmask import apply_grammars
+from xinserve.kernels.ep_dispatch import choose_ep_dispatch
+from xinserve.kernels.huge_pages import kv_pool
+from xinserve.kernels.kv_quant import storage_dtype
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.ops import KernelOps
+from xinserve.kernels.registry import KernelSelection, select
 
 logger = logging.getLogger(__name__)
 

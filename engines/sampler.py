@@ -15,10 +15,10 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engines.sampling_params import SamplingParams
-from engines.structured.bitmask import apply_grammars
-from engines.structured.compiler import OutputGrammar
-from kernels import reference
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.engines.structured.bitmask import apply_grammars
+from xinserve.engines.structured.compiler import OutputGrammar
+from xinserve.kernels import reference
 
 
 @dataclass(slots=True)

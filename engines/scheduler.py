@@ -21,10 +21,10 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from engines.kv_cache import BlockManager
-from engines.outputs import FinishReason, RequestFailure, StepOutput, StepResult, TokenLogprob
-from engines.sequence import Sequence, SequenceStatus, needs_prompt_logits
-from engines.speculative.stats import SpecDecodeStats
+from xinserve.engines.kv_cache import BlockManager
+from xinserve.engines.outputs import FinishReason, RequestFailure, StepOutput, StepResult, TokenLogprob
+from xinserve.engines.sequence import Sequence, SequenceStatus, needs_prompt_logits
+from xinserve.engines.speculative.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 

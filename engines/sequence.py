@@ -3,8 +3,8 @@
 from enum import Enum, auto
 from typing import Any
 
-from engines.outputs import FinishReason
-from engines.sampling_params import SamplingParams
+from xinserve.engines.outputs import FinishReason
+from xinserve.engines.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engines.decode_rows import decode_rows
-from engines.scheduler import ScheduledSeq
-from engines.sequence import Sequence, needs_prompt_logits
-from engines.speculative.verify import draft_logits_indices
-from kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from xinserve.engines.decode_rows import decode_rows
+from xinserve.engines.scheduler import ScheduledSeq
+from xinserve.engines.sequence import Sequence, needs_prompt_logits
+from xinserve.engines.speculative.verify import draft_logits_indices
+from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
 
 
 @dataclass(slots=True)

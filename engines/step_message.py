@@ -11,8 +11,8 @@ computes them. ``kind`` is STEP, or a command (ALLOCATE: ``value`` KV blocks; PR
 import numpy as np
 import torch
 
-from engines.runner import StepBatch
-from kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from xinserve.engines.runner import StepBatch
+from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
 
 STEP, ALLOCATE, PROFILE, STOP = 1, 2, 3, 4
 HEADER = 11

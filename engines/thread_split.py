@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.attention_metadata import AttentionMetadata, build_decode_gather
-from kernels.cache_dir import cache_dir
-from kernels.timing import TimingCache
+from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from xinserve.kernels.cache_dir import cache_dir
+from xinserve.kernels.timing import TimingCache
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A rank > 0 of a tensor-parallel replica: ``python -m engines.tp_follower PAYLOAD``.
+"""A rank > 0 of a tensor-parallel replica: ``python -m xinserve.engines.tp_follower PAYLOAD``.
 
 It joins the group, loads its shard of the model, then follows rank 0's messages: each STEP is
 rebuilt into the ``StepBatch`` rank 0 built and run through the same ``ModelRunner.forward`` (or, in
@@ -18,16 +18,16 @@ import time
 
 import torch
 
-from engines.config import EngineConfig
-from engines.distributed import GroupFailure, ParallelGroup, open_store
-from engines.pipeline_parallel import stage_collectives
-from engines.platforms import get_platform
-from engines.process_exit import leave_quickly
-from engines.runner import ModelRunner, StepBatch
-from engines.speculative.mtp_messages import KINDS as MTP_KINDS
-from engines.speculative.mtp_runner import MTPModelRunner
-from engines.step_message import ALLOCATE, PROFILE, STEP, STOP, decode_header, decode_step
-from engines.tp_runner import parallel_config
+from xinserve.engines.config import EngineConfig
+from xinserve.engines.distributed import GroupFailure, ParallelGroup, open_store
+from xinserve.engines.pipeline_parallel import stage_collectives
+from xinserve.engines.platforms import get_platform
+from xinserve.engines.process_exit import leave_quickly
+from xinserve.engines.runner import ModelRunner, StepBatch
+from xinserve.engines.speculative.mtp_messages import KINDS as MTP_KINDS
+from xinserve.engines.speculative.mtp_runner import MTPModelRunner
+from xinserve.engines.step_message import ALLOCATE, PROFILE, STEP, STOP, decode_header, decode_step
+from xinserve.engines.tp_runner import parallel_config
 
 logger = logging.getLogger("xinserve.rank")
 

@@ -17,16 +17,16 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from engines.config import EngineConfig
-from engines.distributed import GroupFailure, ParallelGroup, open_store
-from engines.models.tensor_parallel import check_model_splits
-from engines.parallel_config import ParallelConfig
-from engines.pipeline_parallel import check_pipeline, rank_role, stage_collectives
-from engines.platforms import Platform
-from engines.runner import ModelRunner, StepBatch
-from engines.sequence import needs_prompt_logits
-from engines.speculative.mtp_runner import MTPModelRunner
-from engines.step_message import ALLOCATE, PROFILE, STOP, encode_command, encode_step
+from xinserve.engines.config import EngineConfig
+from xinserve.engines.distributed import GroupFailure, ParallelGroup, open_store
+from xinserve.engines.models.tensor_parallel import check_model_splits
+from xinserve.engines.parallel_config import ParallelConfig
+from xinserve.engines.pipeline_parallel import check_pipeline, rank_role, stage_collectives
+from xinserve.engines.platforms import Platform
+from xinserve.engines.runner import ModelRunner, StepBatch
+from xinserve.engines.sequence import needs_prompt_logits
+from xinserve.engines.speculative.mtp_runner import MTPModelRunner
+from xinserve.engines.step_message import ALLOCATE, PROFILE, STOP, encode_command, encode_step
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +61,14 @@ def cpu_threads_per_rank(parallel: ParallelConfig, node: int) -> int:
 
 
 def spawn_rank(config: EngineConfig, rank: int, master_port: int, threads: int | None) -> subprocess.Popen:
-    """Start rank ``rank`` (> 0) of the group in its own process (``python -m engines.tp_follower``).
+    """Start rank ``rank`` (> 0) of the group in its own process (``python -m xinserve.engines.tp_follower``).
 
     A plain subprocess, not multiprocessing: a server worker is a daemon process, which may not
     have multiprocessing children. The child watches this process and leaves when it dies
     (engines/tp_follower.py), whichever thread started it.
     """
     payload = base64.b64encode(pickle.dumps((config, rank, master_port, threads, os.getpid()))).decode()
-    return subprocess.Popen([sys.executable, "-m", "engines.tp_follower", payload])
+    return subprocess.Popen([sys.executable, "-m", "xinserve.engines.tp_follower", payload])
 
 
 def make_runner(config: EngineConfig, platform: Platform, block_size: int, eos_token_ids: list[int]) -> ModelRunner:

@@ -21,9 +21,9 @@ from dataclasses import replace
 
 import torch
 
-from engines.graphs import DecodeGraphs, first_line
-from kernels.ops import OP_FUNCTIONS, KernelOps
-from kernels.registry import BUILT_FROM_SOURCE, KernelSelection, select
+from xinserve.engines.graphs import DecodeGraphs, first_line
+from xinserve.kernels.ops import OP_FUNCTIONS, KernelOps
+from xinserve.kernels.registry import BUILT_FROM_SOURCE, KernelSelection, select
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ implementations (output shapes, for the compiler) are registered here.
 import torch
 import torch.nn.functional as F
 
-from kernels.cpp_build import BUILD_KEY, OPS_NAMESPACE, build
-from kernels.model_shapes import ModelShapes
+from xinserve.kernels.cpp_build import BUILD_KEY, OPS_NAMESPACE, build
+from xinserve.kernels.model_shapes import ModelShapes
 
 _extension = build()
 _ops = getattr(torch.ops, OPS_NAMESPACE)

@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.model_shapes import ModelShapes
-from kernels.registry import KernelSelection
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.registry import KernelSelection
 
 logger = logging.getLogger(__name__)
 
 REFERENCE = "all_to_all"
 # implementation name -> module exposing ``unsupported`` and ``dispatch_combine``
-MODULES = {"npu_moe_dispatch": "kernels.npu_moe_dispatch"}
+MODULES = {"npu_moe_dispatch": "xinserve.kernels.npu_moe_dispatch"}
 # Candidates per platform, most preferred first; the reference closes every list.
 PREFERENCE = {"npu": ("npu_moe_dispatch", REFERENCE)}
 

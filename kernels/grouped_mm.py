@@ -12,8 +12,8 @@ Shape letters as in kernels/reference.py.
 
 import torch
 
-from kernels import reference
-from kernels.model_shapes import ModelShapes
+from xinserve.kernels import reference
+from xinserve.kernels.model_shapes import ModelShapes
 
 if not hasattr(torch, "_grouped_mm"):
     raise ImportError(f"torch {torch.__version__} has no torch._grouped_mm")

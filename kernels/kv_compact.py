@@ -15,7 +15,7 @@ Shapes: S sequences, W blocks gathered per sequence (its table's first W), M = S
 
 import torch
 
-from kernels import kv_quant
+from xinserve.kernels import kv_quant
 
 
 def step_blocks(block_tables: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

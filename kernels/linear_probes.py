@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.model_shapes import ModelShapes
-from kernels.probe_inputs import ProbeInputs, max_error, to_host32
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probe_inputs import ProbeInputs, max_error, to_host32
 
 MAX_ROWS = 320
 PROBE_TOKENS = (1, 3, 8, 16, 17, 33)  # decode batches, and past the C++ kernel's row limit

@@ -9,10 +9,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kernels import mla_reference
-from kernels.attention_metadata import AttentionMetadata, build_decode_gather
-from kernels.model_shapes import ModelShapes
-from kernels.probe_inputs import ProbeInputs, max_error, pool_size, scrambled_block_tables
+from xinserve.kernels import mla_reference
+from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probe_inputs import ProbeInputs, max_error, pool_size, scrambled_block_tables
 
 
 def probe_write_latent(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:

@@ -10,7 +10,7 @@ The DSA indexer caches one key per token and layer (Di = index_head_dim values),
 position for each query token, ``sum_h w[t, h] * relu(scale * q[t, h] . k[p])``, and keeps the
 best ``index_topk`` positions at or before the query's; attention then sees only those.
 
-Shape letters as in ``kernels.reference``, plus C = latent width, R = kv_lora_rank, Hi = indexer
+Shape letters as in ``xinserve.kernels.reference``, plus C = latent width, R = kv_lora_rank, Hi = indexer
 heads, K = index_topk. A selection is [T, K] int64 positions within each token's sequence, -1 where
 the context has fewer than K positions.
 """
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_metadata import DecodeGather
+from xinserve.kernels.attention_metadata import DecodeGather
 
 if TYPE_CHECKING:
-    from kernels.attention_metadata import AttentionMetadata
+    from xinserve.kernels.attention_metadata import AttentionMetadata
 
 
 def write_latent(values: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -56,7 +56,7 @@ def mla_decode_attention(
 
     query: [S, H, C], each head's ``W_UK``-absorbed no-rope query (R) then its rotated query (dr);
     latent_cache: [N, BS, C]; block_tables: [S, B] int32 and seq_lens: [S] int32 (read through
-    ``gather``, the step's plan, as ``kernels.reference.paged_decode_attention`` does); selected:
+    ``gather``, the step's plan, as ``xinserve.kernels.reference.paged_decode_attention`` does); selected:
     [S, K] DSA selection or None (every position). Returns [S, H, R], the attention-weighted latents
     (the caller applies ``W_UV``).
     """
@@ -108,7 +108,7 @@ def mla_prefill_attention(
     selected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Up-projected MLA prefill (and chunked prefill): each sequence's cached latents up-projected to
-    per-head keys and values, then causal attention, as ``kernels.reference.paged_prefill_attention``.
+    per-head keys and values, then causal attention, as ``xinserve.kernels.reference.paged_prefill_attention``.
 
     query: [T, H, dn + dr], the new tokens of P sequences back to back, each head's no-rope query
     then its rotated one; latent_cache: [N, BS, R + dr] (holding the new tokens); kv_up_weight:
@@ -270,5 +270,5 @@ indexer_topk.graph_capturable = False
 # MLA models decode eagerly on accelerators (CPU compilation is unaffected).
 mla_decode_attention.graph_capturable = False
 
-# function name -> function, merged into ``kernels.reference.OPS``
+# function name -> function, merged into ``xinserve.kernels.reference.OPS``
 OPS = {fn.__name__: fn for fn in (write_latent, mla_decode_attention, mla_prefill_attention, indexer_topk)}

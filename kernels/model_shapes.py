@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quantized_weight import QuantShape
-from kernels.routing import MoeRouting
+from xinserve.kernels.quantized_weight import QuantShape
+from xinserve.kernels.routing import MoeRouting
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,17 +24,17 @@ that MATE reads through renumbered page tables. MATE's fp8 path (FlashAttention-
 ``v_descale``) takes one scale per sequence and KV head, not one per token, and wants an fp8 query too,
 so it cannot read these rows. The reference writes the cache (torch ops on the device).
 
-Same signatures as ``kernels.reference``. Importing this module needs torch_musa.
+Same signatures as ``xinserve.kernels.reference``. Importing this module needs torch_musa.
 """
 
 import torch
 import torch.nn.functional as F
 import torch_musa  # noqa: F401  registers the musa device and routes SDPA to muDNN's flash kernel
 
-from kernels import kv_compact, kv_quant
-from kernels.attention_metadata import DecodeGather
-from kernels.model_shapes import ModelShapes
-from kernels.reference import prefill_context
+from xinserve.kernels import kv_compact, kv_quant
+from xinserve.kernels.attention_metadata import DecodeGather
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.reference import prefill_context
 
 try:
     from mate import flash_attn_with_kvcache

@@ -1,4 +1,4 @@
-"""Ascend implementations through torch_npu, with the signatures of ``kernels.reference``.
+"""Ascend implementations through torch_npu, with the signatures of ``xinserve.kernels.reference``.
 
 The argument conventions follow how vllm-ascend calls these operators (attention backend, device
 adaptor, rotary, sampler, and its fused-MoE router, all-gather token dispatcher and unquantised expert
@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch_npu
 
-from kernels import npu_mla, npu_quant
-from kernels.model_shapes import ModelShapes
-from kernels.npu_mla import half_precision_only
-from kernels.routing import MoeRouting
+from xinserve.kernels import npu_mla, npu_quant
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.npu_mla import half_precision_only
+from xinserve.kernels.routing import MoeRouting
 
 if TYPE_CHECKING:
-    from kernels.attention_metadata import DecodeGather
+    from xinserve.kernels.attention_metadata import DecodeGather
 
 # sparse_mode 3 (right-down causal) reads a fixed 2048 x 2048 mask: 1 above the diagonal = masked.
 # Aligned at the bottom right, it lets a chunk after a cached prefix see the prefix and itself causally.

@@ -1,7 +1,7 @@
 """Ascend kernels for a KV cache stored in another dtype than the model's (``--kv-cache-dtype``): int8
 ("C8") for a float16 / bfloat16 model, and float16 / bfloat16 for a model in another dtype (float32).
-Same signatures as ``kernels.reference``; the registry offers this module on "npu" only where the KV
-dtype differs from the model's (``serves``), after ``kernels.npu``, which reads a cache in the model's
+Same signatures as ``xinserve.kernels.reference``; the registry offers this module on "npu" only where the KV
+dtype differs from the model's (``serves``), after ``xinserve.kernels.npu``, which reads a cache in the model's
 dtype in place.
 
 int8, as the torch_npu / CANN documentation of ``npu_fused_infer_attention_score`` (FIA) allows it:
@@ -14,10 +14,10 @@ int8, as the torch_npu / CANN documentation of ``npu_fused_infer_attention_score
   (kernels/kv_compact.py) and FIA dequantizes as it reads.
 - prefill (several query tokens): FIA takes no antiquant scales with PageAttention there ("page
   attention不支持伪量化场景"), so the step's blocks are read back in the model's dtype into a compact pool
-  and ``kernels.npu``'s prefill attention runs over it.
+  and ``xinserve.kernels.npu``'s prefill attention runs over it.
 fp8 is refused: Atlas A2 / A3 have no fp8 KV path (vllm-ascend's C8 is int8).
 
-Half precision for another model dtype: the query is cast to the cache's dtype for ``kernels.npu``'s
+Half precision for another model dtype: the query is cast to the cache's dtype for ``xinserve.kernels.npu``'s
 operators and the output cast back; keys and values are cast before the write.
 
 Nothing here has run on an Ascend device: it follows the operator documentation and is checked against
@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch_npu
 
-from kernels import kv_compact, kv_quant, npu
-from kernels.model_shapes import ModelShapes
-from kernels.npu_mla import HALF_PRECISION
+from xinserve.kernels import kv_compact, kv_quant, npu
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.npu_mla import HALF_PRECISION
 
 if TYPE_CHECKING:
-    from kernels.attention_metadata import DecodeGather
+    from xinserve.kernels.attention_metadata import DecodeGather
 
 # key_antiquant_mode / value_antiquant_mode: per token and per KV head, scales in pages beside the blocks
 PER_TOKEN_HEAD_PAGED = 5
@@ -112,7 +112,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     return out.view(num_seqs, num_heads, head_dim)
 
 
-# Both paths read host lengths at launch (FIA's actual_seq_lengths_kv; ``kernels.npu``'s paged attention
+# Both paths read host lengths at launch (FIA's actual_seq_lengths_kv; ``xinserve.kernels.npu``'s paged attention
 # is re-issued per replay only when it is the chosen function itself): a captured graph would freeze them.
 paged_decode_attention.graph_capturable = False
 

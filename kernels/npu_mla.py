@@ -1,5 +1,5 @@
 """Ascend implementations of the multi-head latent attention and DSA ops (signatures of
-``kernels.mla_reference``), through torch_npu; ``kernels.npu`` exposes them in its ``OPS``.
+``xinserve.kernels.mla_reference``), through torch_npu; ``xinserve.kernels.npu`` exposes them in its ``OPS``.
 
 The operator conventions follow how vllm-ascend's MLA / SFA backends call them:
 - ``npu_scatter_nd_update_`` writes a step's latent (or indexer key) rows into the paged cache;
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch_npu
 
-from kernels.model_shapes import ModelShapes
+from xinserve.kernels.model_shapes import ModelShapes
 
 if TYPE_CHECKING:
-    from kernels.attention_metadata import AttentionMetadata, DecodeGather
+    from xinserve.kernels.attention_metadata import AttentionMetadata, DecodeGather
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 RIGHT_DOWN_CAUSAL = 3

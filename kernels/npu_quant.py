@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch_npu
 
-from kernels.model_shapes import ModelShapes
-from kernels.npu_mla import half_precision_only
-from kernels.quantized_weight import QuantizedWeight, unpack_int4
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.npu_mla import half_precision_only
+from xinserve.kernels.quantized_weight import QuantizedWeight, unpack_int4
 
 if TYPE_CHECKING:
-    from kernels.quantized_weight import QuantShape
+    from xinserve.kernels.quantized_weight import QuantShape
 
 GROUP_MULTIPLE = 32  # npu_weight_quant_batchmatmul: antiquant_group_size a multiple of 32
 

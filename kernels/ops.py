@@ -5,7 +5,7 @@ An op is one or more functions that are chosen together: rotary is ``rotary_cos_
 table, built once for all layers) plus ``rotary_embedding`` (applied per layer), because a vendor
 kernel wants its own table layout; fused_moe is ``select_experts`` (routing) plus ``fused_moe`` (the
 experts), because a vendor's routing output is laid out for its own expert kernels. Every
-implementation module (``kernels.reference``, ``kernels.triton``, ``kernels.npu``, ...) exposes
+implementation module (``xinserve.kernels.reference``, ``xinserve.kernels.triton``, ``xinserve.kernels.npu``, ...) exposes
 ``OPS``: function name -> function, for the functions it implements, with the reference signatures.
 
 A function says what graph capture (engines/graphs.py) must know of it as attributes, like cpp's
@@ -17,7 +17,7 @@ in, yielding what to call before each replay (Ascend's paged attention re-issues
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from kernels import reference
+from xinserve.kernels import reference
 
 # op -> the functions that make it up, in ``KernelOps`` field names
 OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -46,7 +46,7 @@ OPS = tuple(OP_FUNCTIONS)
 @dataclass(frozen=True, slots=True)
 class KernelOps:
     """The functions a model and the sampler call, one per field, bound once at build time (the
-    step's hot path looks nothing up). Signatures: those of ``kernels.reference``."""
+    step's hot path looks nothing up). Signatures: those of ``xinserve.kernels.reference``."""
 
     write_kv: Callable
     paged_prefill_attention: Callable

@@ -4,7 +4,7 @@ result with: seeded inputs on the worker's device, scrambled block tables, the e
 import numpy as np
 import torch
 
-from kernels.kv_quant import is_quantized
+from xinserve.kernels.kv_quant import is_quantized
 
 
 class ProbeInputs:

@@ -14,10 +14,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kernels import kv_quant, linear_probes, mla_probes, quant_probes, reference
-from kernels.attention_metadata import build_decode_gather
-from kernels.model_shapes import ModelShapes
-from kernels.probe_inputs import ProbeInputs, max_error, pool_size, scrambled_block_tables, to_host32
+from xinserve.kernels import kv_quant, linear_probes, mla_probes, quant_probes, reference
+from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probe_inputs import ProbeInputs, max_error, pool_size, scrambled_block_tables, to_host32
 
 # Largest tolerated max-abs error against the float32 reference, for inputs of order one.
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}

@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from kernels.quant_reference import dense_experts
-from kernels.quantized_weight import QuantizedWeight, dequantize, quantize_activation
+from xinserve.kernels.quant_reference import dense_experts
+from xinserve.kernels.quantized_weight import QuantizedWeight, dequantize, quantize_activation
 
 
 @dataclass(frozen=True, slots=True)

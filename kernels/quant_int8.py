@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.model_shapes import ModelShapes
-from kernels.quantized_weight import INT8_RANGE, QuantizedWeight
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.quantized_weight import INT8_RANGE, QuantizedWeight
 
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:

@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import quant_reference
-from kernels.model_shapes import ModelShapes
-from kernels.probe_inputs import ProbeInputs, max_error, to_host32
-from kernels.quantized_weight import FP8_MAX, QuantizedWeight, QuantShape, pack_int4, weight_to
+from xinserve.kernels import quant_reference
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probe_inputs import ProbeInputs, max_error, to_host32
+from xinserve.kernels.quantized_weight import FP8_MAX, QuantizedWeight, QuantShape, pack_int4, weight_to
 
 MAX_SIDE = 320
 PROBE_TOKENS = (1, 7, 33)  # a decode row, a short batch, one past torch._int_mm's 16-row minimum

@@ -11,7 +11,7 @@ weights stay quantized in memory and are dequantized per call.
 import torch
 import torch.nn.functional as F
 
-from kernels.quantized_weight import QuantizedWeight, dequantize, quantize_activation
+from xinserve.kernels.quantized_weight import QuantizedWeight, dequantize, quantize_activation
 
 
 def prepare_quant_weight(weight: QuantizedWeight, dtype: torch.dtype) -> QuantizedWeight:

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from kernels import kv_quant, mla_reference, quant_reference
-from kernels.attention_metadata import DecodeGather
-from kernels.routing import MoeRouting
+from xinserve.kernels import kv_quant, mla_reference, quant_reference
+from xinserve.kernels.attention_metadata import DecodeGather
+from xinserve.kernels.routing import MoeRouting
 
 
 def write_kv(

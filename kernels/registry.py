@@ -25,28 +25,28 @@ from types import ModuleType
 
 import torch
 
-from kernels.model_shapes import ModelShapes
-from kernels.ops import OP_FUNCTIONS, OPS, KernelOps
-from kernels.probes import applies, probe, probe_tolerance
-from kernels.timing import WORKLOADS, TimingCache, fastest, measure
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.ops import OP_FUNCTIONS, OPS, KernelOps
+from xinserve.kernels.probes import applies, probe, probe_tolerance
+from xinserve.kernels.timing import WORKLOADS, TimingCache, fastest, measure
 
 # implementation name -> module exposing ``OPS`` (and optionally ``unsupported(op, shapes, dtype)``, and
 # ``serves(op, shapes, dtype)``: False where it is no candidate at all, so nothing is reported)
 MODULES = {
-    "reference": "kernels.reference",
-    "cpp": "kernels.cpp",
-    "sdpa": "kernels.sdpa_prefill",
-    "triton": "kernels.triton",
-    "grouped_mm": "kernels.grouped_mm",
-    "npu": "kernels.npu",
-    "npu_kv": "kernels.npu_kv",
-    "musa": "kernels.musa",
-    "int8mm": "kernels.quant_int8",
-    "dequant": "kernels.quant_dequant",
+    "reference": "xinserve.kernels.reference",
+    "cpp": "xinserve.kernels.cpp",
+    "sdpa": "xinserve.kernels.sdpa_prefill",
+    "triton": "xinserve.kernels.triton",
+    "grouped_mm": "xinserve.kernels.grouped_mm",
+    "npu": "xinserve.kernels.npu",
+    "npu_kv": "xinserve.kernels.npu_kv",
+    "musa": "xinserve.kernels.musa",
+    "int8mm": "xinserve.kernels.quant_int8",
+    "dequant": "xinserve.kernels.quant_dequant",
 }
 # implementation name -> module that builds it: ``built()`` (on disk already?), ``build()``, and
 # ``BUILDS_OPS``, the ops it provides once built
-BUILT_FROM_SOURCE = {"cpp": "kernels.cpp_build"}
+BUILT_FROM_SOURCE = {"cpp": "xinserve.kernels.cpp_build"}
 # Candidates per platform, most preferred first; "reference" always comes last.
 PREFERENCE = {
     "cpu": ("cpp", "sdpa", "int8mm", "dequant", "reference"),

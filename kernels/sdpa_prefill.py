@@ -19,8 +19,8 @@ candidate like any other: probed against the reference on the model's shapes and
 import torch
 import torch.nn.functional as F
 
-from kernels import kv_quant
-from kernels.reference import prefill_context
+from xinserve.kernels import kv_quant
+from xinserve.kernels.reference import prefill_context
 
 # A group of whole prompts is padded to its longest; attention work grows with the square of a
 # prompt's length, so a group stays while rows * longest^2 <= PAD_SLACK * sum(length^2).
@@ -30,7 +30,7 @@ PAD_SLACK = 1.25
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], scale: float,
                             sliding_window: int | None = None) -> torch.Tensor:
-    """The reference's signature and layouts (``kernels.reference.paged_prefill_attention``):
+    """The reference's signature and layouts (``xinserve.kernels.reference.paged_prefill_attention``):
     query [T, H, D] -> [T, H, D]."""
     head_dim = query.shape[2]
     out = torch.empty_like(query)

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import kv_quant, linear_probes, quant_probes
-from kernels.attention_metadata import build_decode_gather
-from kernels.cache_dir import cache_dir
-from kernels.model_shapes import ModelShapes
+from xinserve.kernels import kv_quant, linear_probes, quant_probes
+from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.cache_dir import cache_dir
+from xinserve.kernels.model_shapes import ModelShapes
 
 ITERATIONS = 5
 DECODE_SEQS, DECODE_CONTEXT = 8, 512  # a busy decode step: batch 8 at 512 tokens of context

@@ -2,7 +2,7 @@
 
 The app starts serving at once; models load in the background (``/health`` says 503
 "unavailable" until every model has a ready worker), so orchestrators can probe it while weights
-load. Shutdown drains first (``server.drain``, driven by ``server.graceful`` on SIGTERM).
+load. Shutdown drains first (``xinserve.server.drain``, driven by ``xinserve.server.graceful`` on SIGTERM).
 """
 
 import asyncio
@@ -20,21 +20,21 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
 
-from server import anthropic
-from server.auth import limited_key, require_api_key
-from server.body_limit import BodyLimitMiddleware
-from server.config import AppConfig
-from server.docs import add_docs
-from server.drain import Drain, DrainMiddleware
-from server.errors import install_error_handlers
-from server.key_usage import KeyUsageMiddleware
-from server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics
-from server.pool import ModelPool, cpu_thread_share, default_cpu_threads, local_cpu_ranks
-from server.request_log import RequestLogMiddleware
-from server.router import Router
-from server.routes import chat, completions, health, models, responses_api, sglang_worker, tokenize
-from server.sse import DirectSendMiddleware
-from server.startup import stop_if_nothing_loads
+from xinserve.server import anthropic
+from xinserve.server.auth import limited_key, require_api_key
+from xinserve.server.body_limit import BodyLimitMiddleware
+from xinserve.server.config import AppConfig
+from xinserve.server.docs import add_docs
+from xinserve.server.drain import Drain, DrainMiddleware
+from xinserve.server.errors import install_error_handlers
+from xinserve.server.key_usage import KeyUsageMiddleware
+from xinserve.server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics
+from xinserve.server.pool import ModelPool, cpu_thread_share, default_cpu_threads, local_cpu_ranks
+from xinserve.server.request_log import RequestLogMiddleware
+from xinserve.server.router import Router
+from xinserve.server.routes import chat, completions, health, models, responses_api, sglang_worker, tokenize
+from xinserve.server.sse import DirectSendMiddleware
+from xinserve.server.startup import stop_if_nothing_loads
 
 logger = logging.getLogger("xinserve.server")
 

@@ -10,8 +10,8 @@ import hmac
 
 from fastapi import Request
 
-from server.config import ApiKey
-from server.errors import APIError
+from xinserve.server.config import ApiKey
+from xinserve.server.errors import APIError
 
 
 def match_key(presented: str, keys: list[ApiKey]) -> ApiKey | None:

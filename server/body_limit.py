@@ -8,7 +8,7 @@ have to abandon. The 413 says ``Connection: close``: the rest of the upload is n
 
 from typing import Any
 
-from server.errors import APIError, error_response
+from xinserve.server.errors import APIError, error_response
 
 
 class BodyLimitMiddleware:

@@ -14,8 +14,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, ChatMessage
+from xinserve.server.errors import APIError
+from xinserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 TEMPLATE_KEY = "chat_template"
 # Arguments of transformers' ``apply_chat_template`` that the server sets itself or that only apply

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from engines.config import COMPILE_ENV_VAR, COMPILE_MODES
-from engines.process_exit import leave_quickly
-from server.config import AppConfig, ConfigError, default_config_path, load_config, parse_config
-from server.model_settings import ModelSettings
+from xinserve.engines.config import COMPILE_ENV_VAR, COMPILE_MODES
+from xinserve.engines.process_exit import leave_quickly
+from xinserve.server.config import AppConfig, ConfigError, default_config_path, load_config, parse_config
+from xinserve.server.model_settings import ModelSettings
 
 # Model settings that are also flags (those with help text): given next to a config, each applies to
 # every model in it.
@@ -49,7 +49,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     """A flag per model setting in MODEL_FLAGS, typed and explained by its field: every engine setting
-    (``engines.EngineConfig``) and the server's per-model ones. Not given, it is None."""
+    (``xinserve.engines.EngineConfig``) and the server's per-model ones. Not given, it is None."""
     for name in MODEL_FLAGS:
         info = ModelSettings.model_fields[name]
         kind = next((a for a in get_args(info.annotation) if a is not type(None)), info.annotation)
@@ -139,8 +139,8 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from server.app import create_app
-    from server.graceful import GracefulServer
+    from xinserve.server.app import create_app
+    from xinserve.server.graceful import GracefulServer
 
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -150,7 +150,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"xinserve: {exc}", file=sys.stderr)
         return 2
     if config.distributed.node_rank > 0:
-        from server.node import run_node
+        from xinserve.server.node import run_node
 
         return run_node(config, level)
     names = ", ".join(f"{m.name} on {', '.join('+'.join(g) for g in m.groups)}" for m in config.models)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xinserve", description="OpenAI-compatible LLM inference server")
     sub = parser.add_subparsers(dest="command")
     _add_serve_args(sub.add_parser("serve", help="run the server (no arguments: the embedded tiny model)"))
-    from server import bench, doctor, plan
+    from xinserve.server import bench, doctor, plan
 
     bench.add_args(sub.add_parser("bench", help="load-test any OpenAI-compatible server"))
     doctor.add_args(sub.add_parser("doctor", help="which devices and kernels this machine offers"))

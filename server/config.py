@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, SecretStr, Tag, model_validator
 from pydantic_core import ValidationError
 
-from server.model_settings import ModelSettings
+from xinserve.server.model_settings import ModelSettings
 
 
 class ConfigError(ValueError):
@@ -160,7 +160,7 @@ class AppConfig(_Section):
     @model_validator(mode="after")
     def _check_groups(self) -> "AppConfig":
         """Every tensor-parallel group fits the nodes, has one device kind, and no card twice."""
-        from engines.parallel_config import ParallelConfig
+        from xinserve.engines.parallel_config import ParallelConfig
 
         nnodes = self.distributed.nnodes
         for model in self.models:

@@ -118,9 +118,9 @@ def probe_kernels(kind: str, device: str) -> dict[str, Any]:
     try:
         import torch
 
-        from engines.platforms import get_platform
-        from kernels.model_shapes import ModelShapes
-        from kernels.registry import select
+        from xinserve.engines.platforms import get_platform
+        from xinserve.kernels.model_shapes import ModelShapes
+        from xinserve.kernels.registry import select
 
         platform = get_platform(device)
         dtype = torch.float32 if kind == "cpu" else torch.bfloat16

@@ -13,8 +13,8 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from server.errors import APIError, error_response
-from server.pool import ModelPool
+from xinserve.server.errors import APIError, error_response
+from xinserve.server.pool import ModelPool
 
 logger = logging.getLogger("xinserve.server")
 

@@ -1,7 +1,7 @@
 """The embedded default model: ``path: embedded:<name>`` in a config means a tiny Llama built locally.
 
 It is created on first use in ``$XINSERVE_CACHE_DIR`` (default ``~/.cache/xinserve``) by
-``server.embedded_model.llama_files.write_llama``; nothing is downloaded. The build runs in this
+``xinserve.server.embedded_model.llama_files.write_llama``; nothing is downloaded. The build runs in this
 process: it writes the files directly from torch in well under a second, without the ~10 CPU seconds
 of transformers' model classes that ``factory.make_tiny_model`` imports. ``llama_files`` imports torch
 and transformers' configuration classes: only when a build is needed, one importer at a time
@@ -11,11 +11,11 @@ and transformers' configuration classes: only when a build is needed, one import
 import logging
 import time
 
-from kernels.cache_dir import cache_dir
-from server.embedded_model.build_once import ensure_built
-from server.heavy_imports import IMPORT_LOCK
-from server.hub import local_path
-from server.model_settings import EMBEDDED_PREFIX, ModelSettings
+from xinserve.kernels.cache_dir import cache_dir
+from xinserve.server.embedded_model.build_once import ensure_built
+from xinserve.server.heavy_imports import IMPORT_LOCK
+from xinserve.server.hub import local_path
+from xinserve.server.model_settings import EMBEDDED_PREFIX, ModelSettings
 
 logger = logging.getLogger("xinserve.server")
 
@@ -33,7 +33,7 @@ def resolve_model_path(model: ModelSettings) -> str:
         return str(target)
     # Several models of one config may resolve at once (each in a thread): one build at a time.
     with IMPORT_LOCK:
-        from server.embedded_model.llama_files import write_llama
+        from xinserve.server.embedded_model.llama_files import write_llama
 
         logger.info("building embedded model %r in %s (first use; nothing is downloaded)", name, cache)
         start = time.perf_counter()

@@ -1,9 +1,9 @@
-"""The engine settings of a served model, as YAML keys: generated from ``engines.EngineConfig``'s fields.
+"""The engine settings of a served model, as YAML keys: generated from ``xinserve.engines.EngineConfig``'s fields.
 
 Each field keeps the dataclass's type and default, its help text (the pydantic description, which
 is also the ``serve`` flag's help) and its bounds or choices as pydantic constraints, so a bad value
 fails at start-up with the key's dotted path (``models.0.max_num_seqs: Input should be greater than
-or equal to 1``). ``server.config.ModelSettings`` adds the server's own keys on top.
+or equal to 1``). ``xinserve.server.config.ModelSettings`` adds the server's own keys on top.
 """
 
 from dataclasses import Field as DataclassField
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
-from engines.config import EngineConfig
+from xinserve.engines.config import EngineConfig
 
 # EngineConfig fields that are no model setting: ``path`` stands for the model, ``workers`` for the
 # device, each tensor-parallel group of workers for the ranks' placement, and each worker's index for
@@ -27,7 +27,7 @@ class _EngineKeys(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``engines.EngineConfig`` but those placed or resolved per worker."""
+        """Keyword arguments of ``xinserve.engines.EngineConfig`` but those placed or resolved per worker."""
         return {name: getattr(self, name) for name in ENGINE_KEYS if name not in PER_WORKER}
 
 

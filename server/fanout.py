@@ -14,8 +14,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from server.messages import Abort, RequestError, ToWorker
-from server.stream_queue import ItemQueue
+from xinserve.server.messages import Abort, RequestError, ToWorker
+from xinserve.server.stream_queue import ItemQueue
 
 
 @dataclass(slots=True)

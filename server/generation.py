@@ -16,14 +16,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.detokenizer import IncrementalDetokenizer
-from engines.outputs import FinishReason, StepOutput, TokenLogprob
-from engines.sampling_params import SamplingParams
-from server.errors import APIError
-from server.fanout import RequestStream
-from server.messages import RequestError
-from server.stream_queue import ItemQueue
-from server.worker_client import WorkerClient
+from xinserve.engines.detokenizer import IncrementalDetokenizer
+from xinserve.engines.outputs import FinishReason, StepOutput, TokenLogprob
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.server.errors import APIError
+from xinserve.server.fanout import RequestStream
+from xinserve.server.messages import RequestError
+from xinserve.server.stream_queue import ItemQueue
+from xinserve.server.worker_client import WorkerClient
 
 logger = logging.getLogger("xinserve.server")
 

@@ -16,7 +16,7 @@ from types import FrameType
 
 import uvicorn
 
-from server.drain import Drain
+from xinserve.server.drain import Drain
 
 logger = logging.getLogger("xinserve.server")
 

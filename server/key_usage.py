@@ -12,7 +12,7 @@ one refused before it started (a 400, 404, 429 or 503 from validation or routing
 
 from typing import Any
 
-from server.metrics import KeyMetrics
+from xinserve.server.metrics import KeyMetrics
 
 
 class KeyUsageMiddleware:

@@ -5,9 +5,9 @@ they are checked here, after validation and before any tokenising, as a 400 nami
 The body size limit is the ASGI middleware in ``server/body_limit.py``.
 """
 
-from server.config import LimitsSettings
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from xinserve.server.config import LimitsSettings
+from xinserve.server.errors import APIError
+from xinserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def check_chat(body: ChatCompletionRequest, limits: LimitsSettings) -> None:

@@ -6,7 +6,7 @@ engine's own records (``StepOutput``, ``EngineStats``, engines/outputs.py) trave
 worker sends ONE ``Outputs`` message per engine step carrying every request's new tokens, so the
 per-token IPC cost shrinks as the batch grows (benchmarks/ipc_overhead.py).
 
-State per request lives in the HTTP process (``server.fanout``: which choices are done, the load);
+State per request lives in the HTTP process (``xinserve.server.fanout``: which choices are done, the load);
 the worker keeps only what its engine holds. A request that fails is one ``Failed`` message with one
 ``RequestError``, whichever side (engine, worker, supervisor) found the failure.
 """
@@ -15,8 +15,8 @@ from dataclasses import fields
 
 import msgspec
 
-from engines.outputs import EngineStats, StepOutput
-from engines.sampling_params import DETOKENIZER_FIELDS, SamplingParams
+from xinserve.engines.outputs import EngineStats, StepOutput
+from xinserve.engines.sampling_params import DETOKENIZER_FIELDS, SamplingParams
 
 
 class RequestError(msgspec.Struct, array_like=True, frozen=True):

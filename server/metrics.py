@@ -19,7 +19,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from server.generation import Generation
+from xinserve.server.generation import Generation
 
 DEFAULT_PREFIX = "xinserve"
 LABELS = ("model_name", "worker")

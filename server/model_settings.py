@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from server.engine_settings import EngineSettings
+from xinserve.server.engine_settings import EngineSettings
 
 EMBEDDED_PREFIX = "embedded:"
 _DEVICE = re.compile(r"^(cpu|(cuda|npu|musa)(:\d+)?)$")

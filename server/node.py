@@ -13,10 +13,10 @@ import signal
 import subprocess
 import time
 
-from engines.config import EngineConfig
-from server.config import AppConfig
-from server.embedded import resolve_model_path
-from server.pool import default_cpu_threads, group_engine_kwargs, local_cpu_ranks
+from xinserve.engines.config import EngineConfig
+from xinserve.server.config import AppConfig
+from xinserve.server.embedded import resolve_model_path
+from xinserve.server.pool import default_cpu_threads, group_engine_kwargs, local_cpu_ranks
 
 logger = logging.getLogger("xinserve.node")
 
@@ -43,7 +43,7 @@ def node_ranks(config: AppConfig) -> list[tuple[EngineConfig, int]]:
 
 
 def run_node(config: AppConfig, log_level: int) -> int:
-    from engines.tp_runner import spawn_rank
+    from xinserve.engines.tp_runner import spawn_rank
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ranks = node_ranks(config)

@@ -25,8 +25,8 @@ import time
 
 import zmq
 
-from server import messages
-from server.messages import Outputs, Stats
+from xinserve.server import messages
+from xinserve.server.messages import Outputs, Stats
 
 logger = logging.getLogger("xinserve.worker")
 

@@ -9,8 +9,8 @@ import argparse
 import json
 import sys
 
-from engines.capacity import GIB, KV_CACHE_DTYPES, QUANTIZATION_SCHEMES, Layout, Plan, plan
-from engines.models.loader import parse_dtype
+from xinserve.engines.capacity import GIB, KV_CACHE_DTYPES, QUANTIZATION_SCHEMES, Layout, Plan, plan
+from xinserve.engines.models.loader import parse_dtype
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

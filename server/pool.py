@@ -6,15 +6,15 @@ import os
 import time
 from typing import Any
 
-from engines.parallel_config import ParallelConfig
-from server import heartbeat
-from server.config import DistributedSettings, ModelSettings
-from server.embedded import resolve_model_path
-from server.heavy_imports import IMPORT_LOCK
-from server.hub import local_path
-from server.responses import TokenTexts
-from server.worker import WorkerSpec
-from server.worker_client import FAILED, STARTING, WorkerClient
+from xinserve.engines.parallel_config import ParallelConfig
+from xinserve.server import heartbeat
+from xinserve.server.config import DistributedSettings, ModelSettings
+from xinserve.server.embedded import resolve_model_path
+from xinserve.server.heavy_imports import IMPORT_LOCK
+from xinserve.server.hub import local_path
+from xinserve.server.responses import TokenTexts
+from xinserve.server.worker import WorkerSpec
+from xinserve.server.worker_client import FAILED, STARTING, WorkerClient
 
 logger = logging.getLogger("xinserve.server")
 

@@ -10,10 +10,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engines.sampling_params import SamplingParams
-from engines.structured.schema import check_json_schema
-from server.errors import APIError
-from server.heavy_imports import load
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.engines.structured.schema import check_json_schema
+from xinserve.server.errors import APIError
+from xinserve.server.heavy_imports import load
 
 # OpenAI's own API limits; the operator's limits are the config's ``limits`` section.
 MAX_STOP_STRINGS = 4

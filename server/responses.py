@@ -7,8 +7,8 @@ than null (``usage`` of a non-streamed response is always an object).
 
 from typing import Any
 
-from engines.outputs import TokenLogprob
-from engines.token_bytes import token_bytes_of
+from xinserve.engines.outputs import TokenLogprob
+from xinserve.engines.token_bytes import token_bytes_of
 
 
 class TokenTexts:

@@ -5,9 +5,9 @@ import itertools
 import time
 from collections.abc import Callable
 
-from server.errors import APIError
-from server.pool import ModelPool
-from server.worker_client import WorkerClient
+from xinserve.server.errors import APIError
+from xinserve.server.pool import ModelPool
+from xinserve.server.worker_client import WorkerClient
 
 # How long a request whose worker died before its first token waits for another worker of its
 # model: long enough for a small model's restart (1 s backoff plus a few seconds of loading),
@@ -26,7 +26,7 @@ class Router:
     def chain(self, name: str, may_use: Callable[[str], bool] | None = None) -> list[ModelPool]:
         """The model, then its fallbacks breadth-first, each once.
 
-        ``may_use`` (the request's key, ``server.auth.may_use``): a model it refuses is not in the
+        ``may_use`` (the request's key, ``xinserve.server.auth.may_use``): a model it refuses is not in the
         chain, as if it did not exist, so a key never gets answers (nor errors) from a model it may
         not use through another's fallbacks; None: every model.
         """

@@ -6,8 +6,8 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
-from server.pool import ModelPool
-from server.worker_client import FAILED, STARTING
+from xinserve.server.pool import ModelPool
+from xinserve.server.worker_client import FAILED, STARTING
 
 logger = logging.getLogger("xinserve.server")
 

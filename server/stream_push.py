@@ -22,9 +22,9 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from engines.outputs import StepOutput
-from server.generation import Delta, Generation
-from server.stream_queue import ItemQueue
+from xinserve.engines.outputs import StepOutput
+from xinserve.server.generation import Delta, Generation
+from xinserve.server.stream_queue import ItemQueue
 
 # A view's frames for one batch of deltas, encoded: what its stream would yield for them, joined.
 PushFrames = Callable[[list[Delta]], bytes]

@@ -27,12 +27,12 @@ from typing import Any
 
 import zmq
 
-from engines.outputs import EngineStats, StepOutput, StepResult
-from engines.process_exit import leave_quickly
-from engines.rank_role import RankRole
-from server import messages
-from server.messages import Add, Failed, InfoUpdate, Outputs, RequestError, Stats
-from server.output_sender import OutputSender
+from xinserve.engines.outputs import EngineStats, StepOutput, StepResult
+from xinserve.engines.process_exit import leave_quickly
+from xinserve.engines.rank_role import RankRole
+from xinserve.server import messages
+from xinserve.server.messages import Add, Failed, InfoUpdate, Outputs, RequestError, Stats
+from xinserve.server.output_sender import OutputSender
 
 logger = logging.getLogger("xinserve.worker")
 
@@ -71,7 +71,7 @@ def _load_engine(spec: WorkerSpec) -> Any:
     """Import torch here, in the child (the platform imports the device's vendor module)."""
     import torch
 
-    from engines import EngineConfig, LLMEngine
+    from xinserve.engines import EngineConfig, LLMEngine
 
     if spec.cpu_threads:
         torch.set_num_threads(spec.cpu_threads)
@@ -235,7 +235,7 @@ class WorkerLoop:
 
 def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]:
     # Imported here, in the worker: the HTTP process imports this module (for run_worker) without torch.
-    from engines.quantization.install import weights_report
+    from xinserve.engines.quantization.install import weights_report
 
     tokenizer = engine.tokenizer
     return {

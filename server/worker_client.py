@@ -1,7 +1,7 @@
 """The HTTP process's handle on one engine worker process: it supervises the process.
 
 It spawns the worker, keeps its state (starting -> ready, or failed / dead / stopped) and its latest
-engine stats, and hands the worker's per-step ``Outputs`` to ``server.fanout``, which routes them to
+engine stats, and hands the worker's per-step ``Outputs`` to ``xinserve.server.fanout``, which routes them to
 the requests' streams. Sending never blocks and never awaits.
 
 A process that dies is started again after a backoff (``restart_policy``), and the requests it
@@ -9,7 +9,7 @@ held fail with a retryable error, which
 ``Generation`` retries elsewhere if they had produced no token yet. A worker whose first load
 failed (bad path, bad config) is not restarted: it would fail the same way; one that has served
 before and then fails to load again is retried with the same backoff. A ready worker that falls
-silent is unresponsive, then killed and restarted (``server.heartbeat``).
+silent is unresponsive, then killed and restarted (``xinserve.server.heartbeat``).
 """
 
 import asyncio
@@ -22,14 +22,14 @@ from typing import Any
 
 import zmq
 
-from engines.outputs import EngineStats
-from engines.sampling_params import SamplingParams
-from server import heartbeat, messages
-from server.fanout import Fanout, RequestStream
-from server.messages import RequestError, Shutdown, ToWorker
-from server.restart_policy import RestartBackoff
-from server.worker import WorkerSpec, run_worker
-from server.worker_health import describe_stats
+from xinserve.engines.outputs import EngineStats
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.server import heartbeat, messages
+from xinserve.server.fanout import Fanout, RequestStream
+from xinserve.server.messages import RequestError, Shutdown, ToWorker
+from xinserve.server.restart_policy import RestartBackoff
+from xinserve.server.worker import WorkerSpec, run_worker
+from xinserve.server.worker_health import describe_stats
 
 logger = logging.getLogger("xinserve.server")
 
@@ -396,4 +396,7 @@ class WorkerClient:
         for sock in (self._send, self._recv):
             if sock is not None:
                 sock.close(linger=0)
+        # A model whose tokenizer fails closes its workers at once, and the server's shutdown closes them
+        # again: the second close must find nothing left to release.
+        self._send = self._recv = None
 

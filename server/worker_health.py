@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from engines.outputs import EngineStats
+from xinserve.engines.outputs import EngineStats
 
 
 def describe_stats(stats: EngineStats | None) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """pytest's own exit (each xdist worker's too) skips the walk over its heap (engines/process_exit.py)."""
-    from engines.process_exit import leave_quickly
+    from xinserve.engines.process_exit import leave_quickly
 
     leave_quickly()
 
@@ -88,7 +88,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``get(arch="llama", **kwargs) -> Path``: ``make_tiny_model`` memoised per (arch, kwargs)."""
-    from server.embedded_model.factory import make_tiny_model
+    from xinserve.server.embedded_model.factory import make_tiny_model
 
     built: dict[str, Path] = {}
 

@@ -13,8 +13,13 @@ RANK = {name: rank for rank, name in enumerate(reversed(PACKAGES))}
 
 
 def module_name(path: Path) -> str:
+    """``engines/kv_cache.py`` -> ``xinserve.engines.kv_cache``: the folders install under one namespace."""
     parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join(["xinserve", *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[1]
 
 
 def modules() -> dict[str, Path]:
@@ -74,7 +79,7 @@ def test_no_package_imports_a_higher_one():
         f"{source} imports {target}"
         for source, targets in import_graph().items()
         for target in targets
-        if RANK[target.split(".")[0]] > RANK[source.split(".")[0]]
+        if RANK[package_of(target)] > RANK[package_of(source)]
     )
     assert upward == []
 
@@ -90,3 +95,18 @@ def test_no_import_cycle():
 ])
 def test_find_cycle(graph, cycle):
     assert find_cycle(graph) == cycle
+
+
+def test_every_import_of_our_folders_names_the_xinserve_namespace():
+    """``import kernels`` from the checkout root would find Hugging Face's ``kernels`` (or shadow it): our
+    folders are imported only as ``xinserve.server``, ``xinserve.engines``, ``xinserve.kernels``."""
+    bare = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if {".venv", ".git", "build"} & set(path.relative_to(ROOT).parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bare += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names
+                     if name.split(".")[0] in (*PACKAGES, "config")]
+    assert bare == []

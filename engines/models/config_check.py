@@ -14,7 +14,7 @@ formats' to judge (engines/quantization/formats/): one no format implements is r
 
 from typing import Any
 
-from engines.models.rope import SUPPORTED_ROPE_TYPES, rope_settings
+from xinserve.engines.models.rope import SUPPORTED_ROPE_TYPES, rope_settings
 
 SUPPORTED_ACTIVATIONS = ("silu",)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "indexed_attention")  # the last: DSA

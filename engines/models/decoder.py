@@ -13,13 +13,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engines.models.layers import Attention, GatedMLP, RMSNorm
-from engines.models.moe import Experts, MoeSpec, SparseMoeBlock
-from engines.models.rope import build_cos_sin_cache, rotary_dim
-from kernels import kv_quant
-from kernels.attention_metadata import AttentionMetadata
-from kernels.model_shapes import ModelShapes
-from kernels.ops import REFERENCE_OPS, KernelOps
+from xinserve.engines.models.layers import Attention, GatedMLP, RMSNorm
+from xinserve.engines.models.moe import Experts, MoeSpec, SparseMoeBlock
+from xinserve.engines.models.rope import build_cos_sin_cache, rotary_dim
+from xinserve.kernels import kv_quant
+from xinserve.kernels.attention_metadata import AttentionMetadata
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.ops import REFERENCE_OPS, KernelOps
 
 # checkpoint projection -> (our fused projection, shard index in its output_sizes)
 FUSED_SHARDS = {

@@ -10,7 +10,7 @@ stays interleaved)."""
 
 from typing import Any
 
-from engines.models.mla_decoder import MLACausalLM
+from xinserve.engines.models.mla_decoder import MLACausalLM
 
 
 class DeepseekV3ForCausalLM(MLACausalLM):

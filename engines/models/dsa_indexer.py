@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.ops import KernelOps
+from xinserve.kernels.attention_metadata import AttentionMetadata
+from xinserve.kernels.ops import KernelOps
 
 INDEXER_NORM_EPS = 1e-6
 

@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engines.models.moe import Experts, SparseMoeBlock
-from kernels.ep_dispatch import MODULES as EP_MODULES
-from kernels.ep_dispatch import REFERENCE as EP_REFERENCE
+from xinserve.engines.models.moe import Experts, SparseMoeBlock
+from xinserve.kernels.ep_dispatch import MODULES as EP_MODULES
+from xinserve.kernels.ep_dispatch import REFERENCE as EP_REFERENCE
 
 
 class ExpertCollectives(Protocol):
-    """What the dispatch needs of ``engines.distributed.ParallelGroup``."""
+    """What the dispatch needs of ``xinserve.engines.distributed.ParallelGroup``."""
 
     rank: int
     world_size: int

@@ -5,7 +5,7 @@
 
 from typing import Any
 
-from engines.models.decoder import CausalLM, DecoderSpec
+from xinserve.engines.models.decoder import CausalLM, DecoderSpec
 
 
 class Glm4ForCausalLM(CausalLM):

@@ -12,8 +12,8 @@ used for speculative decoding; they are skipped unless speculative method ``mtp`
 
 from typing import Any
 
-from engines.models.decoder import CausalLM, DecoderSpec
-from engines.models.moe import grouped_moe
+from xinserve.engines.models.decoder import CausalLM, DecoderSpec
+from xinserve.engines.models.moe import grouped_moe
 
 
 class Glm4MoeForCausalLM(CausalLM):

@@ -5,7 +5,7 @@ too, and cross-layer top-k sharing: a layer that ``indexer_types`` marks "shared
 
 from typing import Any
 
-from engines.models.mla_decoder import MLACausalLM
+from xinserve.engines.models.mla_decoder import MLACausalLM
 
 
 class GlmMoeDsaForCausalLM(MLACausalLM):

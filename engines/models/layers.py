@@ -7,8 +7,8 @@ choice for the worker's device; the pure-torch reference by default).
 import torch
 from torch import nn
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.ops import REFERENCE_OPS, KernelOps
+from xinserve.kernels.attention_metadata import AttentionMetadata
+from xinserve.kernels.ops import REFERENCE_OPS, KernelOps
 
 
 class RMSNorm(nn.Module):

@@ -4,7 +4,7 @@ Biases follow ``config.attention_bias`` / ``config.mlp_bias``; rotary is rotate-
 "default", "linear" or "llama3" scaling.
 """
 
-from engines.models.decoder import CausalLM
+from xinserve.engines.models.decoder import CausalLM
 
 
 class LlamaForCausalLM(CausalLM):

@@ -14,17 +14,22 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
-from engines.models import MODEL_REGISTRY
-from engines.models.config_check import unsupported_config_fields
-from engines.models.expert_parallel import make_exchange, place_experts
-from engines.models.mtp import attach_mtp, mtp_parameter_name
-from engines.models.tensor_parallel import Collectives, check_tensor_parallel, read_shard, shard_model
-from engines.quantization.install import load_quantized, quant_shapes, swap_quantized_modules
-from engines.quantization.reader import checkpoint_reader
-from engines.quantization.sharding import keeps, read_rank_part
-from kernels.huge_pages import weights_on_huge_pages
-from kernels.model_shapes import ModelShapes
-from kernels.ops import REFERENCE_OPS, KernelOps
+from xinserve.engines.models import MODEL_REGISTRY
+from xinserve.engines.models.config_check import unsupported_config_fields
+from xinserve.engines.models.expert_parallel import make_exchange, place_experts
+from xinserve.engines.models.mtp import attach_mtp, mtp_parameter_name
+from xinserve.engines.models.tensor_parallel import (
+    Collectives,
+    check_tensor_parallel,
+    read_shard,
+    shard_model,
+)
+from xinserve.engines.quantization.install import load_quantized, quant_shapes, swap_quantized_modules
+from xinserve.engines.quantization.reader import checkpoint_reader
+from xinserve.engines.quantization.sharding import keeps, read_rank_part
+from xinserve.kernels.huge_pages import weights_on_huge_pages
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.ops import REFERENCE_OPS, KernelOps
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -57,7 +62,7 @@ def load_model(
     ValueError for an unsupported architecture, config field, dtype or quantization scheme and for
     missing or mismatched weights. ``group``: this rank's tensor-parallel group; ``expert_parallel``:
     its routed experts are placed whole over the group (engines/models/expert_parallel.py) instead of
-    split. ``pipeline``: this rank's ``engines.pipeline_parallel.PipelineStage``, which keeps only its
+    split. ``pipeline``: this rank's ``xinserve.engines.pipeline_parallel.PipelineStage``, which keeps only its
     layers. A quantized checkpoint's weights stay quantized (engines/quantization/); ``quantization``
     forces a scheme (``EngineConfig.quantization``). ``choose_ep_exchange`` names expert parallel's token
     exchange for the shapes and dtype (kernels/ep_dispatch.py); None: the all-to-all reference."""

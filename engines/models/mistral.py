@@ -3,7 +3,7 @@
 
 from typing import Any
 
-from engines.models.decoder import CausalLM, DecoderSpec, uniform_windows
+from xinserve.engines.models.decoder import CausalLM, DecoderSpec, uniform_windows
 
 
 class MistralForCausalLM(CausalLM):

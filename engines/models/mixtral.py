@@ -4,9 +4,9 @@ experts, the top ``num_experts_per_tok`` renormalised. Its checkpoints name the 
 
 from typing import Any, ClassVar
 
-from engines.models.decoder import CausalLM, DecoderSpec, uniform_windows
-from engines.models.moe import MoeSpec
-from kernels.routing import MoeRouting
+from xinserve.engines.models.decoder import CausalLM, DecoderSpec, uniform_windows
+from xinserve.engines.models.moe import MoeSpec
+from xinserve.kernels.routing import MoeRouting
 
 
 class MixtralForCausalLM(CausalLM):

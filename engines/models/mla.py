@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.models.dsa_indexer import Indexer
-from engines.models.layers import RMSNorm
-from engines.models.rope import rope_settings, yarn_mscale
-from kernels.attention_metadata import AttentionMetadata
-from kernels.ops import KernelOps
+from xinserve.engines.models.dsa_indexer import Indexer
+from xinserve.engines.models.layers import RMSNorm
+from xinserve.engines.models.rope import rope_settings, yarn_mscale
+from xinserve.kernels.attention_metadata import AttentionMetadata
+from xinserve.kernels.ops import KernelOps
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
 

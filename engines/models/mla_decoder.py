@@ -18,14 +18,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engines.models.decoder import CausalLM, DecoderModel, DecoderSpec
-from engines.models.dsa_indexer import Indexer
-from engines.models.mla import MLAAttention, MLAStep
-from engines.models.moe import grouped_moe
-from kernels import kv_quant
-from kernels.attention_metadata import AttentionMetadata
-from kernels.model_shapes import ModelShapes
-from kernels.ops import REFERENCE_OPS, KernelOps
+from xinserve.engines.models.decoder import CausalLM, DecoderModel, DecoderSpec
+from xinserve.engines.models.dsa_indexer import Indexer
+from xinserve.engines.models.mla import MLAAttention, MLAStep
+from xinserve.engines.models.moe import grouped_moe
+from xinserve.kernels import kv_quant
+from xinserve.kernels.attention_metadata import AttentionMetadata
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.ops import REFERENCE_OPS, KernelOps
 
 
 class MLADecoderModel(DecoderModel):
@@ -113,7 +113,7 @@ class MLACausalLM(CausalLM):
 
     @staticmethod
     def spec(config: Any) -> DecoderSpec:
-        """Grouped-routing experts (``engines.models.moe.grouped_moe``) after the dense first layers."""
+        """Grouped-routing experts (``xinserve.engines.models.moe.grouped_moe``) after the dense first layers."""
         moe, moe_layers = grouped_moe(config)
         return DecoderSpec(moe=moe, moe_layers=moe_layers)
 

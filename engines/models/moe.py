@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.models.layers import GatedMLP
-from kernels.ops import KernelOps
-from kernels.routing import MoeRouting
+from xinserve.engines.models.layers import GatedMLP
+from xinserve.kernels.ops import KernelOps
+from xinserve.kernels.routing import MoeRouting
 
 
 @dataclass(frozen=True, slots=True)

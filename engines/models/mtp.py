@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.models.decoder import DecoderLayer, dense_attention
-from engines.models.dsa_indexer import Indexer
-from engines.models.layers import RMSNorm
-from engines.models.mla import MLAAttention
-from kernels.ops import KernelOps
+from xinserve.engines.models.decoder import DecoderLayer, dense_attention
+from xinserve.engines.models.dsa_indexer import Indexer
+from xinserve.engines.models.layers import RMSNorm
+from xinserve.engines.models.mla import MLAAttention
+from xinserve.kernels.ops import KernelOps
 
 # checkpoint components of the MTP layer outside its decoder layer
 OWN_PARTS = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")

@@ -3,7 +3,7 @@ the layers from ``max_window_layers`` on attend within ``sliding_window`` (``con
 
 from typing import Any
 
-from engines.models.decoder import CausalLM, DecoderSpec, layer_type_windows
+from xinserve.engines.models.decoder import CausalLM, DecoderSpec, layer_type_windows
 
 
 class Qwen2ForCausalLM(CausalLM):

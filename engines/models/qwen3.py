@@ -3,7 +3,7 @@ as Qwen2's (``config.layer_types``)."""
 
 from typing import Any
 
-from engines.models.decoder import CausalLM, DecoderSpec, layer_type_windows
+from xinserve.engines.models.decoder import CausalLM, DecoderSpec, layer_type_windows
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -5,9 +5,9 @@ stride, keep a dense MLP of ``intermediate_size``."""
 
 from typing import Any
 
-from engines.models.decoder import CausalLM, DecoderSpec, uniform_windows
-from engines.models.moe import MoeSpec
-from kernels.routing import MoeRouting
+from xinserve.engines.models.decoder import CausalLM, DecoderSpec, uniform_windows
+from xinserve.engines.models.moe import MoeSpec
+from xinserve.kernels.routing import MoeRouting
 
 
 class Qwen3MoeForCausalLM(CausalLM):

@@ -22,13 +22,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from engines.models.layers import Attention, GatedMLP, MergedLinear
-from engines.models.mla import MLAAttention
-from engines.models.moe import Experts, SparseMoeBlock
+from xinserve.engines.models.layers import Attention, GatedMLP, MergedLinear
+from xinserve.engines.models.mla import MLAAttention
+from xinserve.engines.models.moe import Experts, SparseMoeBlock
 
 
 class Collectives(Protocol):
-    """What the layers need of ``engines.distributed.ParallelGroup``."""
+    """What the layers need of ``xinserve.engines.distributed.ParallelGroup``."""
 
     rank: int
     world_size: int
@@ -185,8 +185,8 @@ def check_model_splits(path: str, tp: int, expert_parallel: bool = False) -> Non
     are placed whole (their count must divide by ``tp``)."""
     from transformers import AutoConfig
 
-    from engines.models import MODEL_REGISTRY
-    from engines.models.expert_parallel import check_expert_parallel
+    from xinserve.engines.models import MODEL_REGISTRY
+    from xinserve.engines.models.expert_parallel import check_expert_parallel
 
     config = AutoConfig.from_pretrained(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.quantization.records import merge_shards, stack_experts
-from kernels.ops import KernelOps
-from kernels.quantized_weight import PER_TOKEN, QuantizedWeight, QuantShape, quant_shape, weight_to
+from xinserve.engines.quantization.records import merge_shards, stack_experts
+from xinserve.kernels.ops import KernelOps
+from xinserve.kernels.quantized_weight import PER_TOKEN, QuantizedWeight, QuantShape, quant_shape, weight_to
 
 
 class QuantExperts(nn.Module):

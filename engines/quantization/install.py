@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.models.decoder import CausalLM
-from engines.models.expert_parallel import ExpertParallelExperts
-from engines.models.moe import Experts, Router, SparseMoeBlock
-from engines.models.tensor_parallel import ParallelExperts, RowParallelLinear
-from engines.quantization.experts import QuantExperts
-from engines.quantization.linear import QuantLinear
-from kernels.ops import KernelOps
-from kernels.quantized_weight import QuantizedWeight, QuantShape, quant_shape
+from xinserve.engines.models.decoder import CausalLM
+from xinserve.engines.models.expert_parallel import ExpertParallelExperts
+from xinserve.engines.models.moe import Experts, Router, SparseMoeBlock
+from xinserve.engines.models.tensor_parallel import ParallelExperts, RowParallelLinear
+from xinserve.engines.quantization.experts import QuantExperts
+from xinserve.engines.quantization.linear import QuantLinear
+from xinserve.kernels.ops import KernelOps
+from xinserve.kernels.quantized_weight import QuantizedWeight, QuantShape, quant_shape
 
 QUANT_MODULES = (QuantLinear, QuantExperts)
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.quantization.records import merge_shards
-from kernels.ops import KernelOps
-from kernels.quantized_weight import (
+from xinserve.engines.quantization.records import merge_shards
+from xinserve.kernels.ops import KernelOps
+from xinserve.kernels.quantized_weight import (
     PER_TOKEN,
     QuantizedWeight,
     QuantShape,

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kernels.quantized_weight import FP8_MAX, INT8_RANGE, QuantizedWeight
+from xinserve.kernels.quantized_weight import FP8_MAX, INT8_RANGE, QuantizedWeight
 
 SCHEMES = ("fp8", "w8a8")
 EXPERT_PROJECTIONS = ("w1", "w2", "w3")

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from engines.quantization import online
-from engines.quantization.formats import FORMATS, detect_format
-from kernels.quantized_weight import QuantizedWeight
+from xinserve.engines.quantization import online
+from xinserve.engines.quantization.formats import FORMATS, detect_format
+from xinserve.kernels.quantized_weight import QuantizedWeight
 
 Stream = Iterator[tuple[str, torch.Tensor]]
 Reader = Callable[[Stream], Iterator[tuple[str, torch.Tensor | QuantizedWeight]]]

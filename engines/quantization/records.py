@@ -11,7 +11,7 @@ mid-block). Requantizing to a shared scale, as vLLM does for per-tensor FP8, wou
 
 import torch
 
-from kernels.quantized_weight import QuantizedWeight
+from xinserve.kernels.quantized_weight import QuantizedWeight
 
 
 def _same_scheme(a: QuantizedWeight, b: QuantizedWeight) -> bool:

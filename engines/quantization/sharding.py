@@ -20,17 +20,17 @@ from typing import Any
 
 import torch
 
-from engines.models.moe import Experts
-from engines.models.tensor_parallel import (
+from xinserve.engines.models.moe import Experts
+from xinserve.engines.models.tensor_parallel import (
     ColumnParallelMerged,
     ParallelExperts,
     RowParallelLinear,
     read_shard,
 )
-from engines.quantization.install import is_float_weight
-from engines.quantization.records import merge_shards
-from engines.quantization.slicing import slice_cols, slice_rows
-from kernels.quantized_weight import QuantizedWeight, dequantize
+from xinserve.engines.quantization.install import is_float_weight
+from xinserve.engines.quantization.records import merge_shards
+from xinserve.engines.quantization.slicing import slice_cols, slice_rows
+from xinserve.kernels.quantized_weight import QuantizedWeight, dequantize
 
 
 class TensorPiece:

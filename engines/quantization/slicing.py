@@ -11,7 +11,7 @@ Packed int4 weights keep two input columns per byte: a column slice starts on an
 
 from dataclasses import replace
 
-from kernels.quantized_weight import QuantizedWeight
+from xinserve.kernels.quantized_weight import QuantizedWeight
 
 
 def _grid_range(start: int, length: int, block: int, full: int, what: str) -> tuple[int, int, int]:

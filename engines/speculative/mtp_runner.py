@@ -34,12 +34,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engines.models.mtp import mtp_layer_caches
-from engines.runner import ModelRunner, StepBatch
-from engines.scheduler import SampledTokens, ScheduledSeq
-from engines.sequence import Sequence
-from engines.speculative.mtp_messages import CatchUp, Chain, decode, encode_catch_up, encode_chain
-from kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from xinserve.engines.models.mtp import mtp_layer_caches
+from xinserve.engines.runner import ModelRunner, StepBatch
+from xinserve.engines.scheduler import SampledTokens, ScheduledSeq
+from xinserve.engines.sequence import Sequence
+from xinserve.engines.speculative.mtp_messages import CatchUp, Chain, decode, encode_catch_up, encode_chain
+from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
 
 
 @dataclass(slots=True)

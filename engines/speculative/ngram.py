@@ -6,9 +6,9 @@ no torch: text that repeats its prompt or itself (code edits, extraction, loops)
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engines.sequence import Sequence
-from engines.speculative.config import SpeculativeConfig
-from engines.speculative.eligibility import may_draft
+from xinserve.engines.sequence import Sequence
+from xinserve.engines.speculative.config import SpeculativeConfig
+from xinserve.engines.speculative.eligibility import may_draft
 
 
 def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:

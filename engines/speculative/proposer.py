@@ -6,10 +6,10 @@ checkpoint's MTP layer, which runs on the device once the step's blocks are allo
 with placeholder tokens the runner overwrites before the forward.
 """
 
-from engines.sequence import Sequence
-from engines.speculative.config import SpeculativeConfig
-from engines.speculative.eligibility import may_draft
-from engines.speculative.ngram import NgramProposer
+from xinserve.engines.sequence import Sequence
+from xinserve.engines.speculative.config import SpeculativeConfig
+from xinserve.engines.speculative.eligibility import may_draft
+from xinserve.engines.speculative.ngram import NgramProposer
 
 PLACEHOLDER = 0  # a reserved draft row's token until the MTP runner writes the real draft
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engines.outputs import TokenLogprob
-from engines.sampler import (
+from xinserve.engines.outputs import TokenLogprob
+from xinserve.engines.sampler import (
     SamplingRow,
     adjusted_logits,
     filtered_probs,
@@ -25,8 +25,8 @@ from engines.sampler import (
     row_generators,
     sample_from_probs,
 )
-from engines.scheduler import SampledTokens
-from engines.sequence import Sequence
+from xinserve.engines.scheduler import SampledTokens
+from xinserve.engines.sequence import Sequence
 
 
 def verify_drafts(

@@ -3,7 +3,7 @@
 import torch
 import xgrammar
 
-from engines.structured.compiler import OutputGrammar
+from xinserve.engines.structured.compiler import OutputGrammar
 
 
 def apply_grammars(logits: torch.Tensor, grammars: list[OutputGrammar | None]) -> torch.Tensor:

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import xgrammar
 
-from engines.structured.digest_cache import DigestCache, schema_digest
-from engines.structured.limits import DEFAULT_LIMITS, SchemaLimits
-from engines.structured.schema import GRAMMAR_OPTIONS
+from xinserve.engines.structured.digest_cache import DigestCache, schema_digest
+from xinserve.engines.structured.limits import DEFAULT_LIMITS, SchemaLimits
+from xinserve.engines.structured.schema import GRAMMAR_OPTIONS
 
 
 @dataclass(slots=True)

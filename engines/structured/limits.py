@@ -10,7 +10,7 @@ depend on the count (1e5 costs what 10 does), so those are left unbounded.
 from dataclasses import dataclass
 from typing import Any
 
-from engines.structured.pattern_cost import expanded_size
+from xinserve.engines.structured.pattern_cost import expanded_size
 
 
 @dataclass(frozen=True, slots=True)

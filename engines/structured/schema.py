@@ -9,8 +9,13 @@ import json
 import re
 import threading
 
-from engines.structured.digest_cache import DigestCache, schema_digest
-from engines.structured.limits import DEFAULT_LIMITS, SchemaTooCostly, check_schema_shape, check_schema_size
+from xinserve.engines.structured.digest_cache import DigestCache, schema_digest
+from xinserve.engines.structured.limits import (
+    DEFAULT_LIMITS,
+    SchemaTooCostly,
+    check_schema_shape,
+    check_schema_size,
+)
 
 # How every schema is turned into a grammar. Compact separators, no free whitespace: a small model
 # left free to emit whitespace between JSON tokens can fill max_tokens with it. Strict: no

@@ -6,11 +6,11 @@ Importing it raises ImportError where Triton is not installed."""
 
 import torch
 
-from kernels.model_shapes import ModelShapes
-from kernels.triton.decode_attention import paged_decode_attention
-from kernels.triton.kv_write import write_kv
-from kernels.triton.prefill_attention import paged_prefill_attention
-from kernels.triton.quant_gemm import prepare_quant_weight, quant_linear
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.triton.decode_attention import paged_decode_attention
+from xinserve.kernels.triton.kv_write import write_kv
+from xinserve.kernels.triton.prefill_attention import paged_prefill_attention
+from xinserve.kernels.triton.quant_gemm import prepare_quant_weight, quant_linear
 
 # function name -> function, as every implementation module exposes (kernels/ops.py)
 OPS = {fn.__name__: fn for fn in (write_kv, paged_prefill_attention, paged_decode_attention, prepare_quant_weight,

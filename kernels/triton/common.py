@@ -1,6 +1,7 @@
 """What the Triton kernels share: tile extents, and whether Triton runs a kernel in its CPU interpreter."""
 
 import torch
+
 import triton
 import triton.language as tl
 

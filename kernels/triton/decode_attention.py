@@ -13,13 +13,13 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.common import interpreted, keys_tile, load_kv_tile, online_softmax_step, tile
+from xinserve.kernels.triton.common import interpreted, keys_tile, load_kv_tile, online_softmax_step, tile
 
 if TYPE_CHECKING:
-    from kernels.attention_metadata import DecodeGather
+    from xinserve.kernels.attention_metadata import DecodeGather
 
 TOKENS_TILE = 64  # keys per inner step, a [64, D] K and V tile (fewer when they are wide: keys_tile)
 # Split a context so that S * KVH * splits programs fill a large GPU, but into at most MAX_SPLITS
@@ -138,7 +138,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            gather: "DecodeGather | None" = None, *,
                            split_len: int | None = None) -> torch.Tensor:
-    """``kernels.reference.paged_decode_attention`` in Triton. query: [S, H, D]; key_cache,
+    """``xinserve.kernels.reference.paged_decode_attention`` in Triton. query: [S, H, D]; key_cache,
     value_cache: [N, BS, KVH, D]; block_tables: [S, B] int32; seq_lens: [S] int32. Returns [S, H, D].
 
     ``gather`` (the reference's gather plan) is accepted for the shared signature and not read: the

@@ -12,10 +12,10 @@ import itertools
 import math
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.common import interpreted, keys_tile, load_kv_tile, online_softmax_step, tile
+from xinserve.kernels.triton.common import interpreted, keys_tile, load_kv_tile, online_softmax_step, tile
 
 # (query, head) rows per program; keys per inner step (fewer when the tiles are wide: keys_tile)
 ROWS_TILE, KEYS_TILE = 64, 64
@@ -83,7 +83,7 @@ def _prefill_kernel(
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                             scale: float) -> torch.Tensor:
-    """``kernels.reference.paged_prefill_attention`` in Triton. query: [T, H, D]; key_cache,
+    """``xinserve.kernels.reference.paged_prefill_attention`` in Triton. query: [T, H, D]; key_cache,
     value_cache: [N, BS, KVH, D] (already holding the new tokens); block_tables: [P, B] int32;
     query_start_loc: P + 1 host offsets from 0; seq_lens: P host context lengths. Returns [T, H, D]."""
     num_heads, head_dim = query.shape[1:]

@@ -9,10 +9,10 @@ the result is the reference's, with the weights never expanded in memory.
 """
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.quantized_weight import QuantizedWeight, quantize_activation
+from xinserve.kernels.quantized_weight import QuantizedWeight, quantize_activation
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 

@@ -6,7 +6,7 @@
 ``errors`` gives every error on these paths Anthropic's shape.
 """
 
-from server.anthropic.errors import AnthropicErrorMiddleware
-from server.anthropic.routes import router
+from xinserve.server.anthropic.errors import AnthropicErrorMiddleware
+from xinserve.server.anthropic.routes import router
 
 __all__ = ["AnthropicErrorMiddleware", "router"]

@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest, ToolChoice
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest
+from xinserve.server.anthropic.protocol import CountTokensRequest, Message, MessagesRequest, ToolChoice
+from xinserve.server.errors import APIError
+from xinserve.server.protocol import ChatCompletionRequest
 
 # The chat field a validation error names -> the Messages API field the client sent.
 _PARAMS = {"stop": "stop_sequences", "user": "metadata.user_id"}

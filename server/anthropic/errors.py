@@ -11,7 +11,7 @@ import json
 import logging
 from typing import Any
 
-from server.errors import APIError
+from xinserve.server.errors import APIError
 
 logger = logging.getLogger("xinserve.server")
 

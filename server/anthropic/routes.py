@@ -6,16 +6,16 @@ from functools import partial
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server.anthropic.convert import chat_request
-from server.anthropic.protocol import CountTokensRequest, MessagesRequest
-from server.anthropic.sse import event_stream_response
-from server.anthropic.view import MessageView
-from server.auth import check_model_access, may_use
-from server.chat_template import chat_prompt_ids, check_template_kwargs
-from server.limits import check_chat
-from server.routes.chat import start_chat
-from server.routes.generate import respond
-from server.routes.prompt import route_encoded
+from xinserve.server.anthropic.convert import chat_request
+from xinserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from xinserve.server.anthropic.sse import event_stream_response
+from xinserve.server.anthropic.view import MessageView
+from xinserve.server.auth import check_model_access, may_use
+from xinserve.server.chat_template import chat_prompt_ids, check_template_kwargs
+from xinserve.server.limits import check_chat
+from xinserve.server.routes.chat import start_chat
+from xinserve.server.routes.generate import respond
+from xinserve.server.routes.prompt import route_encoded
 
 router = APIRouter()
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from fastapi import Request
 
-from server.anthropic.errors import api_error_body
-from server.routes.common import dumps, event_stream
-from server.sse import SSEResponse
+from xinserve.server.anthropic.errors import api_error_body
+from xinserve.server.routes.common import dumps, event_stream
+from xinserve.server.sse import SSEResponse
 
 
 def event_frame(event: dict[str, Any]) -> bytes:

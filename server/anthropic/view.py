@@ -10,10 +10,10 @@ and ``message_stop``.
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server.anthropic import render
-from server.generation import Delta
-from server.routes.generate import GenerationGroup
-from server.routes.tools import OutputPlan
+from xinserve.server.anthropic import render
+from xinserve.server.generation import Delta
+from xinserve.server.routes.generate import GenerationGroup
+from xinserve.server.routes.tools import OutputPlan
 
 
 class MessageView:

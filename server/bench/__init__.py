@@ -10,6 +10,6 @@ report: the tables · plot: the PNG · cli: options and the run · launch: a ser
 the benchmark scripts.
 """
 
-from server.bench.cli import add_args, benchmark, run
+from xinserve.server.bench.cli import add_args, benchmark, run
 
 __all__ = ["add_args", "benchmark", "run"]

@@ -14,11 +14,11 @@ from typing import Any
 
 import aiohttp
 
-from server.bench import dataset, report
-from server.bench.client import RequestResult, one_request
-from server.bench.load import Level, levels, run_level
-from server.bench.plot import plot
-from server.bench.stats import by_category, summarize
+from xinserve.server.bench import dataset, report
+from xinserve.server.bench.client import RequestResult, one_request
+from xinserve.server.bench.load import Level, levels, run_level
+from xinserve.server.bench.plot import plot
+from xinserve.server.bench.stats import by_category, summarize
 
 
 def _ints(text: str) -> list[int]:

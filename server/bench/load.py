@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from tqdm import tqdm
 
-from server.bench.client import RequestResult
+from xinserve.server.bench.client import RequestResult
 
 T = TypeVar("T")
 

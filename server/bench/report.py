@@ -3,7 +3,7 @@ every level (printed after several, and what ``benchmarks/compare.py`` writes)."
 
 from typing import Any
 
-from server.bench.stats import LATENCIES, PERCENTILES
+from xinserve.server.bench.stats import LATENCIES, PERCENTILES
 
 _NAMES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E latency"}
 

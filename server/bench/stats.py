@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from server.bench.client import RequestResult
+from xinserve.server.bench.client import RequestResult
 
 PERCENTILES = (50, 90, 95, 99)
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")

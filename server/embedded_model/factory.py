@@ -38,9 +38,9 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from server.embedded_model.build_once import ensure_built
-from server.embedded_model.tokenizer import make_tokenizer
-from server.embedded_model.weights import LM_HEAD_GAIN, config_kwargs, initial_value
+from xinserve.server.embedded_model.build_once import ensure_built
+from xinserve.server.embedded_model.tokenizer import make_tokenizer
+from xinserve.server.embedded_model.weights import LM_HEAD_GAIN, config_kwargs, initial_value
 
 _MLA = {
     "num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,

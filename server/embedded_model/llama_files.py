@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import GenerationConfig, LlamaConfig
 
-from server.embedded_model.tokenizer import make_tokenizer
-from server.embedded_model.weights import config_kwargs, initial_value
+from xinserve.server.embedded_model.tokenizer import make_tokenizer
+from xinserve.server.embedded_model.weights import config_kwargs, initial_value
 
 ARCHITECTURE = "LlamaForCausalLM"
 

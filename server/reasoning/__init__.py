@@ -8,8 +8,8 @@ Tool calls and structured output read only the content after the reasoning.
 from collections.abc import Callable
 from typing import Any
 
-from server.reasoning.parsers import NAMES, starts_in_reasoning, thinking_disabled
-from server.reasoning.think import END, START, Split, ThinkSplitter
+from xinserve.server.reasoning.parsers import NAMES, starts_in_reasoning, thinking_disabled
+from xinserve.server.reasoning.think import END, START, Split, ThinkSplitter
 
 # Tokens of the prompt's end read for a ``<think>`` left open (far more than a generation prompt's
 # opening, far fewer than a long prompt).

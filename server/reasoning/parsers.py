@@ -12,7 +12,7 @@
 
 from typing import Any
 
-from server.reasoning.think import END, START
+from xinserve.server.reasoning.think import END, START
 
 NAMES = ("deepseek_r1", "qwen3", "glm45")
 _ASSISTANT = "<|assistant|>"

@@ -11,10 +11,10 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from server.config import LimitsSettings
-from server.errors import APIError, validation_error
-from server.protocol import ChatCompletionRequest
-from server.responses_api.protocol import ResponsesRequest
+from xinserve.server.config import LimitsSettings
+from xinserve.server.errors import APIError, validation_error
+from xinserve.server.protocol import ChatCompletionRequest
+from xinserve.server.responses_api.protocol import ResponsesRequest
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")

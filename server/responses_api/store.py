@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from server.errors import APIError
+from xinserve.server.errors import APIError
 
 
 @dataclass(slots=True)

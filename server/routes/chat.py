@@ -9,20 +9,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from server import responses
-from server.auth import check_model_access, may_use
-from server.chat_template import chat_prompt_ids, check_template_kwargs
-from server.generation import Delta, Generation
-from server.limits import cap_max_tokens, check_chat
-from server.protocol import ChatCompletionRequest
-from server.reasoning import ThinkSplitter, end_token_id, reasoning_for
-from server.responses import TokenTexts
-from server.routes.chat_frames import ContentFrames
-from server.routes.common import max_tokens_for, new_request_id, sse_frame
-from server.routes.generate import GenerationGroup, respond
-from server.routes.prompt import route_encoded
-from server.routes.tools import OutputPlan, plan_output
-from server.tool_calls.stream import PlainText
+from xinserve.server import responses
+from xinserve.server.auth import check_model_access, may_use
+from xinserve.server.chat_template import chat_prompt_ids, check_template_kwargs
+from xinserve.server.generation import Delta, Generation
+from xinserve.server.limits import cap_max_tokens, check_chat
+from xinserve.server.protocol import ChatCompletionRequest
+from xinserve.server.reasoning import ThinkSplitter, end_token_id, reasoning_for
+from xinserve.server.responses import TokenTexts
+from xinserve.server.routes.chat_frames import ContentFrames
+from xinserve.server.routes.common import max_tokens_for, new_request_id, sse_frame
+from xinserve.server.routes.generate import GenerationGroup, respond
+from xinserve.server.routes.prompt import route_encoded
+from xinserve.server.routes.tools import OutputPlan, plan_output
+from xinserve.server.tool_calls.stream import PlainText
 
 router = APIRouter()
 

@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import Request
 
-from server.errors import APIError, error_body
-from server.sse import SSEResponse
+from xinserve.server.errors import APIError, error_body
+from xinserve.server.sse import SSEResponse
 
 logger = logging.getLogger("xinserve.server")
 

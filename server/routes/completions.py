@@ -8,17 +8,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engines.detokenizer import text_offsets
-from server import responses
-from server.auth import check_model_access, may_use
-from server.errors import APIError
-from server.generation import Delta, Generation
-from server.limits import cap_max_tokens, check_completion
-from server.protocol import CompletionRequest
-from server.responses import TokenTexts
-from server.routes.common import max_tokens_for, new_request_id, sse_frame
-from server.routes.generate import GenerationGroup, respond
-from server.routes.prompt import route_encoded
+from xinserve.engines.detokenizer import text_offsets
+from xinserve.server import responses
+from xinserve.server.auth import check_model_access, may_use
+from xinserve.server.errors import APIError
+from xinserve.server.generation import Delta, Generation
+from xinserve.server.limits import cap_max_tokens, check_completion
+from xinserve.server.protocol import CompletionRequest
+from xinserve.server.responses import TokenTexts
+from xinserve.server.routes.common import max_tokens_for, new_request_id, sse_frame
+from xinserve.server.routes.generate import GenerationGroup, respond
+from xinserve.server.routes.prompt import route_encoded
 
 router = APIRouter()
 

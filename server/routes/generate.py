@@ -15,12 +15,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from server.errors import APIError
-from server.generation import Delta, Generation
-from server.routes.common import ClientDisconnected, log_fields, run_until_disconnect, sse_response
-from server.sse import SSEResponse
-from server.stream_push import PushFrames, StreamPush
-from server.worker_client import WorkerClient
+from xinserve.server.errors import APIError
+from xinserve.server.generation import Delta, Generation
+from xinserve.server.routes.common import ClientDisconnected, log_fields, run_until_disconnect, sse_response
+from xinserve.server.sse import SSEResponse
+from xinserve.server.stream_push import PushFrames, StreamPush
+from xinserve.server.worker_client import WorkerClient
 
 
 class GenerationGroup:

@@ -20,8 +20,8 @@ from functools import partial
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from server.auth import may_use
-from server.router import Router
+from xinserve.server.auth import may_use
+from xinserve.server.router import Router
 
 router = APIRouter()
 

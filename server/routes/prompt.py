@@ -10,9 +10,9 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
-from server.pool import ModelPool
-from server.router import Router
-from server.worker_client import WorkerClient
+from xinserve.server.pool import ModelPool
+from xinserve.server.router import Router
+from xinserve.server.worker_client import WorkerClient
 
 T = TypeVar("T")
 

@@ -12,16 +12,16 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
-from server.errors import APIError
-from server.generation import Delta
-from server.reasoning import end_token_id
-from server.responses_api.convert import answer_message, chat_request, check_input, input_messages
-from server.responses_api.output import OutputItems
-from server.responses_api.protocol import ResponsesRequest
-from server.responses_api.store import ResponseStore
-from server.routes.chat import ChatRun, start_chat
-from server.routes.common import new_request_id
-from server.routes.generate import GenerationGroup, respond
+from xinserve.server.errors import APIError
+from xinserve.server.generation import Delta
+from xinserve.server.reasoning import end_token_id
+from xinserve.server.responses_api.convert import answer_message, chat_request, check_input, input_messages
+from xinserve.server.responses_api.output import OutputItems
+from xinserve.server.responses_api.protocol import ResponsesRequest
+from xinserve.server.responses_api.store import ResponseStore
+from xinserve.server.routes.chat import ChatRun, start_chat
+from xinserve.server.routes.common import new_request_id
+from xinserve.server.routes.generate import GenerationGroup, respond
 
 router = APIRouter()
 

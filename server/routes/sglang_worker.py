@@ -15,9 +15,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from server.auth import may_use
-from server.errors import APIError
-from server.pool import ModelPool
+from xinserve.server.auth import may_use
+from xinserve.server.errors import APIError
+from xinserve.server.pool import ModelPool
 
 router = APIRouter(include_in_schema=False)
 VERSION = "xinserve-0.1.0"

@@ -12,12 +12,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.auth import may_use
-from server.chat_template import chat_prompt_ids
-from server.errors import APIError
-from server.limits import check_chat
-from server.pool import ModelPool
-from server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from xinserve.server.auth import may_use
+from xinserve.server.chat_template import chat_prompt_ids
+from xinserve.server.errors import APIError
+from xinserve.server.limits import check_chat
+from xinserve.server.pool import ModelPool
+from xinserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 
 router = APIRouter()
 

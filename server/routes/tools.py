@@ -6,10 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.protocol import ChatCompletionRequest, checked_schema
-from server.tool_calls import parser_for
-from server.tool_calls.forced import NamedCall, RequiredCalls, parameters_schema, required_schema
-from server.tool_calls.stream import ParsedCalls, PlainText
+from xinserve.server.protocol import ChatCompletionRequest, checked_schema
+from xinserve.server.tool_calls import parser_for
+from xinserve.server.tool_calls.forced import NamedCall, RequiredCalls, parameters_schema, required_schema
+from xinserve.server.tool_calls.stream import ParsedCalls, PlainText
 
 # Any JSON object, for response_format json_object.
 JSON_OBJECT = json.dumps({"type": "object"})

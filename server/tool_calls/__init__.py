@@ -6,12 +6,12 @@ server picks the parser from the model's ``tool_call_parser`` setting, else from
 chat template (``detect``).
 """
 
-from server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser
-from server.tool_calls.deepseek_v3 import DeepSeekV3Parser
-from server.tool_calls.glm45 import Glm45Parser
-from server.tool_calls.glm47 import Glm47Parser
-from server.tool_calls.hermes import HermesParser
-from server.tool_calls.llama3 import Llama3JsonParser
+from xinserve.server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser
+from xinserve.server.tool_calls.deepseek_v3 import DeepSeekV3Parser
+from xinserve.server.tool_calls.glm45 import Glm45Parser
+from xinserve.server.tool_calls.glm47 import Glm47Parser
+from xinserve.server.tool_calls.hermes import HermesParser
+from xinserve.server.tool_calls.llama3 import Llama3JsonParser
 
 PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,  # also Qwen2.5 and Qwen3

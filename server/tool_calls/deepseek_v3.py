@@ -4,7 +4,7 @@
 import json
 import re
 
-from server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser, content_or_none
+from xinserve.server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser, content_or_none
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)

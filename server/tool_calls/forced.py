@@ -8,7 +8,7 @@ the growing text with a small scanner and streams each call's arguments as they 
 
 from typing import Any
 
-from server.tool_calls.base import ToolCall
+from xinserve.server.tool_calls.base import ToolCall
 
 _NAME = '{"name": "'
 _ARGUMENTS = '"arguments": '

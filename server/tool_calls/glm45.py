@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any
 
-from server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser, tagged_calls
+from xinserve.server.tool_calls.base import ParsedOutput, ToolCall, ToolCallParser, tagged_calls
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)

@@ -10,8 +10,8 @@ parameter schema as in ``glm45``. A call without arguments is ``<tool_call>name<
 import json
 import re
 
-from server.tool_calls.base import ParsedOutput, ToolCall, content_or_none
-from server.tool_calls.glm45 import Glm45Parser
+from xinserve.server.tool_calls.base import ParsedOutput, ToolCall, content_or_none
+from xinserve.server.tool_calls.glm45 import Glm45Parser
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _GAP = r"(?:\s|\\n)*"  # what may stand between two tags

@@ -3,7 +3,7 @@
 import json
 import re
 
-from server.tool_calls.base import (
+from xinserve.server.tool_calls.base import (
     ParsedOutput,
     ToolCall,
     ToolCallParser,

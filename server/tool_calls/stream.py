@@ -7,7 +7,7 @@ says whether the choice made calls (its finish reason is then ``tool_calls``).
 
 from typing import Any
 
-from server.tool_calls.base import ToolCallParser
+from xinserve.server.tool_calls.base import ToolCallParser
 
 
 class PlainText:

@@ -4,7 +4,7 @@ from collections.abc import Callable
 
 import pytest
 
-from engines import LLM
+from xinserve.engines import LLM
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import random
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines import LLM, SamplingParams
+from xinserve.engines import LLM, SamplingParams
 
 
 def reference(path, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:

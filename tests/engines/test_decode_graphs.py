@@ -15,14 +15,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import engines.graphs
-import engines.step_inputs
-from engines import LLM, EngineConfig, SamplingParams
-from engines.decode_buckets import bucket_for, bucket_sizes
-from engines.scheduler import ScheduledSeq
-from engines.sequence import Sequence
-from server.cli import _add_serve_args, build_config
-from server.config import ConfigError, parse_config
+import xinserve.engines.graphs
+import xinserve.engines.step_inputs
+from xinserve.engines import LLM, EngineConfig, SamplingParams
+from xinserve.engines.decode_buckets import bucket_for, bucket_sizes
+from xinserve.engines.scheduler import ScheduledSeq
+from xinserve.engines.sequence import Sequence
+from xinserve.server.cli import _add_serve_args, build_config
+from xinserve.server.config import ConfigError, parse_config
 
 BUCKETS = [1, 4, 9]  # batches 1, 3, 8, 9 land in 1, 4 (one padded row), 9 (one padded row), 9
 BS = 4
@@ -46,7 +46,7 @@ def model(tiny_models):
 @pytest.fixture(scope="module")
 def compiled(model):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engines.graphs, "bucket_sizes", lambda max_num_seqs: BUCKETS)
+        mp.setattr(xinserve.engines.graphs, "bucket_sizes", lambda max_num_seqs: BUCKETS)
         llm = compiled_engine(model, compile="on", **OPTIONS)
     assert llm.engine.runner.decode_graphs is not None
     return llm
@@ -122,8 +122,8 @@ def test_async_steps_run_compiled_buckets_without_building_a_gather_plan(compile
     batch = prompts(engine.vocab_size, 9, seed=21)
     want = [r.token_ids for r in eager.generate(batch, GREEDY)]
     built, forwards = [], []
-    build = engines.step_inputs.build_decode_gather
-    monkeypatch.setattr(engines.step_inputs, "build_decode_gather", lambda *a: built.append(a) or build(*a))
+    build = xinserve.engines.step_inputs.build_decode_gather
+    monkeypatch.setattr(xinserve.engines.step_inputs, "build_decode_gather", lambda *a: built.append(a) or build(*a))
     graphs, runner = engine.runner.decode_graphs, engine.runner
     forward = runner.forward
     monkeypatch.setattr(runner, "forward", lambda batch: forwards.append(batch) or forward(batch))
@@ -188,11 +188,11 @@ def test_padded_rows_never_change_real_kv_or_outputs(compiled, eager):
 
 def test_auto_keeps_a_bucket_compiled_only_where_it_measures_faster(model, monkeypatch, caplog):
     """The choice follows the timings (here set: compiled faster only in bucket 2)."""
-    monkeypatch.setattr(engines.graphs.torch, "compile", lambda function, dynamic, backend: lambda *a: function(*a))
+    monkeypatch.setattr(xinserve.engines.graphs.torch, "compile", lambda function, dynamic, backend: lambda *a: function(*a))
     timings = iter([1.0, 2.0, 2.0, 1.0, 1.0, 2.0])  # (eager, compiled) per bucket 1, 2, 4
 
-    monkeypatch.setattr(engines.graphs, "_median_seconds", lambda function, platform: next(timings))
-    with caplog.at_level(logging.INFO, logger="engines.graphs"):
+    monkeypatch.setattr(xinserve.engines.graphs, "_median_seconds", lambda function, platform: next(timings))
+    with caplog.at_level(logging.INFO, logger="xinserve.engines.graphs"):
         llm = compiled_engine(model, compile="auto", block_size=BS, num_kv_blocks=8, max_num_seqs=4)
     assert sorted(llm.engine.runner.decode_graphs.steps) == [2]
     assert llm.engine.warmup.report()["buckets"]["1"] == {"state": "eager", "error": "eager measured faster"}
@@ -205,8 +205,8 @@ def test_a_compile_failure_falls_back_to_eager_with_a_log_line(model, eager, mon
             raise RuntimeError("inductor: C++ compile error")  # where inductor fails: at the first call
         return compiled
 
-    monkeypatch.setattr(engines.graphs.torch, "compile", failing_compile)
-    with caplog.at_level(logging.WARNING, logger="engines.warmup"):
+    monkeypatch.setattr(xinserve.engines.graphs.torch, "compile", failing_compile)
+    with caplog.at_level(logging.WARNING, logger="xinserve.engines.warmup"):
         llm = compiled_engine(model, compile="on", **OPTIONS)
     assert not llm.engine.runner.decode_graphs.steps
     assert {b["state"] for b in llm.engine.warmup.report()["buckets"].values()} == {"failed"}
@@ -225,7 +225,7 @@ def test_a_failing_compiled_step_goes_eager_for_that_bucket(compiled, eager, mon
 
     monkeypatch.setattr(graphs, "steps", {**steps, 1: broken})
     monkeypatch.setattr(graphs, "direct", {**graphs.direct, 1: broken})  # the call without dynamo too
-    with caplog.at_level(logging.WARNING, logger="engines.graphs"):
+    with caplog.at_level(logging.WARNING, logger="xinserve.engines.graphs"):
         got = compiled.generate(prompts(compiled.engine.vocab_size, 1, seed=12), GREEDY)
     want = eager.generate(prompts(eager.engine.vocab_size, 1, seed=12), GREEDY)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
@@ -235,7 +235,7 @@ def test_a_failing_compiled_step_goes_eager_for_that_bucket(compiled, eager, mon
 @pytest.mark.parametrize("options", [{"compile": "off"}, {"compile": "on", "enforce_eager": True}])
 def test_compile_off_and_enforce_eager_do_not_compile(model, monkeypatch, options):
     calls = []
-    monkeypatch.setattr(engines.graphs.torch, "compile", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(xinserve.engines.graphs.torch, "compile", lambda *a, **k: calls.append(a))
     llm = LLM(model, block_size=BS, num_kv_blocks=8, **options)
     assert llm.engine.runner.decode_graphs is None and calls == []
 
@@ -243,13 +243,13 @@ def test_compile_off_and_enforce_eager_do_not_compile(model, monkeypatch, option
 def test_compile_config_validation(monkeypatch):
     with pytest.raises(ValueError, match="compile must be one of auto, off, on, got 'fast'"):
         EngineConfig(model="m", compile="fast")
-    assert engines.graphs.effective_mode("on", enforce_eager=True) == "off"
+    assert xinserve.engines.graphs.effective_mode("on", enforce_eager=True) == "off"
     monkeypatch.setenv("XINSERVE_COMPILE", "sometimes")
     with pytest.raises(ValueError, match="XINSERVE_COMPILE must be one of auto, off, on"):
-        engines.graphs.effective_mode(None, enforce_eager=False)
+        xinserve.engines.graphs.effective_mode(None, enforce_eager=False)
     monkeypatch.setenv("XINSERVE_COMPILE", "on")
-    assert engines.graphs.effective_mode(None, enforce_eager=False) == "on"
-    assert engines.graphs.effective_mode("off", enforce_eager=False) == "off"
+    assert xinserve.engines.graphs.effective_mode(None, enforce_eager=False) == "on"
+    assert xinserve.engines.graphs.effective_mode("off", enforce_eager=False) == "off"
     with pytest.raises(ConfigError, match="models.0.compile"):
         parse_config({"models": [{"name": "m", "path": "p", "compile": "always"}]})
     settings = parse_config({"models": [{"name": "m", "path": "p", "compile": "off"}]}).models[0]
@@ -265,14 +265,14 @@ def test_compile_config_validation(monkeypatch):
 
 
 def test_the_inductor_cache_lives_in_the_xinserve_cache_dir(compiled, monkeypatch, tmp_path):
-    assert engines.graphs.inductor_cache_dir().name == "inductor"
-    assert engines.graphs.os.environ["TORCHINDUCTOR_CACHE_DIR"]  # set before the first compile
+    assert xinserve.engines.graphs.inductor_cache_dir().name == "inductor"
+    assert xinserve.engines.graphs.os.environ["TORCHINDUCTOR_CACHE_DIR"]  # set before the first compile
     monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    assert engines.graphs.use_inductor_cache() == str(tmp_path / "inductor")
-    assert engines.graphs.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    assert xinserve.engines.graphs.use_inductor_cache() == str(tmp_path / "inductor")
+    assert xinserve.engines.graphs.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # a user's own choice is kept
-    assert engines.graphs.use_inductor_cache() == "/elsewhere"
+    assert xinserve.engines.graphs.use_inductor_cache() == "/elsewhere"
 
 
 def test_compiled_moe_decode_equals_eager_without_recompiling(tiny_models, monkeypatch):
@@ -283,7 +283,7 @@ def test_compiled_moe_decode_equals_eager_without_recompiling(tiny_models, monke
     options = {**OPTIONS, "max_num_seqs": 2}
     counters = torch._dynamo.utils.counters
     graphs_before, breaks_before = counters["stats"]["unique_graphs"], counters["graph_break"].total()
-    monkeypatch.setattr(engines.graphs, "bucket_sizes", lambda max_num_seqs: [2])  # one bucket: compiles cost
+    monkeypatch.setattr(xinserve.engines.graphs, "bucket_sizes", lambda max_num_seqs: [2])  # one bucket: compiles cost
     llm = compiled_engine(path, compile="on", **options)
     assert sorted(llm.engine.runner.decode_graphs.steps) == [2]
     assert counters["stats"]["unique_graphs"] == graphs_before + 1

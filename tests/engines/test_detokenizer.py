@@ -2,9 +2,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from engines.detokenizer import IncrementalDetokenizer
-from engines.token_bytes import BYTE_LEVEL_ALPHABET
-from server.embedded_model.tokenizer import make_tokenizer
+from xinserve.engines.detokenizer import IncrementalDetokenizer
+from xinserve.engines.token_bytes import BYTE_LEVEL_ALPHABET
+from xinserve.server.embedded_model.tokenizer import make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ that grows with the output. A wrapper counts the ids each ``decode`` call is giv
 import pytest
 from transformers import AutoTokenizer
 
-from engines.detokenizer import CONTEXT_TOKENS, MAX_HELD_TOKENS, IncrementalDetokenizer
-from server.embedded_model.tokenizer import make_tokenizer
+from xinserve.engines.detokenizer import CONTEXT_TOKENS, MAX_HELD_TOKENS, IncrementalDetokenizer
+from xinserve.server.embedded_model.tokenizer import make_tokenizer
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine. "
          "One day, she saw a big, red ball in the park. naïve café — 北京 ✓ 🦊! ")

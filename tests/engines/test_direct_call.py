@@ -7,9 +7,9 @@ import dataclasses
 
 import torch
 
-from engines.decode_buckets import DecodeBuffers
-from engines.direct_call import bucket_tensors, direct_call
-from kernels.ops import REFERENCE_OPS
+from xinserve.engines.decode_buckets import DecodeBuffers
+from xinserve.engines.direct_call import bucket_tensors, direct_call
+from xinserve.kernels.ops import REFERENCE_OPS
 
 
 class Layer(torch.nn.Module):

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from engines import LLM, SamplingParams
-from engines.outputs import RequestFailure
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.outputs import RequestFailure
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

@@ -4,9 +4,9 @@ from dataclasses import fields
 
 import pytest
 
-from engines import EngineConfig
-from engines.config import KV_CACHE_DTYPE_NAMES
-from kernels.kv_quant import KV_CACHE_DTYPES
+from xinserve.engines import EngineConfig
+from xinserve.engines.config import KV_CACHE_DTYPE_NAMES
+from xinserve.kernels.kv_quant import KV_CACHE_DTYPES
 
 
 def test_every_field_has_help_text():

@@ -1,7 +1,7 @@
 """Every worker, tensor-parallel rank and test process imports ``engines``: a package that only one
 checkpoint format needs, and that costs seconds to import, is imported where that format is read,
 never at a module's top level. (compressed_tensors pulls in accelerate and transformers' distributed
-stack: ~5 CPU seconds per process, most of what importing ``engines.engine`` cost.)"""
+stack: ~5 CPU seconds per process, most of what importing ``xinserve.engines.engine`` cost.)"""
 
 import ast
 from pathlib import Path
@@ -57,7 +57,7 @@ EMBEDDED_BUILD = ("server/embedded.py", "server/embedded_model/llama_files.py", 
 
 def test_building_the_embedded_model_imports_no_model_class_nor_the_factory() -> None:
     imported = {name for path in EMBEDDED_BUILD for name in top_level_imported(ROOT / path)}
-    assert {name for name in imported if name.startswith("server.embedded_model.factory")} == set()
+    assert {name for name in imported if name.startswith("xinserve.server.embedded_model.factory")} == set()
     model_classes = {name for name in imported if name.startswith("transformers.")
                      and name.endswith(("ForCausalLM", "PreTrainedModel", "Model"))}
     assert model_classes == set()

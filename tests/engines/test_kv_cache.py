@@ -1,6 +1,6 @@
-from engines.kv_cache import BlockManager
-from engines.sampling_params import SamplingParams
-from engines.sequence import Sequence
+from xinserve.engines.kv_cache import BlockManager
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.engines.sequence import Sequence
 
 
 def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:

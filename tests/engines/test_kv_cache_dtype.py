@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import engines.platforms
-from engines import LLM, SamplingParams
-from engines.capacity import plan, pool_blocks
-from server.worker import _engine_info
+import xinserve.engines.platforms
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.capacity import plan, pool_blocks
+from xinserve.server.worker import _engine_info
 
 KINDS = ("auto", "bfloat16", "float16", "int8", "fp8_e4m3")  # auto (float32) first: the others' yardstick
 # Max and mean abs difference of a token's log-prob from the float32-KV run's, in nats. Measured on this
@@ -50,9 +50,9 @@ def runs(stories_dir):
     results = {}
     forced_prompts = None
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engines.platforms, "_host_available_bytes", lambda: FREE)
+        patch.setattr(xinserve.engines.platforms, "_host_available_bytes", lambda: FREE)
         for kind in KINDS:
-            handler, logger = _Lines(), logging.getLogger("engines.engine")
+            handler, logger = _Lines(), logging.getLogger("xinserve.engines.engine")
             level = logger.level
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)

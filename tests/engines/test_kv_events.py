@@ -11,9 +11,10 @@ import msgspec
 import pytest
 import zmq
 
-from engines import LLM, SamplingParams
-from engines.kv_cache import BlockManager, chain_hash
-from engines.kv_events import (
+from tests.engines.test_kv_cache import admit, make_seq
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.kv_cache import BlockManager, chain_hash
+from xinserve.engines.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -21,7 +22,6 @@ from engines.kv_events import (
     KVEventsConfig,
     offset_endpoint,
 )
-from tests.engines.test_kv_cache import admit, make_seq
 
 
 # vLLM's documented wire schema, as a subscriber declares it.

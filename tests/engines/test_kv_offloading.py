@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines import LLM, SamplingParams
-from engines.kv_cache import BlockManager, chain_hash
-from engines.kv_connector.host import HostKVConnector
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.kv_cache import BlockManager, chain_hash
+from xinserve.engines.kv_connector.host import HostKVConnector
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT = [(7 * i) % 250 + 3 for i in range(70)]  # 4 full blocks of 16, 6 tokens more

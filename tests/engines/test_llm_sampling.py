@@ -2,7 +2,7 @@
 
 import pytest
 
-from engines import LLM, SamplingParams
+from xinserve.engines import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_invalid_sampling_params_raise():
 
 
 def test_kv_pool_is_sized_from_free_memory_after_warm_up(tiny_models):
-    from engines.platforms import get_platform
+    from xinserve.engines.platforms import get_platform
 
     small = LLM(tiny_models("llama"), kv_cache_memory_fraction=1e-6, max_num_batched_tokens=64)
     large = LLM(tiny_models("llama"), kv_cache_memory_fraction=1e-4, max_num_batched_tokens=64)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines import LLM, SamplingParams
+from xinserve.engines import LLM, SamplingParams
 
 WINDOW = 7  # not a multiple of the block size: the window's edge moves through blocks
 # name -> tiny_models arguments; the MoE shapes are server/embedded_model/factory.py's defaults (8 or 6 experts,

@@ -10,12 +10,12 @@ import pytest
 import torch
 from test_llm_vs_transformers import MAX_TOKENS, Reference, check_against_reference
 
-from engines import LLM, SamplingParams
-from engines.models.mla import MLAAttention
-from kernels.attention_metadata import AttentionMetadata, build_decode_gather
-from kernels.mla_reference import indexer_topk
-from kernels.probe_inputs import scrambled_block_tables
-from server.embedded_model.factory import make_config
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.models.mla import MLAAttention
+from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from xinserve.kernels.mla_reference import indexer_topk
+from xinserve.kernels.probe_inputs import scrambled_block_tables
+from xinserve.server.embedded_model.factory import make_config
 
 INDEX_TOPK = 12  # server/embedded_model/factory.py's DSA models keep 12 positions per query
 # name -> tiny_models arguments (3 layers, the first dense; 8 experts top-2 in 2 groups; kv_lora_rank
@@ -145,7 +145,7 @@ def _random_attention(seed: int) -> MLAAttention:
 
 
 def _reference_ops():
-    from kernels.ops import REFERENCE_OPS
+    from xinserve.kernels.ops import REFERENCE_OPS
     return REFERENCE_OPS
 
 
@@ -223,13 +223,13 @@ def test_compiled_dsa_decode_carries_the_selection_without_graph_breaks(tiny_mod
     """GLM-5 with a layer that reuses the previous layer's DSA selection: the decode compiles into one
     graph (the per-step MLAStep that carries the selection from layer to layer traces) and its greedy
     tokens equal eager's."""
-    import engines.graphs
+    import xinserve.engines.graphs
 
     path = tiny_models("glm_moe_dsa", indexer_types=["full", "shared", "full"], max_position_embeddings=64)
     options = {"block_size": 4, "num_kv_blocks": 40, "max_num_seqs": 2, "max_model_len": 64}
     counters = torch._dynamo.utils.counters
     graphs_before, breaks_before = counters["stats"]["unique_graphs"], counters["graph_break"].total()
-    monkeypatch.setattr(engines.graphs, "bucket_sizes", lambda max_num_seqs: [2])  # one bucket: compiles cost
+    monkeypatch.setattr(xinserve.engines.graphs, "bucket_sizes", lambda max_num_seqs: [2])  # one bucket: compiles cost
     compiled = LLM(path, compile="on", warm_up_in_background=False, **options)
     assert counters["stats"]["unique_graphs"] == graphs_before + 1
     eager = LLM(path, compile="off", **options)

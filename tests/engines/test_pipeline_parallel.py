@@ -7,12 +7,12 @@ role; bad splits name the model."""
 import pytest
 import torch
 
-from engines import LLM
-from engines.micro_batch import micro_batches
-from engines.models.loader import load_model
-from engines.pipeline_parallel import PipelineStage, StageLayout, stage_layers
-from kernels.attention_metadata import AttentionMetadata, build_decode_gather
 from tests.engines.test_llm_vs_transformers import GREEDY, Reference, assert_all_blocks_free, random_prompts
+from xinserve.engines import LLM
+from xinserve.engines.micro_batch import micro_batches
+from xinserve.engines.models.loader import load_model
+from xinserve.engines.pipeline_parallel import PipelineStage, StageLayout, stage_layers
+from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
 
 CASES = {
     "llama_pp2": ("llama", {"num_layers": 3}, 1, 2, False),  # 3 layers: stage 0 holds two

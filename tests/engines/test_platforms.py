@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engines.platforms import PlatformError, get_platform
+from xinserve.engines.platforms import PlatformError, get_platform
 
 
 def test_cpu_platform():

@@ -19,7 +19,7 @@ def python(code: str, *args: str) -> subprocess.CompletedProcess:
 def test_leave_quickly_leaves_the_collector_no_live_object_to_walk():
     done = python("""
         import gc
-        from engines.process_exit import leave_quickly
+        from xinserve.engines.process_exit import leave_quickly
         cycles = [[i] for i in range(10_000)]
         for c in cycles:
             c.append(c)
@@ -33,7 +33,7 @@ def test_leave_quickly_leaves_the_collector_no_live_object_to_walk():
 
 
 def test_the_xinserve_command_freezes_its_heap_before_it_exits():
-    # ``python -m server.cli bench`` against a closed port (torch imported, nothing served); an exit
+    # ``python -m xinserve.server.cli bench`` against a closed port (torch imported, nothing served); an exit
     # hook sees the heap as the interpreter's exit finds it
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,7 +42,7 @@ def test_the_xinserve_command_freezes_its_heap_before_it_exits():
         import atexit, gc, runpy, sys
         atexit.register(lambda: print("frozen", gc.get_freeze_count(), "live", len(gc.get_objects())))
         sys.argv = ["xinserve", "bench", "--base-url", sys.argv[1], "--num-prompts", "1"]
-        runpy.run_module("server.cli", run_name="__main__")
+        runpy.run_module("xinserve.server.cli", run_name="__main__")
     """, closed)
     assert done.returncode == 1 and "cannot reach" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     _, frozen, _, live = done.stdout.splitlines()[-1].split()
@@ -54,7 +54,7 @@ def test_a_worker_freezes_its_heap_after_shutdown(tiny_model_dir, monkeypatch, t
     it closes its engine and sockets, then leaves quickly."""
     import zmq
 
-    from server import messages, worker
+    from xinserve.server import messages, worker
 
     left = []
     monkeypatch.setattr(worker, "leave_quickly", lambda: left.append("left"))

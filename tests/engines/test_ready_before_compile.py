@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-import engines.graphs
-from engines.decode_buckets import DecodeBuffers
+import xinserve.engines.graphs
+from xinserve.engines.decode_buckets import DecodeBuffers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # engine's constructor imported by itself.
 PROBE = """
 import json, sys, threading
-import engines.warmup
+import xinserve.engines.warmup
 held = threading.Event()
-engines.warmup.Warmup._run = lambda self: held.wait()
-from engines import LLM
+xinserve.engines.warmup.Warmup._run = lambda self: held.wait()
+from xinserve.engines import LLM
 llm = LLM(sys.argv[1], compile="on", warm_up_in_background=True, block_size=4, num_kv_blocks=40,
           max_num_seqs=4, max_model_len=64, kernels={"decode_attention": "reference"})
 report = llm.engine.warmup.report()
@@ -52,6 +52,6 @@ def test_a_bucket_compiler_calls_torch_compile_on_its_first_compile_only(monkeyp
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     buffers = DecodeBuffers([1, 2], 16, 4, 0, torch.device("cpu"))
-    compiler = engines.graphs.BucketCompiler(lambda *inputs: None, buffers, "on", platform=None)
+    compiler = xinserve.engines.graphs.BucketCompiler(lambda *inputs: None, buffers, "on", platform=None)
     assert calls == []  # built with the engine, before ready
     assert compiler.compiled is compiler.compiled and calls == [False]  # once, then reused

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from engines.sampler import Sampler, SamplingRow, apply_penalties
-from engines.sampling_params import SamplingParams
+from xinserve.engines.sampler import Sampler, SamplingRow, apply_penalties
+from xinserve.engines.sampling_params import SamplingParams
 
 VOCAB = 32
 

@@ -1,11 +1,11 @@
 """Scheduler behaviour driven by a fake model: every scheduled token is 'computed' and every
 sequence that reaches its end gets token 7."""
 
-from engines.kv_cache import BlockManager
-from engines.outputs import RequestFailure, StepResult, TokenLogprob
-from engines.sampling_params import SamplingParams
-from engines.scheduler import SampledTokens, Scheduler
-from engines.sequence import Sequence, SequenceStatus
+from xinserve.engines.kv_cache import BlockManager
+from xinserve.engines.outputs import RequestFailure, StepResult, TokenLogprob
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.engines.scheduler import SampledTokens, Scheduler
+from xinserve.engines.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, prefix=True, eos=(), max_model_len=None):

@@ -4,10 +4,15 @@ import json
 
 import pytest
 
-from engines.structured.digest_cache import ENTRY_OVERHEAD_BYTES, DigestCache, schema_digest
-from engines.structured.limits import DEFAULT_LIMITS, SchemaTooCostly, check_schema_shape, check_schema_size
-from engines.structured.pattern_cost import expanded_size
-from engines.structured.schema import _verdicts, check_json_schema
+from xinserve.engines.structured.digest_cache import ENTRY_OVERHEAD_BYTES, DigestCache, schema_digest
+from xinserve.engines.structured.limits import (
+    DEFAULT_LIMITS,
+    SchemaTooCostly,
+    check_schema_shape,
+    check_schema_size,
+)
+from xinserve.engines.structured.pattern_cost import expanded_size
+from xinserve.engines.structured.schema import _verdicts, check_json_schema
 
 
 @pytest.mark.parametrize(("pattern", "size"), [

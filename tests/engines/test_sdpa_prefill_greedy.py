@@ -4,7 +4,7 @@ kernel's own tests, tests/kernels/test_sdpa_prefill.py, cover ratios 1/2/4 again
 
 from test_llm_vs_transformers import Reference, check_against_reference, random_prompts
 
-from engines import LLM
+from xinserve.engines import LLM
 
 
 def test_greedy_equals_transformers_with_prefix_hits_and_chunks(tiny_models) -> None:

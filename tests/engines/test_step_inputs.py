@@ -8,11 +8,11 @@ import random
 import numpy as np
 import torch
 
-from engines.sampling_params import SamplingParams
-from engines.scheduler import ScheduledSeq
-from engines.sequence import Sequence
-from engines.step_inputs import BlockTables, StepInputs
-from kernels.attention_metadata import build_decode_gather
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.engines.scheduler import ScheduledSeq
+from xinserve.engines.sequence import Sequence
+from xinserve.engines.step_inputs import BlockTables, StepInputs
+from xinserve.kernels.attention_metadata import build_decode_gather
 
 BS = 4
 CPU = torch.device("cpu")

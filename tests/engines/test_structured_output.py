@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines import LLM, SamplingParams
-from engines.runner import _plain_greedy
-from engines.sequence import Sequence
-from engines.structured.compiler import GrammarCompiler
-from engines.structured.digest_cache import schema_digest
-from engines.structured.limits import SchemaLimits
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.runner import _plain_greedy
+from xinserve.engines.sequence import Sequence
+from xinserve.engines.structured.compiler import GrammarCompiler
+from xinserve.engines.structured.digest_cache import schema_digest
+from xinserve.engines.structured.limits import SchemaLimits
 
 SCHEMA = {
     "type": "object",
@@ -73,8 +73,8 @@ def test_unconstrained_batches_never_build_a_mask(llm, monkeypatch):
     def fail(*args):
         raise AssertionError("an unconstrained batch built a grammar mask")
 
-    monkeypatch.setattr("engines.sampler.apply_grammars", fail)
-    monkeypatch.setattr("engines.runner.apply_grammars", fail)
+    monkeypatch.setattr("xinserve.engines.sampler.apply_grammars", fail)
+    monkeypatch.setattr("xinserve.engines.runner.apply_grammars", fail)
     llm.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=1.0, max_tokens=4)])
 
 

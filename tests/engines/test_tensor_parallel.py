@@ -12,16 +12,16 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from engines import LLM, SamplingParams
-from engines.models import loader
-from engines.models.loader import load_model
-from engines.parallel_config import ParallelConfig
 from tests.engines.test_llm_vs_transformers import (
     MAX_TOKENS,
     Reference,
     assert_all_blocks_free,
     random_prompts,
 )
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.models import loader
+from xinserve.engines.models.loader import load_model
+from xinserve.engines.parallel_config import ParallelConfig
 
 MODELS = {
     "llama": ("llama", {}),
@@ -206,7 +206,7 @@ def test_a_rank_that_never_joins_fails_the_group_with_a_clear_message(tiny_model
 def test_the_pool_is_sized_from_each_ranks_free_memory(tiny_model_dir):
     """Without ``num_kv_blocks`` every rank measures its own free memory after the warm-up step and
     the group takes the smallest count (one all-reduce over the control group)."""
-    from engines.platforms import get_platform
+    from xinserve.engines.platforms import get_platform
 
     fraction = 1e-4
     reference = Reference(tiny_model_dir)
@@ -222,7 +222,7 @@ def test_the_pool_is_sized_from_each_ranks_free_memory(tiny_model_dir):
 
 
 def test_an_accelerator_group_defaults_to_consecutive_cards():
-    from engines.tp_runner import default_devices
+    from xinserve.engines.tp_runner import default_devices
 
     assert default_devices("cpu", 2) == ["cpu", "cpu"]
     assert default_devices("npu", 4) == ["npu:0", "npu:1", "npu:2", "npu:3"]

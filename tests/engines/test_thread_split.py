@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines import LLM, thread_split
-from engines.thread_split import (
+from xinserve.engines import LLM, thread_split
+from xinserve.engines.thread_split import (
     ROUNDS,
     ThreadChoice,
     candidates,
@@ -15,8 +15,8 @@ from engines.thread_split import (
     decode_step_timer,
     for_engine,
 )
-from kernels.timing import TimingCache
-from server.worker import _engine_info
+from xinserve.kernels.timing import TimingCache
+from xinserve.server.worker import _engine_info
 
 
 @pytest.fixture

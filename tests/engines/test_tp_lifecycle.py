@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from engines import LLM
 from tests.engines.test_llm_vs_transformers import GREEDY, MAX_TOKENS, Reference, random_prompts
+from xinserve.engines import LLM
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ def test_three_engines_in_a_loop_each_work_and_leave_nothing_behind(tiny_model_d
 # then its process dies without any clean-up, as a killed worker would.
 _CHILD = textwrap.dedent("""
     import json, os, signal, sys, threading, time
-    from engines import LLM, SamplingParams
+    from xinserve.engines import LLM, SamplingParams
 
     holder = {}
     thread = threading.Thread(target=lambda: holder.update(

@@ -14,16 +14,16 @@ import types
 import numpy as np
 import pytest
 
-import engines.graphs
-from engines import LLM, SamplingParams
-from engines.decode_buckets import max_decode_rows
-from engines.decode_rows import decode_rows
-from engines.graphs import BucketCompiler
-from engines.scheduler import ScheduledSeq
-from engines.sequence import Sequence
-from kernels.attention_metadata import DecodeGather
+import xinserve.engines.graphs
 from tests.engines.speculative.doubles import OracleProposer
 from tests.engines.test_llm_vs_transformers import GREEDY, Reference, check_against_reference
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.decode_buckets import max_decode_rows
+from xinserve.engines.decode_rows import decode_rows
+from xinserve.engines.graphs import BucketCompiler
+from xinserve.engines.scheduler import ScheduledSeq
+from xinserve.engines.sequence import Sequence
+from xinserve.kernels.attention_metadata import DecodeGather
 
 BS = 4
 PROMPTS = [list(range(10, 18)) * 2, [5, 9, 14, 200, 31, 7], list(range(40, 61)), [3, 99, 3, 99, 3, 99, 7]]
@@ -145,7 +145,7 @@ def test_a_compiled_bucket_verifies_drafts_over_the_live_context_only(tiny_model
     the bucket plan's max_model_len (128 blocks here)."""
     path = tiny_models("llama", num_layers=1, max_position_embeddings=512)
     reference = Reference(path)
-    monkeypatch.setattr(engines.graphs, "bucket_sizes", lambda max_rows: [8])
+    monkeypatch.setattr(xinserve.engines.graphs, "bucket_sizes", lambda max_rows: [8])
     llm = LLM(path, num_kv_blocks=160, block_size=BS, max_num_seqs=2, compile="on", warm_up_in_background=False,
               kernels={"decode_attention": "reference"},
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})

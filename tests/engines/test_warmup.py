@@ -14,12 +14,12 @@ from typing import ClassVar
 import pytest
 import zmq
 
-import engines.graphs
-import kernels.cpp_build
-from engines import LLM, SamplingParams
-from server import messages
-from server.worker import WorkerLoop
-from server.worker_client import WorkerClient
+import xinserve.engines.graphs
+import xinserve.kernels.cpp_build
+from xinserve.engines import LLM, SamplingParams
+from xinserve.server import messages
+from xinserve.server.worker import WorkerLoop
+from xinserve.server.worker_client import WorkerClient
 
 BUCKETS = [1, 4, 9]
 OPTIONS = {"block_size": 4, "num_kv_blocks": 60, "max_num_seqs": 9, "max_model_len": 64}
@@ -30,7 +30,7 @@ TIMEOUT_S = 60
 
 
 class BlockingCompiler:
-    """Stands in for ``engines.graphs.BucketCompiler``: each compile waits for ``release`` and returns
+    """Stands in for ``xinserve.engines.graphs.BucketCompiler``: each compile waits for ``release`` and returns
     the eager forward (or raises for the buckets in ``failing``)."""
 
     instances: ClassVar[list["BlockingCompiler"]] = []
@@ -65,8 +65,8 @@ def eager(model):
 
 @pytest.fixture
 def blocking(monkeypatch):
-    monkeypatch.setattr(engines.graphs, "BucketCompiler", BlockingCompiler)
-    monkeypatch.setattr(engines.graphs, "bucket_sizes", lambda max_num_seqs: BUCKETS)
+    monkeypatch.setattr(xinserve.engines.graphs, "BucketCompiler", BlockingCompiler)
+    monkeypatch.setattr(xinserve.engines.graphs, "bucket_sizes", lambda max_num_seqs: BUCKETS)
     BlockingCompiler.instances.clear()
     monkeypatch.setattr(BlockingCompiler, "failing", set())
     return BlockingCompiler
@@ -121,7 +121,7 @@ def test_ready_does_not_wait_for_the_cpp_build_which_swaps_in_between_steps(mode
     # on the niced warm-up thread, whose figures once put the reference first.
     on_disk = threading.Event()
     release = threading.Event()
-    real_build = kernels.cpp_build.build
+    real_build = xinserve.kernels.cpp_build.build
     # Built for real first (cached by its sources' hash): what is tested is when the engine waits for
     # the build, not how long a cold compile takes on a loaded machine.
     real_build()
@@ -131,20 +131,20 @@ def test_ready_does_not_wait_for_the_cpp_build_which_swaps_in_between_steps(mode
         real_build()
         on_disk.set()
 
-    monkeypatch.setattr(kernels.cpp_build, "built", on_disk.is_set)
-    monkeypatch.setattr(kernels.cpp_build, "build", build)
-    imported = sys.modules.pop("kernels.cpp", None)  # importing kernels.cpp builds it: not before ready
+    monkeypatch.setattr(xinserve.kernels.cpp_build, "built", on_disk.is_set)
+    monkeypatch.setattr(xinserve.kernels.cpp_build, "build", build)
+    imported = sys.modules.pop("xinserve.kernels.cpp", None)  # importing xinserve.kernels.cpp builds it: not before ready
     llm = LLM(model, compile="off", **OPTIONS)  # returns while the build waits
-    assert "kernels.cpp" not in sys.modules
+    assert "xinserve.kernels.cpp" not in sys.modules
     if imported is not None:  # loaded again later, it would register its torch op twice
-        sys.modules["kernels.cpp"] = imported
+        sys.modules["xinserve.kernels.cpp"] = imported
     runner = llm.engine.runner
     assert runner.kernels.chosen["decode_attention"] == "reference" and runner.kernels.deferred == ["cpp"]
     assert ("cpp", "not built yet: building in the background") in runner.kernels.rejected["decode_attention"]
     assert tokens(llm, 3) == tokens(eager, 3)  # the reference serves meanwhile
     release.set()
     assert llm.engine.warmup.done.wait(TIMEOUT_S)
-    from kernels import cpp
+    from xinserve.kernels import cpp
 
     assert runner.kernels.chosen["decode_attention"] == "cpp" and not runner.kernels.deferred
     assert "decode_attention" not in runner.kernels.timings_ms

@@ -25,11 +25,11 @@ import triton
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's packages
 
-from kernels import reference
-from kernels import triton as triton_ops
-from kernels.attention_metadata import build_decode_gather
-from kernels.probes import TOLERANCE  # the registry's, so a pass here is a pass there
-from kernels.triton.decode_attention import default_split_len
+from xinserve.kernels import reference
+from xinserve.kernels import triton as triton_ops
+from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.probes import TOLERANCE  # the registry's, so a pass here is a pass there
+from xinserve.kernels.triton.decode_attention import default_split_len
 
 RESULTS = ROOT / "benchmarks" / "results" / "cuda_check.json"
 # A Llama-3-70B layer: GQA 8:1, head dim 128; the usual CUDA block size.
@@ -167,8 +167,8 @@ def time_decode(device: torch.device) -> list[dict]:
 
 def probe_registry(device: torch.device) -> dict:
     """What a worker on this GPU would choose for a Llama-3-70B-shaped layer in bf16, and why."""
-    from kernels.model_shapes import ModelShapes
-    from kernels.registry import select
+    from xinserve.kernels.model_shapes import ModelShapes
+    from xinserve.kernels.registry import select
 
     shapes = ModelShapes(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rotary_dim=HEAD_DIM,
                          rope_is_neox=True, hidden_size=8192, intermediate_size=28672, vocab_size=128256,
@@ -182,8 +182,8 @@ def greedy_vs_transformers(device: torch.device) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from engines import LLM, SamplingParams
-    from server.embedded_model.factory import make_tiny_model
+    from xinserve.engines import LLM, SamplingParams
+    from xinserve.server.embedded_model.factory import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_model(tmp, "llama", hidden_size=256, num_heads=8, num_kv_heads=2, num_layers=2)
@@ -209,8 +209,8 @@ def cuda_graphs(device: torch.device) -> dict:
     import tempfile
     import time
 
-    from engines import LLM, SamplingParams
-    from server.embedded_model.factory import make_tiny_model
+    from xinserve.engines import LLM, SamplingParams
+    from xinserve.server.embedded_model.factory import make_tiny_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

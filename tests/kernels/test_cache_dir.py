@@ -2,10 +2,10 @@
 
 from pathlib import Path
 
-import engines.graphs
-import kernels.timing
-import server.embedded
-from kernels.cache_dir import cache_dir
+import xinserve.engines.graphs
+import xinserve.kernels.timing
+import xinserve.server.embedded
+from xinserve.kernels.cache_dir import cache_dir
 
 
 def test_the_cache_dir_is_the_variable_else_the_home_cache(monkeypatch, tmp_path):
@@ -19,6 +19,6 @@ def test_the_cache_dir_is_the_variable_else_the_home_cache(monkeypatch, tmp_path
 
 def test_the_embedded_model_kernel_timings_and_inductor_share_it(monkeypatch, tmp_path):
     monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
-    assert server.embedded.cache_dir is cache_dir
-    assert kernels.timing.cache_path() == tmp_path / "kernel_timings.json"
-    assert engines.graphs.inductor_cache_dir() == tmp_path / "inductor"
+    assert xinserve.server.embedded.cache_dir is cache_dir
+    assert xinserve.kernels.timing.cache_path() == tmp_path / "kernel_timings.json"
+    assert xinserve.engines.graphs.inductor_cache_dir() == tmp_path / "inductor"

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from engines import LLM, SamplingParams
-from kernels import cpp, cpp_build, kv_quant, reference
-from kernels.attention_metadata import build_decode_gather
+from xinserve.engines import LLM, SamplingParams
+from xinserve.kernels import cpp, cpp_build, kv_quant, reference
+from xinserve.kernels.attention_metadata import build_decode_gather
 
 # (head dim, KV heads, query heads, block size)
 SHAPES = [(8, 2, 6, 16), (96, 1, 3, 16), (64, 2, 2, 128), (96, 2, 6, 128), (64, 2, 4, 16)]

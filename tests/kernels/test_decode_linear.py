@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.models.layers import Linear, MergedLinear
-from kernels import cpp, reference, registry
-from kernels.model_shapes import ModelShapes
-from kernels.ops import OPS, KernelOps
+from xinserve.engines.models.layers import Linear, MergedLinear
+from xinserve.kernels import cpp, reference, registry
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.ops import OPS, KernelOps
 
 SHAPES = ModelShapes(num_heads=4, num_kv_heads=2, head_dim=8, rotary_dim=8, rope_is_neox=True, hidden_size=40,
                      intermediate_size=36, vocab_size=50, block_size=4)
@@ -103,7 +103,7 @@ def test_model_layers_multiply_with_the_chosen_linear():
 
 
 def test_a_kernel_built_in_the_background_is_swapped_into_the_linear_layers():
-    from engines.warmup import swap_ops
+    from xinserve.engines.warmup import swap_ops
 
     old, new = reference_ops(), KernelOps.from_functions({**reference.OPS, "linear": cpp.linear})
     model = torch.nn.Sequential(MergedLinear(16, [8, 8], False, old), Linear(16, 4, True, old))
@@ -118,7 +118,7 @@ def reference_ops() -> KernelOps:
 def test_the_registry_probes_and_times_the_cpp_linear(monkeypatch, tmp_path):
     monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(registry.TIMING_ENV_VAR, "on")
-    monkeypatch.setattr("kernels.linear_probes.COLD_BYTES", 4 << 20)  # a quick timing: the choice is not tested
+    monkeypatch.setattr("xinserve.kernels.linear_probes.COLD_BYTES", 4 << 20)  # a quick timing: the choice is not tested
     selection = select_linear(monkeypatch)
     assert "linear" not in selection.rejected
     assert set(selection.timings_ms["linear"]) == {"cpp", "reference"}
@@ -126,7 +126,7 @@ def test_the_registry_probes_and_times_the_cpp_linear(monkeypatch, tmp_path):
 
 
 def test_the_registry_falls_back_to_f_linear_without_the_extension(monkeypatch):
-    monkeypatch.setitem(sys.modules, "kernels.cpp", None)  # importing it raises ImportError, as an unbuildable one
+    monkeypatch.setitem(sys.modules, "xinserve.kernels.cpp", None)  # importing it raises ImportError, as an unbuildable one
     selection = select_linear(monkeypatch)
     assert selection.chosen["linear"] == "reference" and selection.ops.linear is F.linear
     assert selection.rejected["linear"][0][0] == "cpp"
@@ -152,7 +152,7 @@ def test_a_compiled_graph_calls_the_op():
 
 
 def test_greedy_generation_with_the_cpp_linear_equals_f_linear(tiny_models):
-    from engines import LLM, SamplingParams
+    from xinserve.engines import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["Once upon a time " * k for k in (1, 4, 9)]  # a decode batch of 3, prefills through F.linear

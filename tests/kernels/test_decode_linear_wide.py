@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpp_build
 from tests.kernels.test_decode_linear import case  # x, weight, bias of a seeded random case
+from xinserve.kernels import cpp_build
 
 SOURCE = next(path for path in cpp_build.SOURCES if path.name == "decode_linear.cpp")
 WIDE_FLAGS = [*cpp_build.CFLAGS, "-DXINSERVE_DECODE_LINEAR_LANES=16"]
@@ -81,7 +81,7 @@ def test_two_threads_split_the_blocks_alike(wide):
 def test_the_wide_build_is_sixteen_lanes_and_the_native_build_the_machines_width(wide):
     # a build that ignored the flag would pass the tests above on 8 lanes
     assert wide.decode_linear_lanes() == 16
-    from kernels import cpp
+    from xinserve.kernels import cpp
 
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split()

@@ -9,13 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-import engines.engine
-from engines import LLM, SamplingParams
-from engines.platforms import Platform
-from kernels import grouped_mm, reference, registry
-from kernels.model_shapes import ModelShapes
-from kernels.probes import TOLERANCE, max_error
-from kernels.routing import MoeRouting
+import xinserve.engines.engine
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.platforms import Platform
+from xinserve.kernels import grouped_mm, reference, registry
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probes import TOLERANCE, max_error
+from xinserve.kernels.routing import MoeRouting
 
 CPU = torch.device("cpu")
 SOFTMAX = MoeRouting(top_k=2)
@@ -217,8 +217,8 @@ def npu_platform(npu, no_forced_kernels, monkeypatch):
     """get_platform("npu...") answers an Ascend platform whose device is the CPU."""
     platform = Platform(kind="npu", device=CPU, default_block_size=16, default_kv_cache_memory_fraction=0.1,
                         free_memory=lambda: 2**30, synchronize=lambda: None)
-    real = engines.engine.get_platform
-    monkeypatch.setattr(engines.engine, "get_platform",
+    real = xinserve.engines.engine.get_platform
+    monkeypatch.setattr(xinserve.engines.engine, "get_platform",
                         lambda device: platform if device.startswith("npu") else real(device))
 
 

@@ -4,7 +4,7 @@ import mmap
 
 import torch
 
-from kernels import huge_pages
+from xinserve.kernels import huge_pages
 
 
 def test_a_pool_on_huge_pages_is_a_zeroed_tensor_on_a_huge_page_boundary():

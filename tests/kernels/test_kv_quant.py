@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpp, kv_quant, mla_reference, reference
-from kernels.attention_metadata import build_decode_gather
-from kernels.model_shapes import ModelShapes
-from kernels.probes import TOLERANCE, probe_tolerance
-from kernels.registry import select
-from kernels.triton import unsupported as triton_unsupported
+from xinserve.kernels import cpp, kv_quant, mla_reference, reference
+from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probes import TOLERANCE, probe_tolerance
+from xinserve.kernels.registry import select
+from xinserve.kernels.triton import unsupported as triton_unsupported
 
 KINDS = ("bfloat16", "float16", "int8", "fp8_e4m3")
 # Largest relative error of one stored value: bf16 / fp16 mantissas; int8: half a step of absmax / 127;

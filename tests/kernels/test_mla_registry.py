@@ -5,10 +5,10 @@ prefill runs whatever the registry chose."""
 import torch
 from test_registry import fake_module
 
-from engines import LLM, SamplingParams
-from kernels import mla_reference, registry
-from kernels.probes import PROBES, TOLERANCE, ModelShapes, applies, probe
-from kernels.routing import MoeRouting
+from xinserve.engines import LLM, SamplingParams
+from xinserve.kernels import mla_reference, registry
+from xinserve.kernels.probes import PROBES, TOLERANCE, ModelShapes, applies, probe
+from xinserve.kernels.routing import MoeRouting
 
 CPU = torch.device("cpu")
 # tests/engines/test_mla.py's tiny DSA model's attention: kv_lora_rank 32, qk_rope_head_dim 8, dn = dv = 16

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-import engines.engine
-from engines import LLM, SamplingParams
-from engines.platforms import get_platform
-from kernels import kv_quant, reference, registry
-from kernels.attention_metadata import build_decode_gather
-from kernels.model_shapes import ModelShapes
-from kernels.probes import TOLERANCE, scrambled_block_tables
-from kernels.registry import KernelSelectionError, select
+import xinserve.engines.engine
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.platforms import get_platform
+from xinserve.kernels import kv_quant, reference, registry
+from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probes import TOLERANCE, scrambled_block_tables
+from xinserve.kernels.registry import KernelSelectionError, select
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 CPU = torch.device("cpu")
@@ -62,7 +62,7 @@ def install_fakes(monkeypatch: pytest.MonkeyPatch, with_mate: bool) -> ModuleTyp
     monkeypatch.setitem(sys.modules, "mate", load_fake("mate") if with_mate else None)
     monkeypatch.setitem(registry.PREFERENCE, "musa", ("musa", "reference"))
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
-    return fresh_import(monkeypatch, "kernels.musa")
+    return fresh_import(monkeypatch, "xinserve.kernels.musa")
 
 
 @pytest.fixture
@@ -255,8 +255,8 @@ def on_musa(musa, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     fake cannot make MUSA tensors), so the runner selects kernels for platform "musa"."""
     platform = replace(get_platform("cpu"), kind="musa", free_memory=lambda: torch.musa.mem_get_info()[0],
                        synchronize=torch.musa.synchronize)
-    real = engines.engine.get_platform
-    monkeypatch.setattr(engines.engine, "get_platform", lambda device: platform if device == "musa:0" else real(device))
+    real = xinserve.engines.engine.get_platform
+    monkeypatch.setattr(xinserve.engines.engine, "get_platform", lambda device: platform if device == "musa:0" else real(device))
     return musa
 
 

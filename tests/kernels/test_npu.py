@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from engines import LLM, SamplingParams
-from kernels import reference, registry
-from kernels.attention_metadata import build_decode_gather
-from kernels.model_shapes import ModelShapes
-from kernels.probes import TOLERANCE, applies, max_error
+from xinserve.engines import LLM, SamplingParams
+from xinserve.kernels import reference, registry
+from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probes import TOLERANCE, applies, max_error
 
 BS = 128  # Ascend's paged kernels want 128
 

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-import engines.engine
-from engines import LLM, SamplingParams
-from engines.platforms import Platform
-from kernels import registry
+import xinserve.engines.engine
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.platforms import Platform
+from xinserve.kernels import registry
 
 BS = 128  # Ascend's paged kernels want 128
 CPU = torch.device("cpu")
@@ -24,8 +24,8 @@ def npu_platform(npu, monkeypatch):
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     platform = Platform(kind="npu", device=CPU, default_block_size=BS, default_kv_cache_memory_fraction=0.1,
                         free_memory=lambda: 2**30, synchronize=lambda: None)
-    real = engines.engine.get_platform
-    monkeypatch.setattr(engines.engine, "get_platform",
+    real = xinserve.engines.engine.get_platform
+    monkeypatch.setattr(xinserve.engines.engine, "get_platform",
                         lambda device: platform if device.startswith("npu") else real(device))
     return npu
 
@@ -99,8 +99,8 @@ def test_the_kv_pool_is_sized_with_a_captured_graph_held(npu_platform, tiny_mode
 
     monkeypatch.setattr(fake_npu.NPUGraph, "capture_end", counting_capture_end)
     seen = []
-    platform = replace(engines.engine.get_platform("npu:0"), free_memory=lambda: seen.append(len(captures)) or 2**30)
-    monkeypatch.setattr(engines.engine, "get_platform", lambda device: platform)
+    platform = replace(xinserve.engines.engine.get_platform("npu:0"), free_memory=lambda: seen.append(len(captures)) or 2**30)
+    monkeypatch.setattr(xinserve.engines.engine, "get_platform", lambda device: platform)
     model = tiny_models("llama", hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=1)
     llm = LLM(model, device="npu:0", compile="on", dtype="bfloat16", block_size=BS, max_num_seqs=4,
               max_model_len=256, max_num_batched_tokens=256)
@@ -113,7 +113,7 @@ def test_an_mla_model_is_never_captured_on_ascend(npu_platform, tiny_models, cap
     The kernel says so (``graph_capturable = False``), the registry reports it, the runner decodes
     eagerly. DeepSeek's latent shapes (512 / 64), so the Ascend MLA attention is the one chosen."""
     model = tiny_models("deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64)
-    with caplog.at_level("INFO", logger="engines.runner"):
+    with caplog.at_level("INFO", logger="xinserve.engines.runner"):
         llm = LLM(model, device="npu:0", compile="on", dtype="bfloat16", block_size=BS, num_kv_blocks=16, max_num_seqs=2)
     runner = llm.engine.runner
     assert runner.kernels.chosen["mla_decode_attention"] == "npu"

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from engines import LLM, SamplingParams
-from kernels import kv_quant, reference, registry
-from kernels.attention_metadata import build_decode_gather
-from kernels.model_shapes import ModelShapes
-from kernels.probes import TOLERANCE, max_error, scrambled_block_tables
+from xinserve.engines import LLM, SamplingParams
+from xinserve.kernels import kv_quant, reference, registry
+from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probes import TOLERANCE, max_error, scrambled_block_tables
 
 BS = 128  # Ascend's paged kernels want 128
 CPU = torch.device("cpu")
@@ -33,7 +33,7 @@ KIND_IDS = ["bf16-int8", "fp16-int8", "fp32-bf16", "fp32-fp16"]
 
 @pytest.fixture
 def npu_kv(npu, no_forced_kernels) -> ModuleType:
-    return importlib.import_module("kernels.npu_kv")
+    return importlib.import_module("xinserve.kernels.npu_kv")
 
 
 def stored(num_blocks: int, kv_dtype: torch.dtype, heads: int = 2, head_dim: int = 64, seed: int = 0):

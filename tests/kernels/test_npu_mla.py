@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels import registry
-from kernels.model_shapes import ModelShapes
-from kernels.probes import TOLERANCE, probe
-from kernels.routing import MoeRouting
+from xinserve.kernels import registry
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probes import TOLERANCE, probe
+from xinserve.kernels.routing import MoeRouting
 
 CPU = torch.device("cpu")
 MLA_OPS = ("write_latent", "mla_decode_attention", "indexer_topk")

@@ -10,13 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines import LLM, SamplingParams
-from kernels import reference, registry
-from kernels.model_shapes import ModelShapes
-from kernels.probes import TOLERANCE, max_error
-from kernels.quantized_weight import QuantizedWeight, QuantShape, dequantize, pack_int4, quantize_activation
-from kernels.routing import MoeRouting
 from tests.engines.quantization.modelslim_checkpoints import write_w8a8_dynamic
+from xinserve.engines import LLM, SamplingParams
+from xinserve.kernels import reference, registry
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probes import TOLERANCE, max_error
+from xinserve.kernels.quantized_weight import (
+    QuantizedWeight,
+    QuantShape,
+    dequantize,
+    pack_int4,
+    quantize_activation,
+)
+from xinserve.kernels.routing import MoeRouting
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -28,9 +34,9 @@ def no_forced_kernels(monkeypatch) -> None:
 
 @pytest.fixture(scope="module")
 def quant(npu) -> ModuleType:
-    import kernels.npu_quant
+    import xinserve.kernels.npu_quant
 
-    return kernels.npu_quant
+    return xinserve.kernels.npu_quant
 
 
 def _record(out_features: int, in_features: int, bits: int, activation: str, group: int | None = None,

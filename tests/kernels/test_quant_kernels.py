@@ -7,12 +7,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels import quant_dequant, quant_int8, quant_reference
-from kernels.model_shapes import ModelShapes
-from kernels.probe_inputs import max_error
-from kernels.quant_probes import random_weight
-from kernels.quantized_weight import QuantShape, dequantize, expand_grid, quantize_activation, unpack_int4
-from kernels.registry import select
+from xinserve.kernels import quant_dequant, quant_int8, quant_reference
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probe_inputs import max_error
+from xinserve.kernels.quant_probes import random_weight
+from xinserve.kernels.quantized_weight import (
+    QuantShape,
+    dequantize,
+    expand_grid,
+    quantize_activation,
+    unpack_int4,
+)
+from xinserve.kernels.registry import select
 
 SHAPES = [
     QuantShape("int8", (1, 48), "int8_per_token", False, 40, 48),  # W8A8 per channel

@@ -6,12 +6,12 @@ probe on a model's quantized shapes."""
 import pytest
 import torch
 
-from kernels import quant_reference
-from kernels.probe_inputs import ProbeInputs, max_error
-from kernels.probes import TOLERANCE
-from kernels.quant_probes import probe_quant_linear, random_weight
-from kernels.triton import OPS, quant_gemm
 from tests.kernels.test_quant_kernels import SHAPES, model_shapes
+from xinserve.kernels import quant_reference
+from xinserve.kernels.probe_inputs import ProbeInputs, max_error
+from xinserve.kernels.probes import TOLERANCE
+from xinserve.kernels.quant_probes import probe_quant_linear, random_weight
+from xinserve.kernels.triton import OPS, quant_gemm
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.qtype}-{s.block}-{s.activation}")

@@ -4,7 +4,7 @@ own scale, zero points and static activation offsets apply as documented."""
 import pytest
 import torch
 
-from kernels.quantized_weight import (
+from xinserve.kernels.quantized_weight import (
     QuantizedWeight,
     dequantize,
     expand_grid,

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from kernels import reference as ref
-from kernels.attention_metadata import DecodeGather, build_decode_gather
+from xinserve.kernels import reference as ref
+from xinserve.kernels.attention_metadata import DecodeGather, build_decode_gather
 
 NUM_BLOCKS, BLOCK_SIZE, KVH, H, D = 24, 4, 2, 6, 8  # GQA: 3 query heads per KV head
 

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engines import LLM, SamplingParams
-from kernels import reference, registry
-from kernels.model_shapes import ModelShapes
-from kernels.registry import KernelSelectionError, parse_forced, select
+from xinserve.engines import LLM, SamplingParams
+from xinserve.kernels import reference, registry
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.registry import KernelSelectionError, parse_forced, select
 
 SHAPES = ModelShapes(num_heads=6, num_kv_heads=2, head_dim=8, rotary_dim=8, rope_is_neox=True, hidden_size=48,
                      intermediate_size=40, vocab_size=100, block_size=4)
@@ -48,7 +48,7 @@ def candidates(monkeypatch):
     fake_module("narrow", monkeypatch, OPS={"silu_and_mul": copy_of_reference},
                 unsupported=lambda op, shapes, dtype: f"head_dim {shapes.head_dim} unsupported")
     fake_module("good", monkeypatch, OPS={"silu_and_mul": copy_of_reference})
-    monkeypatch.setitem(registry.MODULES, "absent", "kernels.absent_vendor_module")
+    monkeypatch.setitem(registry.MODULES, "absent", "xinserve.kernels.absent_vendor_module")
     monkeypatch.setitem(registry.PREFERENCE, "cpu", ("absent", "raising", "off", "narrow", "good", "reference"))
 
 
@@ -78,7 +78,7 @@ def test_each_failing_candidate_is_rejected_with_its_reason(candidates):
     assert selection.chosen["silu_and_mul"] == "good"
     assert selection.ops.silu_and_mul is copy_of_reference
     reasons = dict(selection.rejected["silu_and_mul"])
-    assert reasons["absent"].startswith("not installed (No module named 'kernels.absent_vendor_module'")
+    assert reasons["absent"].startswith("not installed (No module named 'xinserve.kernels.absent_vendor_module'")
     assert reasons["raising"] == "raised RuntimeError: aclnnSwiGlu failed, error code 161002"
     assert reasons["off"] == "max abs err 1.0e-01 > 2e-03"
     assert reasons["narrow"] == "head_dim 8 unsupported"
@@ -138,8 +138,8 @@ def test_the_model_calls_the_chosen_implementation(tiny_models, monkeypatch):
 def test_every_probe_accepts_the_reference_itself(monkeypatch):
     """The probes compare like with like: the reference, probed as a candidate, has no error
     (also for a windowed mixture-of-experts model, whose probes exercise the window and routing)."""
-    from kernels.probes import PROBES, applies, probe
-    from kernels.routing import MoeRouting
+    from xinserve.kernels.probes import PROBES, applies, probe
+    from xinserve.kernels.routing import MoeRouting
 
     routing = MoeRouting(top_k=2, scoring="sigmoid", num_groups=2, correction_bias=True, scaling_factor=2.0)
     moe_windowed = replace(SHAPES, sliding_window=5, num_experts=8, moe_intermediate_size=24, moe_routing=routing)
@@ -185,7 +185,7 @@ def test_the_fastest_correct_candidate_wins_and_timings_are_cached(monkeypatch, 
 
 
 def test_ties_go_to_the_preferred_candidate():
-    from kernels.timing import fastest
+    from xinserve.kernels.timing import fastest
 
     assert fastest({"reference": 1.0, "cpp": 1.0}, ("cpp", "reference")) == "cpp"
     assert fastest({"reference": 0.5, "cpp": 1.0}, ("cpp", "reference")) == "reference"

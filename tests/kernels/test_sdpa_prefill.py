@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import kv_quant, registry, sdpa_prefill
-from kernels import reference as ref
-from kernels.model_shapes import ModelShapes
-from kernels.probe_inputs import scrambled_block_tables
+from xinserve.kernels import kv_quant, registry, sdpa_prefill
+from xinserve.kernels import reference as ref
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probe_inputs import scrambled_block_tables
 
 BLOCK_SIZE, D = 16, 32
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-import kernels.triton as triton_ops
-from kernels import reference
-from kernels.attention_metadata import build_decode_gather
-from kernels.probe_inputs import scrambled_block_tables
-from kernels.triton import decode_attention
+import xinserve.kernels.triton as triton_ops
+from xinserve.kernels import reference
+from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.probe_inputs import scrambled_block_tables
+from xinserve.kernels.triton import decode_attention
 
 FP32 = {"atol": 2e-5, "rtol": 2e-5}
 BF16 = {"atol": 2e-2, "rtol": 2e-2}
@@ -175,8 +175,8 @@ def test_prefill_without_sequences_returns_empty() -> None:
 
 def test_the_registry_probes_and_chooses_the_triton_kernels(monkeypatch):
     """Through the registry's own probes (model-shaped inputs vs the reference), as on a GPU."""
-    from kernels import registry
-    from kernels.model_shapes import ModelShapes
+    from xinserve.kernels import registry
+    from xinserve.kernels.model_shapes import ModelShapes
 
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     monkeypatch.setitem(registry.PREFERENCE, "cpu", ("triton", "reference"))

@@ -8,8 +8,8 @@ over a decode bucket's padded plan (engines/decode_buckets.py):
 import numpy as np
 import torch
 
-from kernels import mla_reference, reference
-from kernels.attention_metadata import AttentionMetadata, DecodeGather, build_decode_gather
+from xinserve.kernels import mla_reference, reference
+from xinserve.kernels.attention_metadata import AttentionMetadata, DecodeGather, build_decode_gather
 
 BS, R, DR, DN, DV, H = 4, 16, 8, 8, 8, 4  # block size, latent rank, rope / nope / value dims, heads
 TABLE = [6, 2, 9, 0, 4]  # one sequence's blocks, scrambled

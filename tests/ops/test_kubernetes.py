@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.config import parse_config
+from xinserve.server.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "ascend", "musa")

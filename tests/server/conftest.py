@@ -86,7 +86,7 @@ def concurrent_greedy_chats(
 
 
 class ServerProcess:
-    """``python -m server.cli serve ARGS`` in a subprocess; ``url`` is ready once ``wait_ready`` returns."""
+    """``python -m xinserve.server.cli serve ARGS`` in a subprocess; ``url`` is ready once ``wait_ready`` returns."""
 
     def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.port = free_port()
@@ -96,7 +96,7 @@ class ServerProcess:
         self._terminated = False
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            [sys.executable, "-m", "xinserve.server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
             cwd=REPO_ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
         )
 
@@ -355,7 +355,7 @@ def schemas() -> Schemas:
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> Any:
     """The embedded model's tokenizer, built in memory (byte-level BPE with a chat template)."""
-    from server.embedded_model.tokenizer import build_tokenizer
+    from xinserve.server.embedded_model.tokenizer import build_tokenizer
 
     return build_tokenizer()
 

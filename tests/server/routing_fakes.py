@@ -1,7 +1,7 @@
 """Fake workers and pools for the router's tests: load, capacity and readiness, nothing else."""
 
-from server.config import ModelSettings
-from server.router import Router
+from xinserve.server.config import ModelSettings
+from xinserve.server.router import Router
 
 
 class Worker:

@@ -5,11 +5,11 @@ import asyncio
 import json
 import re
 
-from engines.outputs import StepOutput, TokenLogprob
-from server.app import create_app
-from server.config import parse_config
-from server.fanout import RequestStream
-from server.responses import TokenTexts
+from xinserve.engines.outputs import StepOutput, TokenLogprob
+from xinserve.server.app import create_app
+from xinserve.server.config import parse_config
+from xinserve.server.fanout import RequestStream
+from xinserve.server.responses import TokenTexts
 
 TEXT = 'Hello there, "friend"! \\ café 😀 <tab>\there\nnew line'
 TOOL_TEXT = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'

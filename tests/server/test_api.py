@@ -353,7 +353,7 @@ def test_metrics_names(server, http):
 
 
 def test_64_concurrent_streams_match_offline(server, client):
-    from engines import LLM, SamplingParams
+    from xinserve.engines import LLM, SamplingParams
 
     prompts = [f"Story number {i}: the {['river', 'library', 'bread', 'harbour'][i % 4]}" for i in range(64)]
     max_tokens = [4 + i % 13 for i in range(64)]
@@ -422,7 +422,7 @@ def test_request_log_lines(server):
 
 
 def test_bench_against_this_server(server):
-    from server import bench
+    from xinserve.server import bench
 
     parser = argparse.ArgumentParser()
     bench.add_args(parser)

@@ -9,8 +9,8 @@ import asyncio
 import httpx
 import pytest
 
-from server.app import create_app
-from server.config import parse_config
+from xinserve.server.app import create_app
+from xinserve.server.config import parse_config
 
 KEY = "sk-unit"
 

@@ -1,7 +1,7 @@
 """``xinserve bench`` end to end against a live server: two concurrencies in one run over a dataset
 with categories, an open-loop run, the JSON document, and PNG plots of one and of two servers.
 
-The command runs in this process (``server.cli.main``, what ``python -m server.cli`` calls before it
+The command runs in this process (``xinserve.server.cli.main``, what ``python -m xinserve.server.cli`` calls before it
 exits): a subprocess would import torch again for each run, ~7 CPU s quiet and ~14 under load, for a
 load generator that never uses it. ``tests/engines/test_process_exit.py`` runs the real command."""
 
@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from benchmarks import make_dataset
-from server.cli import main
 from tests.server.conftest import KEY_A
+from xinserve.server.cli import main
 
 PNG_SIZE = (1100, 750)  # figsize 11 x 7.5 inches at 100 dpi
 

@@ -14,10 +14,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from server.bench import dataset, report
-from server.bench.client import RequestResult, one_request
-from server.bench.load import Level, levels, run_level
-from server.bench.stats import by_category, distribution, summarize
+from xinserve.server.bench import dataset, report
+from xinserve.server.bench.client import RequestResult, one_request
+from xinserve.server.bench.load import Level, levels, run_level
+from xinserve.server.bench.stats import by_category, distribution, summarize
 
 
 def test_percentiles_of_known_samples():

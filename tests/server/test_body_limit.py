@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from server.app import create_app
-from server.config import parse_config
+from xinserve.server.app import create_app
+from xinserve.server.config import parse_config
 
 MODEL = "tiny"
 HUGE = 30 * 1000 * 1000

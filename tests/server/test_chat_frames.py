@@ -2,9 +2,9 @@
 
 import pytest
 
-from server.responses import chat_chunk, chunk_choice
-from server.routes.chat_frames import ContentFrames
-from server.routes.common import sse_frame
+from xinserve.server.responses import chat_chunk, chunk_choice
+from xinserve.server.routes.chat_frames import ContentFrames
+from xinserve.server.routes.common import sse_frame
 
 TEXTS = ["Hello", " there", '"quoted" \\ back', "tab\tnew\nline\r\x00\x1f\x7f", "café 😀 日本", "\ufffd", "</script>",
          "\u2028\u2029"]

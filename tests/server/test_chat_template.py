@@ -2,10 +2,10 @@
 
 import pytest
 
-from server.chat_template import chat_prompt_ids, template_message
-from server.config import LimitsSettings
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, ChatMessage
+from xinserve.server.chat_template import chat_prompt_ids, template_message
+from xinserve.server.config import LimitsSettings
+from xinserve.server.errors import APIError
+from xinserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 MAX_CHARS = LimitsSettings().max_prompt_chars
 

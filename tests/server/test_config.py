@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import _add_serve_args, build_config
-from server.config import ConfigError, load_config, parse_config
+from xinserve.server.cli import _add_serve_args, build_config
+from xinserve.server.config import ConfigError, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,7 @@
 """Which CPU workers time their thread count at start (engines/thread_split.py): the server's side."""
 
-from server.config import parse_config
-from server.pool import ModelPool
+from xinserve.server.config import parse_config
+from xinserve.server.pool import ModelPool
 
 
 def engine_kwargs(**settings) -> dict:

@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from server import doctor
+from xinserve.server import doctor
 
 
 def test_report_names_what_is_missing_and_why():

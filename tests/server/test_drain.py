@@ -8,7 +8,7 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from server.drain import Drain, DrainMiddleware
+from xinserve.server.drain import Drain, DrainMiddleware
 
 
 class Worker:

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from server.embedded_model.factory import ARCHS, ensure_tiny_model, make_tiny_model
-from server.embedded_model.tokenizer import build_tokenizer
+from xinserve.server.embedded_model.factory import ARCHS, ensure_tiny_model, make_tiny_model
+from xinserve.server.embedded_model.tokenizer import build_tokenizer
 
 TEXTS = [
     "The river meets the sea.",

@@ -1,4 +1,4 @@
-"""Every engine setting is defined once (``engines.EngineConfig``): each is a per-model YAML key and a
+"""Every engine setting is defined once (``xinserve.engines.EngineConfig``): each is a per-model YAML key and a
 ``serve`` flag with the same default, help text and bounds, and a value round-trips from the flag
 through the YAML config into the engine's config. These tests keep the lists from drifting apart."""
 
@@ -9,12 +9,12 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 import yaml
 
-from engines import EngineConfig
-from server.cli import MODEL_FLAGS, build_config
-from server.config import ConfigError, parse_config
-from server.engine_settings import PER_WORKER, PLACED
-from server.model_settings import ModelSettings
 from tests.server.test_config import args
+from xinserve.engines import EngineConfig
+from xinserve.server.cli import MODEL_FLAGS, build_config
+from xinserve.server.config import ConfigError, parse_config
+from xinserve.server.engine_settings import PER_WORKER, PLACED
+from xinserve.server.model_settings import ModelSettings
 
 ENGINE_FIELDS = {f.name: f for f in fields(EngineConfig)}
 

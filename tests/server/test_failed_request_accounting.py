@@ -13,12 +13,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.outputs import StepOutput
-from server.app import create_app
-from server.config import parse_config
-from server.fanout import RequestStream
-from server.messages import RequestError
-from server.responses import TokenTexts
+from xinserve.engines.outputs import StepOutput
+from xinserve.server.app import create_app
+from xinserve.server.config import parse_config
+from xinserve.server.fanout import RequestStream
+from xinserve.server.messages import RequestError
+from xinserve.server.responses import TokenTexts
 
 KEY = "sk-team-a-8c1d2e"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -3,11 +3,11 @@ is a few bytes, and every message about the request (outputs, failures, aborts) 
 
 import zmq
 
-from engines.outputs import StepOutput
-from engines.sampling_params import SamplingParams
-from server import messages
-from server.messages import Abort, Add, Failed, Outputs, RequestError
-from server.worker_client import READY, WorkerClient
+from xinserve.engines.outputs import StepOutput
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.server import messages
+from xinserve.server.messages import Abort, Add, Failed, Outputs, RequestError
+from xinserve.server.worker_client import READY, WorkerClient
 
 HTTP_ID = "chatcmpl-0123456789abcdef0123456789abcdef"  # the shape of the ids the routes make
 

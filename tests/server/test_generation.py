@@ -9,12 +9,12 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from engines.outputs import StepOutput
-from engines.sampling_params import SamplingParams
-from server.errors import APIError
-from server.fanout import RequestStream
-from server.generation import Generation
-from server.messages import RequestError
+from xinserve.engines.outputs import StepOutput
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.server.errors import APIError
+from xinserve.server.fanout import RequestStream
+from xinserve.server.generation import Generation
+from xinserve.server.messages import RequestError
 
 TEXT = "The river runs to the sea."
 

@@ -5,11 +5,11 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from engines.outputs import StepOutput
-from engines.sampling_params import SamplingParams
-from server.fanout import RequestStream
-from server.generation import Generation
-from server.routes.generate import GenerationGroup
+from xinserve.engines.outputs import StepOutput
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.server.fanout import RequestStream
+from xinserve.server.generation import Generation
+from xinserve.server.routes.generate import GenerationGroup
 
 
 class QueueWorker:

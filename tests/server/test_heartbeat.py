@@ -12,12 +12,12 @@ import time
 
 import zmq
 
-from engines.outputs import EngineStats
-from engines.sampling_params import SamplingParams
-from server import heartbeat
-from server.messages import Outputs, RequestError, Shutdown, Stats, decode_from_worker, encode
-from server.worker import WorkerLoop
-from server.worker_client import READY, UNRESPONSIVE, WorkerClient
+from xinserve.engines.outputs import EngineStats
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.server import heartbeat
+from xinserve.server.messages import Outputs, RequestError, Shutdown, Stats, decode_from_worker, encode
+from xinserve.server.worker import WorkerLoop
+from xinserve.server.worker_client import READY, UNRESPONSIVE, WorkerClient
 
 TIMEOUT = 2.0
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from server.hub import local_path, local_snapshot, looks_like_hub_id
+from xinserve.server.hub import local_path, local_snapshot, looks_like_hub_id
 
 
 def test_what_counts_as_a_hub_id(tmp_path):

@@ -10,10 +10,10 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.config import parse_config
-from server.pool import ModelPool
 from tests.engines.test_kv_events import DECODER, VBlockRemoved, VBlockStored, replay, replay_socket
 from tests.server.conftest import KV_FLEET_MODEL
+from xinserve.server.config import parse_config
+from xinserve.server.pool import ModelPool
 
 MODEL = KV_FLEET_MODEL  # one of the models of the shared assorted_server (tests/server/conftest.py)
 PROMPT = [(7 * i) % 250 + 3 for i in range(70)]  # 4 full blocks of 16

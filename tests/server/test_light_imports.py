@@ -9,13 +9,13 @@ import threading
 
 import pytest
 
-from server import heavy_imports
 from tests.server.conftest import REPO_ROOT
+from xinserve.server import heavy_imports
 
 HEAVY = ("torch", "transformers", "xgrammar", "sympy", "safetensors")
 
 
-@pytest.mark.parametrize("module", ["server.app", "server.cli", "server.pool", "server.protocol"])
+@pytest.mark.parametrize("module", ["xinserve.server.app", "xinserve.server.cli", "xinserve.server.pool", "xinserve.server.protocol"])
 def test_importing_the_http_side_leaves_the_heavy_modules_out(module):
     # A fresh interpreter: this test process has imported torch long ago.
     code = f"import json, sys, {module}; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"

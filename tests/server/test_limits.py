@@ -5,11 +5,11 @@ import asyncio
 import httpx
 import pytest
 
-from server.app import create_app
-from server.config import LimitsSettings, parse_config
-from server.errors import APIError
-from server.limits import cap_max_tokens, check_chat, check_completion
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from xinserve.server.app import create_app
+from xinserve.server.config import LimitsSettings, parse_config
+from xinserve.server.errors import APIError
+from xinserve.server.limits import cap_max_tokens, check_chat, check_completion
+from xinserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 LIMITS = LimitsSettings(max_messages=2, max_prompt_chars=10, max_stop_chars=5, max_n=2, max_tokens=8)
 

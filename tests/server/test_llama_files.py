@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from server.embedded import resolve_model_path
-from server.embedded_model.llama_files import write_llama
-from server.model_settings import ModelSettings
+from xinserve.server.embedded import resolve_model_path
+from xinserve.server.embedded_model.llama_files import write_llama
+from xinserve.server.model_settings import ModelSettings
 
 
 def _same_files(left: Path, right: Path) -> None:

@@ -3,10 +3,10 @@
 import msgspec
 import pytest
 
-from engines.outputs import EngineStats, StepOutput, TokenLogprob
-from engines.sampling_params import SamplingParams
-from server import messages
-from server.messages import Abort, Failed, LoadFailed, Outputs, Ready, RequestError, Shutdown, Stats
+from xinserve.engines.outputs import EngineStats, StepOutput, TokenLogprob
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.server import messages
+from xinserve.server.messages import Abort, Failed, LoadFailed, Outputs, Ready, RequestError, Shutdown, Stats
 
 STATS = EngineStats(1, 2, 0.5, 3, 4, 5, 6, 7)
 

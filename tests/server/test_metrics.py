@@ -4,8 +4,14 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.outputs import EngineStats
-from server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics, observe_many
+from xinserve.engines.outputs import EngineStats
+from xinserve.server.metrics import (
+    EngineStatsCollector,
+    KeyMetrics,
+    LimitedKeyView,
+    RequestMetrics,
+    observe_many,
+)
 
 DESIGN_NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                 "generation_tokens_total", "num_preemptions_total", "request_success_total",

@@ -6,8 +6,8 @@ greedy text equals the offline engine's (itself equal to transformers', tests/en
 import httpx
 import pytest
 
-from engines import LLM, SamplingParams
 from tests.server.conftest import MLA_MODEL, check_chat_stream, sse_events
+from xinserve.engines import LLM, SamplingParams
 
 MODEL = MLA_MODEL  # one of the models of the shared assorted_server (tests/server/conftest.py)
 

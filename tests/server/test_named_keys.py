@@ -6,8 +6,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.config import ConfigError, parse_config
 from tests.server.conftest import KEY_A, KEY_B, KEY_PLAIN
+from xinserve.server.config import ConfigError, parse_config
 
 ALL_KEYS = (KEY_A, KEY_B, KEY_PLAIN)
 MODELS = [{"name": "tiny", "path": "embedded:xinserve-tiny"}, {"name": "other", "path": "embedded:xinserve-tiny"}]

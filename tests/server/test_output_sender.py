@@ -11,11 +11,11 @@ import time
 import pytest
 import zmq
 
-from server import messages
-from server.messages import Outputs, Shutdown
-from server.output_sender import OutputSender
-from server.worker import WorkerLoop
 from tests.server.test_worker_loop import ScriptedEngine, add
+from xinserve.server import messages
+from xinserve.server.messages import Outputs, Shutdown
+from xinserve.server.output_sender import OutputSender
+from xinserve.server.worker import WorkerLoop
 
 TIMEOUT_S = 10
 

@@ -27,7 +27,7 @@ def server(start_server, tiny_model_dir):
 
 
 def test_twelve_streams_answer_as_one_device_and_health_shows_the_stages(server, tiny_model_dir):
-    from engines import LLM, SamplingParams
+    from xinserve.engines import LLM, SamplingParams
 
     (worker,) = health(server)["workers"]
     assert [(r["rank"], r["role"]["pp_stage"], r["role"]["layers"], r["state"]) for r in worker["ranks"]] == [

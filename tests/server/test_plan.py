@@ -4,7 +4,7 @@ does not fit, 2 for a bad argument; a directory holding only config.json is enou
 import json
 import shutil
 
-from server.cli import main
+from xinserve.server.cli import main
 
 KEYS = {"parameters", "weight_bytes_per_device", "kv_bytes_per_token_per_device", "max_sequences", "fits", "reason"}
 

@@ -3,9 +3,9 @@
 import pytest
 from pydantic import ValidationError
 
-from engines import SamplingParams
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from xinserve.engines import SamplingParams
+from xinserve.server.errors import APIError
+from xinserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from server.reasoning import ThinkSplitter, reasoning_for
-from server.reasoning.parsers import starts_in_reasoning, thinking_disabled
+from xinserve.server.reasoning import ThinkSplitter, reasoning_for
+from xinserve.server.reasoning.parsers import starts_in_reasoning, thinking_disabled
 
 CASES = [
     # (starts inside, output, reasoning, content)

@@ -3,11 +3,11 @@
 import pytest
 from transformers import AutoTokenizer
 
-from engines.detokenizer import text_offsets
-from engines.outputs import TokenLogprob
-from server import responses
-from server.embedded_model.tokenizer import make_tokenizer
-from server.responses import TokenTexts
+from xinserve.engines.detokenizer import text_offsets
+from xinserve.engines.outputs import TokenLogprob
+from xinserve.server import responses
+from xinserve.server.embedded_model.tokenizer import make_tokenizer
+from xinserve.server.responses import TokenTexts
 
 
 @pytest.fixture(scope="module")

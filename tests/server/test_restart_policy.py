@@ -1,6 +1,6 @@
 """Restart backoff: doubling from 1 s, capped at 60 s, reset by 5 minutes of health."""
 
-from server.restart_policy import RestartBackoff
+from xinserve.server.restart_policy import RestartBackoff
 
 
 def test_delays_double_up_to_the_cap():

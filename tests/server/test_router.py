@@ -6,8 +6,8 @@ import asyncio
 import pytest
 from routing_fakes import Pool, Worker, router
 
-from server.errors import APIError
-from server.pool import worker_labels
+from xinserve.server.errors import APIError
+from xinserve.server.pool import worker_labels
 
 
 def test_least_loaded_ready_worker_wins():

@@ -7,9 +7,9 @@ import time
 import pytest
 from routing_fakes import Pool, Worker, any_model, router
 
-from server.errors import APIError
-from server.router import Router
-from server.routes.prompt import route_encoded
+from xinserve.server.errors import APIError
+from xinserve.server.router import Router
+from xinserve.server.routes.prompt import route_encoded
 
 
 async def start(r: Router, encode) -> str:

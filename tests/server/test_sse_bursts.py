@@ -5,7 +5,7 @@ import json
 
 from starlette.requests import Request
 
-from server.routes.common import sse_response
+from xinserve.server.routes.common import sse_response
 
 
 class _Group:

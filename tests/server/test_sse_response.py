@@ -11,14 +11,14 @@ from fastapi import Request
 from prometheus_fastapi_instrumentator.middleware import PrometheusInstrumentatorMiddleware
 from sse_starlette.sse import EventSourceResponse
 
-from server.anthropic import AnthropicErrorMiddleware
-from server.app import create_app
-from server.body_limit import BodyLimitMiddleware
-from server.config import parse_config
-from server.drain import DrainMiddleware
-from server.key_usage import KeyUsageMiddleware
-from server.request_log import RequestLogMiddleware
-from server.sse import DirectSendMiddleware, SSEResponse
+from xinserve.server.anthropic import AnthropicErrorMiddleware
+from xinserve.server.app import create_app
+from xinserve.server.body_limit import BodyLimitMiddleware
+from xinserve.server.config import parse_config
+from xinserve.server.drain import DrainMiddleware
+from xinserve.server.key_usage import KeyUsageMiddleware
+from xinserve.server.request_log import RequestLogMiddleware
+from xinserve.server.sse import DirectSendMiddleware, SSEResponse
 
 CHUNKS = [b'data: {"a":1}\n\n', b'data: {"b":"\\u00e9 \\n"}\n\ndata: {"c":3}\n\n', b"data: [DONE]\n\n"]
 

@@ -14,7 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def serve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args],
+        [sys.executable, "-m", "xinserve.server.cli", "serve", "--host", "127.0.0.1", "--port", "0", *args],
         check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
 
@@ -48,3 +48,15 @@ def test_one_failed_device_leaves_the_others_serving(start_server, tiny_model_di
     r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
     srv.stop()
+
+
+@pytest.mark.slow
+def test_a_tokenizer_that_cannot_load_ends_with_its_error_alone(stories_dir, tmp_path):
+    """The model's workers are closed when its tokenizer fails, and again at shutdown: the second close
+    once raised ZMQError (``Socket operation on non-socket``) after the error line."""
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')
+    done = serve("--model", str(stories_dir), "--tokenizer", str(tmp_path))
+    assert done.returncode == 1
+    assert "xinserve: no worker of any model could start:" in done.stderr
+    assert "cannot load the tokenizer of stories260K" in done.stderr
+    assert "Traceback" not in done.stderr and "ZMQError" not in done.stderr

@@ -9,13 +9,13 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from engines.sampling_params import SamplingParams
-from server.app import create_app
-from server.config import parse_config
-from server.generation import Generation
-from server.responses import TokenTexts
-from server.stream_push import StreamPush
 from tests.server.stream_golden_requests import _VOLATILE, TEXT, ScriptedWorker, body_bytes
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.server.app import create_app
+from xinserve.server.config import parse_config
+from xinserve.server.generation import Generation
+from xinserve.server.responses import TokenTexts
+from xinserve.server.stream_push import StreamPush
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
 ENDPOINTS = [("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi", "max_tokens": 64})]

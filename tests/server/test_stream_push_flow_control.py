@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from benchmarks.stepping_worker import SteppingWorker
-from server import stream_push
-from server.app import create_app
-from server.config import parse_config
-from server.responses import TokenTexts
+from xinserve.server import stream_push
+from xinserve.server.app import create_app
+from xinserve.server.config import parse_config
+from xinserve.server.responses import TokenTexts
 
 TEXT = "the quick brown fox jumps over a lazy dog while seven happy cats watch from the old red barn"
 MAX_TOKENS = 400

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from server.stream_queue import ItemQueue
+from xinserve.server.stream_queue import ItemQueue
 
 
 def test_items_come_out_in_order_and_a_waiting_reader_wakes():

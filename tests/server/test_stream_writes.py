@@ -7,9 +7,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from engines.outputs import StepOutput
-from server.fanout import RequestStream
 from tests.server.stream_golden_requests import post_stream
+from xinserve.engines.outputs import StepOutput
+from xinserve.server.fanout import RequestStream
 
 
 class OneAtATime(asyncio.Queue):

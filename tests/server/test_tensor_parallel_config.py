@@ -3,10 +3,10 @@ the model, and which ranks each node runs."""
 
 import pytest
 
-from server.cli import build_config
-from server.config import ConfigError, parse_config
-from server.pool import ModelPool, group_engine_kwargs, local_cpu_ranks
 from tests.server.test_config import args
+from xinserve.server.cli import build_config
+from xinserve.server.config import ConfigError, parse_config
+from xinserve.server.pool import ModelPool, group_engine_kwargs, local_cpu_ranks
 
 
 def model(**kw) -> dict:
@@ -64,7 +64,7 @@ def test_every_groups_rendezvous_port_must_exist():
 def test_a_replica_of_tp_times_pp_ranks():
     """A pipeline multiplies the ranks of a replica: 8 cards at TP 2 x PP 2 are two replicas of 4,
     each rank's engine told the tensor-parallel size of its stage."""
-    from server.config import DistributedSettings
+    from xinserve.server.config import DistributedSettings
 
     settings = parse_config(model(workers=[f"npu:{i}" for i in range(8)], tensor_parallel_size=2,
                                   pipeline_parallel_size=2)).models[0]

@@ -29,7 +29,7 @@ def server(start_server, tiny_model_dir):
 @pytest.fixture(scope="module")
 def offline(tiny_model_dir):
     """One device, in this process: what the two ranks must answer."""
-    from engines import LLM
+    from xinserve.engines import LLM
 
     return LLM(tiny_model_dir, num_kv_blocks=128)
 
@@ -56,7 +56,7 @@ def test_health_lists_both_ranks(server):
 
 
 def test_api_answers_as_one_device(server, offline):
-    from engines import SamplingParams
+    from xinserve.engines import SamplingParams
 
     prompts = [f"Story number {i}: the {['river', 'library', 'bread', 'harbour'][i % 4]}" for i in range(12)]
     max_tokens = [4 + i % 9 for i in range(12)]
@@ -113,7 +113,7 @@ def test_a_killed_rank_fails_the_replica_and_it_comes_back(server):
 def test_two_nodes_on_one_machine_serve_a_request(start_server, tiny_model_dir, offline, split):
     """Node 0 runs rank 0 and HTTP; node 1 (a second ``xinserve serve``) runs rank 1 only: a tensor-
     parallel shard, or the pipeline's second stage."""
-    from engines import SamplingParams
+    from xinserve.engines import SamplingParams
 
     common = ["--model", str(tiny_model_dir), "--served-model-name", MODEL, "--device", "cpu",
               *split, "--num-kv-blocks", "64", "--nnodes", "2",

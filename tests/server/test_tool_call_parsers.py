@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from server.tool_calls import PARSERS, detect, parser_for
-from server.tool_calls.forced import NamedCall, RequiredCalls
-from server.tool_calls.stream import ParsedCalls
+from xinserve.server.tool_calls import PARSERS, detect, parser_for
+from xinserve.server.tool_calls.forced import NamedCall, RequiredCalls
+from xinserve.server.tool_calls.stream import ParsedCalls
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "tool_calls"
 TOOLS = [
@@ -143,7 +143,7 @@ def test_configured_parser_wins_over_the_template():
 def test_the_model_setting_offers_every_parser():
     from typing import get_args
 
-    from server.config import ModelSettings
+    from xinserve.server.config import ModelSettings
 
     (names, _) = get_args(ModelSettings.model_fields["tool_call_parser"].annotation)
     assert set(get_args(names)) == set(PARSERS)
@@ -152,7 +152,7 @@ def test_the_model_setting_offers_every_parser():
 def test_the_serve_flag_selects_the_parser_of_every_model(tmp_path):
     import argparse
 
-    from server.cli import _add_serve_args, build_config
+    from xinserve.server.cli import _add_serve_args, build_config
 
     parser = argparse.ArgumentParser()
     _add_serve_args(parser)

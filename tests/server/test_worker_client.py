@@ -5,8 +5,8 @@
 
 import asyncio
 
-from server.worker import WorkerSpec
-from server.worker_client import FAILED, WorkerClient
+from xinserve.server.worker import WorkerSpec
+from xinserve.server.worker_client import FAILED, WorkerClient
 
 
 def test_a_worker_whose_first_load_fails_is_not_restarted(tmp_path):

@@ -12,11 +12,11 @@ import time
 import pytest
 import zmq
 
-from engines.outputs import EngineStats, RequestFailure, StepOutput, StepResult
-from engines.sampling_params import SamplingParams
-from server import messages
-from server.messages import Abort, Add, Failed, Outputs, Shutdown, Stats
-from server.worker import ASYNC_GIL_SWITCH_INTERVAL_S, WorkerLoop
+from xinserve.engines.outputs import EngineStats, RequestFailure, StepOutput, StepResult
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.server import messages
+from xinserve.server.messages import Abort, Add, Failed, Outputs, Shutdown, Stats
+from xinserve.server.worker import ASYNC_GIL_SWITCH_INTERVAL_S, WorkerLoop
 
 
 class ScriptedEngine:

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from server.config import parse_config
-from server.pool import WORKER_OPENMP_ENV, ModelPool, set_worker_openmp_env
-from server.worker_client import WorkerClient
+from xinserve.server.config import parse_config
+from xinserve.server.pool import WORKER_OPENMP_ENV, ModelPool, set_worker_openmp_env
+from xinserve.server.worker_client import WorkerClient
 
 
 def test_workers_spawned_after_start_get_a_passive_openmp_wait_policy(monkeypatch: pytest.MonkeyPatch) -> None:

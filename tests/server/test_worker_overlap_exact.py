@@ -17,12 +17,12 @@ import torch
 import zmq
 from transformers import AutoModelForCausalLM
 
-from engines import LLM, SamplingParams
-from engines.scheduler import num_pending
-from server import messages
-from server.messages import Abort, Shutdown
-from server.worker import WorkerLoop
-from server.worker_client import READY, WorkerClient
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.scheduler import num_pending
+from xinserve.server import messages
+from xinserve.server.messages import Abort, Shutdown
+from xinserve.server.worker import WorkerLoop
+from xinserve.server.worker_client import READY, WorkerClient
 
 MAX_TOKENS = 10
 LONG = 40  # the aborted request's budget

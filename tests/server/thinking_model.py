@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from server.embedded_model.factory import make_tiny_model
+from xinserve.server.embedded_model.factory import make_tiny_model
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", CALL]

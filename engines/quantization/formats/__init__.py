@@ -10,8 +10,8 @@ of ``FORMATS`` are vLLM's ``--quantization`` names.
 from types import ModuleType
 from typing import Any
 
-from engines.quantization.config import quant_method
-from engines.quantization.formats import awq, compressed_tensors, fp8, gptq, modelslim
+from xinserve.engines.quantization.config import quant_method
+from xinserve.engines.quantization.formats import awq, compressed_tensors, fp8, gptq, modelslim
 
 FORMATS: dict[str, ModuleType] = {
     "fp8": fp8,

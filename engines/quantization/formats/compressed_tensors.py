@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from engines.quantization.config import quant_config, quant_method
-from kernels.quantized_weight import Activation, QuantizedWeight, pack_int4
+from xinserve.engines.quantization.config import quant_config, quant_method
+from xinserve.kernels.quantized_weight import Activation, QuantizedWeight, pack_int4
 
 FORMATS = ("int-quantized", "naive-quantized", "float-quantized", "pack-quantized")
 QUANT_LEAVES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "input_scale",

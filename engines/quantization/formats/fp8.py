@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from engines.quantization.config import quant_config, quant_method
-from kernels.quantized_weight import QuantizedWeight
+from xinserve.engines.quantization.config import quant_config, quant_method
+from xinserve.kernels.quantized_weight import QuantizedWeight
 
 SCHEMES = ("dynamic", "static")
 

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from engines.quantization.formats.hf_quant_config import by_module, quantization_config
-from engines.quantization.formats.packed_int32 import grouped_record, unpack_columns, unpack_rows
-from kernels.quantized_weight import QuantizedWeight
+from xinserve.engines.quantization.formats.hf_quant_config import by_module, quantization_config
+from xinserve.engines.quantization.formats.packed_int32 import grouped_record, unpack_columns, unpack_rows
+from xinserve.kernels.quantized_weight import QuantizedWeight
 
 PARTS = frozenset({"qweight", "qzeros", "scales", "g_idx"})
 BITS = (4, 8)

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from engines.quantization.config import quant_config
+from xinserve.engines.quantization.config import quant_config
 
 
 def quantization_config(path: str, config: object) -> dict:

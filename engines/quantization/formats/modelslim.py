@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from kernels.quantized_weight import QuantizedWeight, pack_int4
+from xinserve.kernels.quantized_weight import QuantizedWeight, pack_int4
 
 DESCRIPTION = "quant_model_description.json"
 WEIGHTS_GLOB = "quant_model_weight*.safetensors"

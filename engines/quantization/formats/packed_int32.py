@@ -3,7 +3,7 @@ canonical 4- or 8-bit record (kernels/quantized_weight.py)."""
 
 import torch
 
-from kernels.quantized_weight import QuantizedWeight, pack_int4
+from xinserve.kernels.quantized_weight import QuantizedWeight, pack_int4
 
 # AutoAWQ's GEMM packing: nibble k of a word holds column AWQ_ORDER[k] of its 8 columns, so column j is
 # found in nibble AWQ_REVERSE_ORDER[j].

@@ -3,10 +3,10 @@ imports it without the engine or transformers)."""
 
 import torch
 
-from engines.distributed import ParallelGroup, open_store
-from engines.models.expert_parallel import ExpertParallelDispatch, ExpertPlacement
-from kernels import reference
-from kernels.routing import MoeRouting
+from xinserve.engines.distributed import ParallelGroup, open_store
+from xinserve.engines.models.expert_parallel import ExpertParallelDispatch, ExpertPlacement
+from xinserve.kernels import reference
+from xinserve.kernels.routing import MoeRouting
 
 
 def run_rank(rank: int, port: int, placement: ExpertPlacement, queue) -> None:

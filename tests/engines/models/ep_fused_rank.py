@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from engines.distributed import ParallelGroup, open_store
-from engines.models.expert_parallel import ExpertParallelDispatch, ExpertPlacement, make_exchange
-from kernels import reference
-from kernels.routing import MoeRouting
+from xinserve.engines.distributed import ParallelGroup, open_store
+from xinserve.engines.models.expert_parallel import ExpertParallelDispatch, ExpertPlacement, make_exchange
+from xinserve.kernels import reference
+from xinserve.kernels.routing import MoeRouting
 
 FAKES = Path(__file__).resolve().parents[2] / "fakes"
 

@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoConfig
 
-from engines import LLM
-from engines.models import loader
-from engines.models.expert_parallel import ExpertPlacement
-from engines.models.loader import load_model
 from tests.engines.models.ep_dispatch_rank import run_rank
 from tests.engines.test_llm_vs_transformers import GREEDY, Reference, assert_all_blocks_free, random_prompts
 from tests.engines.test_tensor_parallel import LoadOnly, RecordingSafeOpen, checkpoint
+from xinserve.engines import LLM
+from xinserve.engines.models import loader
+from xinserve.engines.models.expert_parallel import ExpertPlacement
+from xinserve.engines.models.loader import load_model
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "deepseek_v3"])

@@ -10,13 +10,13 @@ import sys
 import pytest
 import torch
 
-import kernels
-from engines.models.expert_parallel import ExpertPlacement
-from kernels.ep_dispatch import choose_ep_dispatch
-from kernels.model_shapes import ModelShapes
-from kernels.routing import MoeRouting
 from tests.engines.models.ep_fused_rank import FAKES, run_rank
 from tests.engines.models.test_expert_parallel import run_two_ranks
+from xinserve import kernels
+from xinserve.engines.models.expert_parallel import ExpertPlacement
+from xinserve.kernels.ep_dispatch import choose_ep_dispatch
+from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.routing import MoeRouting
 
 SHAPES = ModelShapes(num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=64, rope_is_neox=True, hidden_size=2048,
                      intermediate_size=4096, vocab_size=1000, block_size=128, num_experts=64,
@@ -41,11 +41,11 @@ def test_fused_exchange_equals_the_all_to_all_reference():
 def fake_npu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fake torch_npu importable for this test only."""
     monkeypatch.syspath_prepend(str(FAKES))
-    for name in ("torch_npu", "torch_npu.npu", "kernels.npu_moe_dispatch"):
+    for name in ("torch_npu", "torch_npu.npu", "xinserve.kernels.npu_moe_dispatch"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     yield
     for name in ("torch_npu", "torch_npu.npu", "torch_npu.moe_distribute", "torch_npu.mla", "torch_npu.quant",
-                 "torch_npu.kv_int8", "kernels.npu_moe_dispatch"):
+                 "torch_npu.kv_int8", "xinserve.kernels.npu_moe_dispatch"):
         sys.modules.pop(name, None)
     for module, attr in ((torch, "npu"), (kernels, "npu_moe_dispatch")):
         if hasattr(module, attr):
@@ -55,7 +55,7 @@ def fake_npu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_fused_exchange_is_chosen_on_npu_within_its_limits(fake_npu):
     choice = choose_ep_dispatch("npu", 16, SHAPES, torch.bfloat16, max_num_batched_tokens=2048)
     assert (choice.chosen, choice.rejected) == ("npu_moe_dispatch", [])
-    assert importlib.import_module("kernels.npu_moe_dispatch").torch_npu.__file__.startswith(str(FAKES))
+    assert importlib.import_module("xinserve.kernels.npu_moe_dispatch").torch_npu.__file__.startswith(str(FAKES))
     for ranks, dtype, tokens, reason in (
             (2, torch.bfloat16, 2048, "ep_world_size 2 unsupported"),
             (16, torch.float32, 2048, "float32 unsupported"),

@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from engines import LLM, SamplingParams
-from engines.capacity import Layout, plan
-from engines.models import loader
-from engines.models.loader import load_model
 from tests.engines.test_llm_vs_transformers import MAX_TOKENS, Reference, assert_all_blocks_free
 from tests.engines.test_mla import MODELS, prompts_for
 from tests.engines.test_tensor_parallel import LoadOnly, RecordingSafeOpen, checkpoint
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.capacity import Layout, plan
+from xinserve.engines.models import loader
+from xinserve.engines.models.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 

@@ -20,8 +20,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from engines.models.loader import load_model
-from kernels.attention_metadata import AttentionMetadata, build_decode_gather
+from xinserve.engines.models.loader import load_model
+from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 32
 COMMON = {

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engines.models.rope import build_cos_sin_cache, rotary_dim
+from xinserve.engines.models.rope import build_cos_sin_cache, rotary_dim
 
 
 def expected_cache(inv_freq: list[float], max_positions: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from kernels.quantized_weight import FP8_MAX, QuantizedWeight, expand_grid, quantize_activation
+from xinserve.kernels.quantized_weight import FP8_MAX, QuantizedWeight, expand_grid, quantize_activation
 
 # name, float32 weight -> (the tensors the format stores for it, leaf name -> tensor; its activation
 # scheme as a record, or None when weight-only; the weight the stored tensors dequantize to), or None

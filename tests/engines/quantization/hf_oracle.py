@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from kernels.quantized_weight import quantize_activation
 from tests.engines.quantization.modelslim_checkpoints import copy_model_files
+from xinserve.kernels.quantized_weight import quantize_activation
 
 
 def activation(kind: str, input_scale: torch.Tensor | None = None, input_offset: torch.Tensor | None = None

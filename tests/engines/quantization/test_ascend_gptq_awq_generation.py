@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from engines import LLM, SamplingParams
 from tests.engines.quantization.hf_oracle import QuantOracle, activation
 from tests.engines.quantization.int4_checkpoints import write_int4_model
 from tests.engines.quantization.modelslim_checkpoints import (  # noqa: F401  (fixture)
@@ -24,6 +23,7 @@ from tests.engines.quantization.modelslim_checkpoints import (  # noqa: F401  (f
     write_w4a8_moe,
     write_w8a8_dynamic,
 )
+from xinserve.engines import LLM, SamplingParams
 
 MAX_TOKENS = 8
 PROMPTS = [[1, 17, 230, 45, 9], [1, 600, 3, 3, 81, 402, 77, 12, 5]]

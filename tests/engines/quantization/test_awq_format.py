@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines.quantization.formats import awq
-from kernels.quantized_weight import dequantize
 from tests.engines.quantization.int4_checkpoints import awq_tensors, quantize_groups, spread_weight
+from xinserve.engines.quantization.formats import awq
+from xinserve.kernels.quantized_weight import dequantize
 
 MODULE = "model.layers.1.mlp.down_proj"
 SETTINGS = {"quant_method": "awq", "bits": 4, "group_size": 16, "version": "gemm", "zero_point": True}

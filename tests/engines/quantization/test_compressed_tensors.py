@@ -24,12 +24,12 @@ from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from compressed_tensors.quantization.utils import calculate_qparams
 
-from engines import LLM, SamplingParams
-from engines.models.loader import load_model
-from engines.quantization.experts import QuantExperts
-from engines.quantization.linear import QuantLinear
-from kernels.quantized_weight import QuantizedWeight
 from tests.engines.quantization.checkpoints import greedy_regret, hf_greedy, write_quantized
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.models.loader import load_model
+from xinserve.engines.quantization.experts import QuantExperts
+from xinserve.engines.quantization.linear import QuantLinear
+from xinserve.kernels.quantized_weight import QuantizedWeight
 
 PROMPTS = [[1, 17, 42, 99, 7, 250], [1, 5, 300, 12]]
 MAX_TOKENS = 8

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engines import LLM, SamplingParams
-from engines.models.loader import load_model
-from engines.quantization.experts import QuantExperts
-from engines.quantization.linear import QuantLinear
 from tests.engines.quantization.checkpoints import fp8_blocks, hf_greedy, write_quantized
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.models.loader import load_model
+from xinserve.engines.quantization.experts import QuantExperts
+from xinserve.engines.quantization.linear import QuantLinear
 
 BLOCK = (32, 32)
 CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(BLOCK)}

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines.quantization.formats import gptq
-from kernels.quantized_weight import QuantizedWeight, dequantize
 from tests.engines.quantization.int4_checkpoints import gptq_tensors, quantize_groups, spread_weight
+from xinserve.engines.quantization.formats import gptq
+from xinserve.kernels.quantized_weight import QuantizedWeight, dequantize
 
 MODULE = "model.layers.0.self_attn.q_proj"
 

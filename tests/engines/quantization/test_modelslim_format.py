@@ -11,8 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engines.quantization.formats import modelslim
-from kernels.quantized_weight import QuantizedWeight, dequantize, quantize_activation
 from tests.engines.quantization.int4_checkpoints import spread_weight
 from tests.engines.quantization.modelslim_checkpoints import (  # noqa: F401  (fixture)
     float_bits_as_int64,
@@ -21,6 +19,8 @@ from tests.engines.quantization.modelslim_checkpoints import (  # noqa: F401  (f
     write_checkpoint,
     write_w8a8_dynamic,
 )
+from xinserve.engines.quantization.formats import modelslim
+from xinserve.kernels.quantized_weight import QuantizedWeight, dequantize, quantize_activation
 
 LINEAR = "model.layers.0.self_attn.q_proj"
 

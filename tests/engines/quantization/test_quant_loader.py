@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engines import LLM, SamplingParams
-from engines.config import EngineConfig
-from engines.models.loader import load_model
-from engines.quantization.install import weights_report
-from engines.quantization.linear import QuantLinear
-from engines.quantization.online import quantize_weight
-from kernels.quantized_weight import dequantize
 from tests.engines.quantization.checkpoints import greedy_regret, write_quantized
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.config import EngineConfig
+from xinserve.engines.models.loader import load_model
+from xinserve.engines.quantization.install import weights_report
+from xinserve.engines.quantization.linear import QuantLinear
+from xinserve.engines.quantization.online import quantize_weight
+from xinserve.kernels.quantized_weight import dequantize
 
 CPU = torch.device("cpu")
 REGRET = 2e-2
@@ -54,9 +54,9 @@ def test_unknown_quantization_option_is_refused_by_the_engine_config() -> None:
 
 
 def test_the_quantization_option_names_every_format_and_on_the_fly_scheme() -> None:
-    from engines.config import QUANTIZATION_METHODS
-    from engines.quantization.formats import FORMATS
-    from engines.quantization.online import SCHEMES
+    from xinserve.engines.config import QUANTIZATION_METHODS
+    from xinserve.engines.quantization.formats import FORMATS
+    from xinserve.engines.quantization.online import SCHEMES
 
     assert sorted(QUANTIZATION_METHODS) == sorted({*FORMATS, *SCHEMES})
 

@@ -6,8 +6,8 @@ becomes a block of its own, and a cut that would put two blocks' scales in one i
 import pytest
 import torch
 
-from engines.quantization.slicing import slice_cols, slice_rows
-from kernels.quantized_weight import QuantizedWeight, dequantize, pack_int4
+from xinserve.engines.quantization.slicing import slice_cols, slice_rows
+from xinserve.kernels.quantized_weight import QuantizedWeight, dequantize, pack_int4
 
 
 def _record(kind: str, rows: int = 96, cols: int = 80, experts: int = 0) -> QuantizedWeight:

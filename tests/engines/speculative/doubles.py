@@ -2,7 +2,7 @@
 
 import random
 
-from engines.sequence import Sequence
+from xinserve.engines.sequence import Sequence
 
 
 class OracleProposer:

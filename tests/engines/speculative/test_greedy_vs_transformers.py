@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engines import LLM
 from tests.engines.speculative.doubles import OracleProposer
 from tests.engines.test_llm_vs_transformers import MODELS, Reference, check_against_reference
+from xinserve.engines import LLM
 
 DENSE = ["llama", "qwen2", "qwen3", "glm4", "mistral_window", "qwen2_window", "stories260K"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

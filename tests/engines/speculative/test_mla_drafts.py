@@ -3,8 +3,8 @@ a query of 1 + k rows over the paged latent cache gives the same greedy tokens a
 
 import pytest
 
-from engines import LLM, SamplingParams
 from tests.engines.speculative.doubles import OracleProposer
+from xinserve.engines import LLM, SamplingParams
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])

@@ -7,9 +7,9 @@ accepts all k."""
 import pytest
 import torch
 
-from engines import LLM, SamplingParams
 from tests.engines.speculative.test_greedy_vs_transformers import repetitive_prompts
 from tests.engines.test_llm_vs_transformers import Reference, check_against_reference
+from xinserve.engines import LLM, SamplingParams
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 64}
 

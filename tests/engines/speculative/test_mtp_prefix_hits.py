@@ -6,8 +6,8 @@ whole."""
 
 import torch
 
-from engines import LLM, SamplingParams
 from tests.engines.speculative.test_mtp_greedy import OracleMTP
+from xinserve.engines import LLM, SamplingParams
 
 K = 2
 MTP = {"method": "mtp", "num_speculative_tokens": K}

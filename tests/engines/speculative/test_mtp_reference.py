@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engines import LLM, SamplingParams
-from server.embedded_model.factory import ARCHS_BY_CONFIG
+from xinserve.engines import LLM, SamplingParams
+from xinserve.server.embedded_model.factory import ARCHS_BY_CONFIG
 
 K = 2
 

@@ -1,9 +1,9 @@
 """Prompt lookup: the longest suffix n-gram, its latest earlier match, what followed it."""
 
-from engines.sampling_params import SamplingParams
-from engines.sequence import Sequence
-from engines.speculative.config import SpeculativeConfig
-from engines.speculative.ngram import NgramProposer, propose_ngram
+from xinserve.engines.sampling_params import SamplingParams
+from xinserve.engines.sequence import Sequence
+from xinserve.engines.speculative.config import SpeculativeConfig
+from xinserve.engines.speculative.ngram import NgramProposer, propose_ngram
 
 
 def test_the_tokens_after_the_latest_match_of_the_longest_suffix():

@@ -4,10 +4,10 @@ import argparse
 
 import pytest
 
-from engines.config import EngineConfig
-from engines.speculative.config import SpeculativeConfig, parse_speculative_config
-from server.cli import _add_serve_args, build_config
-from server.config import ConfigError, parse_config
+from xinserve.engines.config import EngineConfig
+from xinserve.engines.speculative.config import SpeculativeConfig, parse_speculative_config
+from xinserve.server.cli import _add_serve_args, build_config
+from xinserve.server.config import ConfigError, parse_config
 
 
 def test_an_ngram_config_is_parsed_with_vllm_defaults_for_the_missing_bound():

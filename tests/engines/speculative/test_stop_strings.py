@@ -2,9 +2,9 @@
 tokens are checked one by one, and the output (tokens, text, finish reason) ends where it ends one token
 per step."""
 
-from engines import LLM, SamplingParams
-from engines.detokenizer import IncrementalDetokenizer
 from tests.engines.speculative.doubles import OracleProposer, TableProposer
+from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.detokenizer import IncrementalDetokenizer
 
 
 def test_the_detokenizer_ends_a_multi_token_add_at_the_stop_strings_token(tiny_model_dir):

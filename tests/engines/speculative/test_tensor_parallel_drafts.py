@@ -1,8 +1,8 @@
 """Tensor parallel with drafts: rank 0's step message carries every logits row of a drafted sequence,
 so the followers make the same logits gather and greedy output is unchanged."""
 
-from engines import LLM, SamplingParams
 from tests.engines.speculative.doubles import OracleProposer
+from xinserve.engines import LLM, SamplingParams
 
 
 def test_drafted_steps_at_tensor_parallel_2_equal_one_device(tiny_models):

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines import LLM, SamplingParams
 from tests.engines.speculative.doubles import OracleProposer, TableProposer
 from tests.engines.test_llm_vs_transformers import assert_all_blocks_free
+from xinserve.engines import LLM, SamplingParams
 
 K = 3
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "disable_by_batch_size": 4096}

@@ -22,9 +22,9 @@ speed or memory.
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.attention_metadata import build_decode_gather
-from kernels.routing import MoeRouting
+from xinserve.kernels import reference
+from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.routing import MoeRouting
 
 from . import npu  # graphs and streams; the real torch_npu registers its npu module as torch.npu too
 from .kv_int8 import antiquant_paged_decode

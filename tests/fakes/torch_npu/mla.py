@@ -7,8 +7,8 @@ kernels/mla_reference.py on CPU tensors."""
 import numpy as np
 import torch
 
-from kernels import mla_reference
-from kernels.attention_metadata import build_decode_gather
+from xinserve.kernels import mla_reference
+from xinserve.kernels.attention_metadata import build_decode_gather
 
 HALF = (torch.float16, torch.bfloat16)
 RIGHT_DOWN_CAUSAL = 3

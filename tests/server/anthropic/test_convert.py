@@ -2,9 +2,9 @@
 
 import pytest
 
-from server.anthropic.convert import chat_request
-from server.anthropic.protocol import CountTokensRequest, MessagesRequest
-from server.errors import APIError
+from xinserve.server.anthropic.convert import chat_request
+from xinserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from xinserve.server.errors import APIError
 
 WEATHER = {"name": "get_weather", "description": "Weather.", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}}}}

@@ -5,8 +5,8 @@ import asyncio
 import json
 from types import SimpleNamespace
 
-from server.anthropic.sse import event_stream_response
-from server.errors import APIError
+from xinserve.server.anthropic.sse import event_stream_response
+from xinserve.server.errors import APIError
 
 
 class _Gen:

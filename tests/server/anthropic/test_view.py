@@ -5,12 +5,12 @@ import asyncio
 import json
 from typing import Any
 
-from server.anthropic.view import MessageView
-from server.generation import Delta
-from server.routes.tools import OutputPlan
-from server.tool_calls.forced import NamedCall
-from server.tool_calls.glm47 import Glm47Parser
-from server.tool_calls.stream import ParsedCalls
+from xinserve.server.anthropic.view import MessageView
+from xinserve.server.generation import Delta
+from xinserve.server.routes.tools import OutputPlan
+from xinserve.server.tool_calls.forced import NamedCall
+from xinserve.server.tool_calls.glm47 import Glm47Parser
+from xinserve.server.tool_calls.stream import ParsedCalls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
