@@ -149,12 +149,25 @@ class LimitsSettings(_Section):
     max_tokens: int | None = Field(None, ge=1)
 
 
+class ResponsesStoreSettings(_Section):
+    """The Responses API's stored responses (``previous_response_id``, ``GET /v1/responses/{id}``): in
+    memory, each API key with its own budget (requests without a key share one), so a key's entries
+    are evicted only by its own traffic (``server/responses_api/store.py``)."""
+
+    max_entries_per_key: int = Field(1000, ge=1)
+    # An entry's bytes: its response and conversation as JSON. The HTTP process may hold this much
+    # per configured key (and once for requests without a key).
+    max_bytes_per_key: int = Field(64 * 1024 * 1024, ge=1)
+    ttl_s: float = Field(3600, gt=0)
+
+
 class AppConfig(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     models: list[ModelSettings] = Field(min_length=1)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    responses_store: ResponsesStoreSettings = Field(default_factory=ResponsesStoreSettings)
     distributed: DistributedSettings = Field(default_factory=DistributedSettings)
 
     @model_validator(mode="after")
