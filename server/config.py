@@ -138,8 +138,8 @@ class LimitsSettings(_Section):
     # Bytes of request body; larger bodies get a 413 before any of it is parsed.
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
     max_messages: int = Field(2048, ge=1)
-    # Characters of prompt text per request (all messages, or all string prompts; and the rendered chat
-    # prompt), before tokenising.
+    # Characters of prompt text per request (all messages with their tool calls' names and arguments,
+    # or all string prompts; and the rendered chat prompt), before tokenising.
     max_prompt_chars: int = Field(1_000_000, ge=1)
     # Characters per stop string: the detokenizer's hold-back check costs O(length^2) per token
     # (measured 0.16 ms at 256 characters, 0.8 s at 100,000), and it runs in the HTTP process.

@@ -94,8 +94,12 @@ def responses_error(err: APIError) -> APIError:
     field = _CHAT_FIELDS.get(head)
     if field is None:
         return err
-    param = field if head == "messages" else field + err.param[len(head):]
-    message = err.message.replace(f"'{err.param}'", f"'{param}'").replace(f"'{head}'", f"'{field}'")
+    if head == "messages":  # a plain word too ("too many messages"): renamed only where quoted
+        param = field
+        message = err.message.replace(f"'{err.param}'", f"'{param}'").replace(f"'{head}'", f"'{field}'")
+    else:  # an identifier (max_completion_tokens, response_format): renamed wherever it appears
+        param = field + err.param[len(head):]
+        message = err.message.replace(head, field)
     return APIError(err.status, message, param=param, code=err.code, type=err.type)
 
 

@@ -2,7 +2,8 @@
 
 A response runs as the chat request its input converts to (``server/responses_api/convert.py``),
 through chat's own start (``start_chat``) and the shared handler path; only the shape of the answer
-differs: output items, and a stream of typed events each with a ``sequence_number``.
+differs: output items, and a stream of typed events each with a ``sequence_number`` (a failure
+after the first event: an ``error`` event, then ``response.failed``); errors name Responses' fields.
 """
 
 import time

@@ -57,6 +57,8 @@ def test_a_worker_lost_mid_stream_ends_with_error_and_response_failed_events(tin
     ({"max_output_tokens": 5000}, "max_output_tokens"),  # more than the context leaves
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": "x" * 1_000_001}]}, "input"),  # limits.max_prompt_chars
+    ({"text": {"format": {"type": "json_object"}}, "tool_choice": "required",
+      "tools": [{"type": "function", "name": "f"}]}, "text.format"),
 ])
 def test_a_400_names_the_responses_field(tiny_tokenizer, body, param):
     app = make_app(tiny_tokenizer, StandInWorker(2, "stop"))
@@ -64,7 +66,7 @@ def test_a_400_names_the_responses_field(tiny_tokenizer, body, param):
     assert status == 400, answer
     error = answer["error"]
     assert error["param"] == param
-    assert "messages" not in error["message"] and "max_completion_tokens" not in error["message"]
+    assert not any(chat in error["message"] for chat in ("messages", "max_completion_tokens", "response_format"))
 
 
 def test_response_ids_read_resp_underscore(tiny_tokenizer):
