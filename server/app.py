@@ -31,6 +31,7 @@ from xinserve.server.key_usage import KeyUsageMiddleware
 from xinserve.server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics
 from xinserve.server.pool import ModelPool, cpu_thread_share, default_cpu_threads, local_cpu_ranks
 from xinserve.server.request_log import RequestLogMiddleware
+from xinserve.server.responses_api.store import ResponseStore
 from xinserve.server.router import Router
 from xinserve.server.routes import chat, completions, health, models, responses_api, sglang_worker, tokenize
 from xinserve.server.sse import DirectSendMiddleware
@@ -75,6 +76,8 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.state.stop = partial(setattr, app.state, "fatal_error")
     app.state.api_keys = config.server.named_keys()
     app.state.created = int(time.time())
+    stored = config.responses_store
+    app.state.response_store = ResponseStore(stored.max_entries_per_key, stored.max_bytes_per_key, stored.ttl_s)
     registry = CollectorRegistry()
     prefix = config.metrics.prefix
     registry.register(EngineStatsCollector(pools, prefix))

@@ -138,8 +138,8 @@ class LimitsSettings(_Section):
     # Bytes of request body; larger bodies get a 413 before any of it is parsed.
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
     max_messages: int = Field(2048, ge=1)
-    # Characters of prompt text per request (all messages, or all string prompts; and the rendered chat
-    # prompt), before tokenising.
+    # Characters of prompt text per request (all messages with their tool calls' names and arguments,
+    # or all string prompts; and the rendered chat prompt), before tokenising.
     max_prompt_chars: int = Field(1_000_000, ge=1)
     # Characters per stop string: the detokenizer's hold-back check costs O(length^2) per token
     # (measured 0.16 ms at 256 characters, 0.8 s at 100,000), and it runs in the HTTP process.
@@ -149,12 +149,25 @@ class LimitsSettings(_Section):
     max_tokens: int | None = Field(None, ge=1)
 
 
+class ResponsesStoreSettings(_Section):
+    """The Responses API's stored responses (``previous_response_id``, ``GET /v1/responses/{id}``): in
+    memory, each API key with its own budget (requests without a key share one), so a key's entries
+    are evicted only by its own traffic (``server/responses_api/store.py``)."""
+
+    max_entries_per_key: int = Field(1000, ge=1)
+    # An entry's bytes: its response and conversation as JSON. The HTTP process may hold this much
+    # per configured key (and once for requests without a key).
+    max_bytes_per_key: int = Field(64 * 1024 * 1024, ge=1)
+    ttl_s: float = Field(3600, gt=0)
+
+
 class AppConfig(_Section):
     server: ServerSettings = Field(default_factory=ServerSettings)
     models: list[ModelSettings] = Field(min_length=1)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    responses_store: ResponsesStoreSettings = Field(default_factory=ResponsesStoreSettings)
     distributed: DistributedSettings = Field(default_factory=DistributedSettings)
 
     @model_validator(mode="after")

@@ -16,7 +16,7 @@ def check_chat(body: ChatCompletionRequest, limits: LimitsSettings) -> None:
             400, f"Invalid 'messages': array too long. Expected at most {limits.max_messages} messages, "
             f"got {len(body.messages)}.", param="messages", code="array_above_max_length",
         )
-    chars = sum(len(m.text()) for m in body.messages)
+    chars = sum(m.prompt_chars() for m in body.messages)
     _check_prompt_chars(chars, limits, "messages")
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     _check_sampling(body, body.requested_max_tokens, param, limits)

@@ -79,6 +79,19 @@ class ChatMessage(_Strict):
             return self.content
         return "\n".join(part.text or "" for part in self.content)
 
+    def prompt_chars(self) -> int:
+        """The characters this message brings to the prompt before templating: its text and its tool
+        calls' names and arguments (``limits.max_prompt_chars`` counts them all)."""
+        return len(self.text()) + sum(map(_call_chars, self.tool_calls or ()))
+
+
+def _call_chars(call: dict[str, Any]) -> int:
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return 0
+    # Arguments sent as an object rather than a JSON string are bounded by the rendered prompt's check.
+    return sum(len(v) for v in (function.get("name"), function.get("arguments")) if isinstance(v, str))
+
 
 _NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
 

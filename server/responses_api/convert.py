@@ -11,7 +11,6 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from xinserve.server.config import LimitsSettings
 from xinserve.server.errors import APIError, validation_error
 from xinserve.server.protocol import ChatCompletionRequest
 from xinserve.server.responses_api.protocol import ResponsesRequest
@@ -82,15 +81,26 @@ def _text(item: dict[str, Any], key: str, param: str) -> str:
     return value
 
 
-def check_input(messages: list[dict[str, Any]], limits: LimitsSettings) -> None:
-    """The operator's limits, named after ``input`` (chat's check would blame ``messages``)."""
-    if len(messages) > limits.max_messages:
-        raise APIError(400, f"Invalid 'input': too many items. Expected at most {limits.max_messages} messages, "
-                       f"got {len(messages)}.", param="input", code="array_above_max_length")
-    chars = sum(len(m.get("content") or "") for m in messages)
-    if chars > limits.max_prompt_chars:
-        raise APIError(400, f"Invalid 'input': the input is too long. Expected at most {limits.max_prompt_chars} "
-                       f"characters, got {chars}.", param="input", code="string_above_max_length")
+# The chat fields that Responses fields become (``chat_request``), for errors the chat path raises.
+# The chat messages' indices are not the input's (the stored conversation and the instructions come
+# first), so any message's field is "input".
+_CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def responses_error(err: APIError) -> APIError:
+    """``err``, raised on the chat path (its checks, limits, template, context), naming the Responses
+    field the chat field came from; an error naming no converted field as it is."""
+    head = (err.param or "").split(".")[0]
+    field = _CHAT_FIELDS.get(head)
+    if field is None:
+        return err
+    if head == "messages":  # a plain word too ("too many messages"): renamed only where quoted
+        param = field
+        message = err.message.replace(f"'{err.param}'", f"'{param}'").replace(f"'{head}'", f"'{field}'")
+    else:  # an identifier (max_completion_tokens, response_format): renamed wherever it appears
+        param = field + err.param[len(head):]
+        message = err.message.replace(head, field)
+    return APIError(err.status, message, param=param, code=err.code, type=err.type)
 
 
 def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:

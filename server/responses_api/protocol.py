@@ -5,9 +5,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
 
 class _Lenient(BaseModel):
-    # The SDKs send many optional fields we do not serve (include, metadata, ...): ignored.
+    # The SDKs send many optional fields we do not serve (include, service_tier, ...): ignored.
     model_config = ConfigDict(extra="ignore")
 
 
@@ -57,6 +61,22 @@ class ResponsesRequest(_Lenient):
     # vLLM's extensions, as on chat completions
     chat_template_kwargs: dict[str, Any] | None = None
     seed: int | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        # OpenAI's limits; the metadata is stored with the response, so they bound what a request keeps.
+        if value is None:
+            return value
+        if len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs are allowed, got {len(value)}")
+        for key, text in value.items():
+            if len(key) > MAX_METADATA_KEY_CHARS:
+                raise ValueError(f"keys may have at most {MAX_METADATA_KEY_CHARS} characters, got {len(key)}")
+            if len(text) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"values may have at most {MAX_METADATA_VALUE_CHARS} characters, got {len(text)} "
+                                 f"for key {key[:MAX_METADATA_KEY_CHARS]!r}")
+        return value
 
     @field_validator("input", mode="before")
     @classmethod

@@ -116,32 +116,38 @@ def sse_frame(obj: Any) -> bytes:
 
 def event_stream(
     request: Request, gen: Any, items: AsyncIterator[dict[str, Any] | list[dict[str, Any]]], metrics: Any, *,
-    frame: Callable[[dict[str, Any]], bytes], error_body: Callable[[APIError], dict[str, Any]], last: bytes = b"",
+    frame: Callable[[dict[str, Any]], bytes],
+    error_body: Callable[[APIError], dict[str, Any] | list[dict[str, Any]]], last: bytes = b"",
 ) -> SSEResponse:
     """Stream ``items``, each framed by ``frame``, then ``last`` (if any) once they end. An item that
     is a list of frames (several chunks ready at once) goes out as one write.
 
     ``gen``: a ``GenerationGroup`` (``request_id``, ``abort()``, ``observe(metrics, end)``).
 
-    An error after the first frame is sent as one frame of ``error_body`` (the API's envelope).
+    An error after the first frame is sent as ``error_body``'s frame (the API's envelope), or its
+    frames in one write (the Responses API's ``error`` and ``response.failed`` events).
     A disconnect cancels the generator; its ``finally`` aborts the request in the worker, writes
     the request's log fields and observes its metrics, however the stream ends.
     """
+
+    def frames(item: dict[str, Any] | list[dict[str, Any]]) -> bytes:
+        # A list is a burst of frames ready together: one write (one ASGI message, one send).
+        return b"".join(map(frame, item)) if isinstance(item, list) else frame(item)
 
     async def events() -> AsyncIterator[bytes]:
         status = "disconnected"
         try:
             async for item in items:
-                # A list is a burst of frames ready together: one write (one ASGI message, one send).
+                # inline, not ``frames(item)``: a call less per token per stream
                 yield b"".join(map(frame, item)) if isinstance(item, list) else frame(item)
             status = "ok"
         except APIError as exc:
             status = f"error {exc.status}"
-            yield frame(error_body(exc))
+            yield frames(error_body(exc))
         except Exception:
             status = "error 500"
             logger.exception("request %s failed mid-stream", gen.request_id)
-            yield frame(error_body(APIError(500, f"Internal error in request {gen.request_id}.")))
+            yield frames(error_body(APIError(500, f"Internal error in request {gen.request_id}.")))
         finally:
             gen.abort()
             log_fields(request, gen, status)

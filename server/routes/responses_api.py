@@ -2,7 +2,8 @@
 
 A response runs as the chat request its input converts to (``server/responses_api/convert.py``),
 through chat's own start (``start_chat``) and the shared handler path; only the shape of the answer
-differs: output items, and a stream of typed events each with a ``sequence_number``.
+differs: output items, and a stream of typed events each with a ``sequence_number`` (a failure
+after the first event: an ``error`` event, then ``response.failed``); errors name Responses' fields.
 """
 
 import time
@@ -15,22 +16,25 @@ from fastapi.responses import Response
 from xinserve.server.errors import APIError
 from xinserve.server.generation import Delta
 from xinserve.server.reasoning import end_token_id
-from xinserve.server.responses_api.convert import answer_message, chat_request, check_input, input_messages
-from xinserve.server.responses_api.output import OutputItems
+from xinserve.server.responses_api.convert import (
+    answer_message,
+    chat_request,
+    input_messages,
+    responses_error,
+)
+from xinserve.server.responses_api.output import OutputItems, new_id
 from xinserve.server.responses_api.protocol import ResponsesRequest
 from xinserve.server.responses_api.store import ResponseStore
 from xinserve.server.routes.chat import ChatRun, start_chat
-from xinserve.server.routes.common import new_request_id
+from xinserve.server.routes.common import event_stream, sse_frame
 from xinserve.server.routes.generate import GenerationGroup, respond
+from xinserve.server.sse import SSEResponse
 
 router = APIRouter()
 
 
 def _store(app: FastAPI) -> ResponseStore:
-    store = getattr(app.state, "response_store", None)
-    if store is None:
-        store = app.state.response_store = ResponseStore()
-    return store
+    return app.state.response_store
 
 
 def _owner(request: Request) -> str:
@@ -47,10 +51,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.previous_response_id is not None:
         history = store.get(body.previous_response_id, owner, "previous_response_id").messages
     messages = [*history, *input_messages(body)]
-    check_input(messages, request.app.state.config.limits)
-    chat = await start_chat(request, chat_request(body, messages), new_request_id("resp"))
+    try:  # chat's checks (limits, context, template) apply, named after the Responses fields
+        chat = await start_chat(request, chat_request(body, messages), new_id("resp"))
+    except APIError as exc:
+        raise responses_error(exc) from None
     view = _ResponseView(body, chat, messages, store, owner)
-    return await respond(request, chat.group, body.stream, view.frames, view.body)
+    return await respond(request, chat.group, body.stream, view.frames, view.body, stream_response=view.stream)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -81,7 +87,7 @@ class _ResponseView:
         self._feed(gen.choices[0].text, last=True)
         return self._final(group)
 
-    async def frames(self, group: GenerationGroup, firsts: list[list[Delta]]) -> AsyncIterator[dict[str, Any]]:
+    async def frames(self, group: GenerationGroup, firsts: list[list[Delta]]) -> AsyncIterator[dict[str, Any] | bytes]:
         yield self._numbered({"type": "response.created", "response": dict(self.response)})
         yield self._numbered({"type": "response.in_progress", "response": dict(self.response)})
         for d in firsts[0]:
@@ -98,6 +104,25 @@ class _ResponseView:
             yield event
         done = "response.completed" if final["status"] == "completed" else "response.incomplete"
         yield self._numbered({"type": done, "response": final})
+        # Not Responses' (its clients stop at the last event), but what this server's streams end
+        # with; a failed stream ends at ``response.failed`` (``failed``).
+        yield _DONE
+
+    def stream(self, request: Request, group: GenerationGroup, frames: AsyncIterator[Any],
+               metrics: Any) -> SSEResponse:
+        return event_stream(request, group, frames, metrics, frame=sse_frame, error_body=self.failed)
+
+    def failed(self, err: APIError) -> list[dict[str, Any]]:
+        """A failure after the first event (a worker lost, a timeout): Responses' ``error`` event,
+        then ``response.failed`` with the output so far, each numbered on."""
+        self.out.finish("incomplete")
+        self.out.events.clear()  # the stream ends here: no closing events for the cut item
+        response = self.response
+        response["status"] = "failed"
+        response["output"] = self.out.items
+        response["error"] = {"code": _failure_code(err.status), "message": err.message}
+        error = {"type": "error", "code": err.code or err.type, "message": err.message, "param": err.param}
+        return [self._numbered(error), self._numbered({"type": "response.failed", "response": response})]
 
     def _feed(self, text: str, last: bool) -> None:
         content = text
@@ -146,6 +171,16 @@ class _ResponseView:
         return {"input_tokens": group.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": group.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": group.prompt_tokens + group.completion_tokens}
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _failure_code(status: int) -> str:
+    """A failed Response's ``error.code`` (one of Responses' documented codes) for an HTTP status."""
+    if status == 429:
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if status < 500 else "server_error"
 
 
 def _response_object(body: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:

@@ -13,60 +13,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from xinserve.engines.outputs import StepOutput
-from xinserve.server.app import create_app
-from xinserve.server.config import parse_config
-from xinserve.server.fanout import RequestStream
+from tests.server.stand_in_worker import StandInWorker, auth, make_app
 from xinserve.server.messages import RequestError
-from xinserve.server.responses import TokenTexts
 
-KEY = "sk-team-a-8c1d2e"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-class FailingWorker:
-    """Ready, roomy, and answers each request with ``tokens`` tokens, then ``end`` (None: nothing more)."""
-
-    model_name = "m"
-    label = "cpu#7"
-    ready = True
-    capacity = 8
-    load = 0
-    stats = None  # what /metrics reads of a worker
-    restarts = 0
-
-    def __init__(self, tokens: int, end: RequestError | None) -> None:
-        self.tokens, self.end = tokens, end
-        self.info = {"vocab_size": 512, "max_model_len": 256}
-        self.aborted: list[str] = []
-
-    def has_capacity(self, n: int) -> bool:
-        return True
-
-    def add(self, request_id, prompt_token_ids, params) -> RequestStream:
-        stream = RequestStream(request_id, params.n)
-        for _ in range(self.tokens):
-            stream.queue.put_nowait(StepOutput(request_id, 0, [72], False, None, None))
-        if self.end is not None:
-            stream.queue.put_nowait(self.end)
-        return stream
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    def abort_choice(self, request_id: str, index: int, emitted: int | None = None) -> None:
-        self.aborted.append(request_id)
-
-
-def make_app(tokenizer, worker: FailingWorker, **server):
-    config = parse_config({
-        "server": {"api_keys": [{"name": "team-a", "key": KEY}], **server},
-        "models": [{"name": "m", "path": "/nonexistent", "workers": ["cpu"]}],
-    })
-    app = create_app(config)
-    pool = app.state.router.pools["m"]
-    pool.tokenizer, pool.token_texts, pool.workers = tokenizer, TokenTexts(tokenizer), [worker]
-    return app
+AUTH = auth("team-a")
 
 
 def run(app, body: dict) -> tuple[httpx.Response, dict[str, float]]:
@@ -96,7 +46,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_worker_lost_after_tokens_keeps_the_log_fields_and_counts_the_usage(tiny_tokenizer, caplog, stream):
-    app = make_app(tiny_tokenizer, FailingWorker(2, RequestError("worker cpu#7 of m is unresponsive",
+    app = make_app(tiny_tokenizer, StandInWorker(2, RequestError("worker cpu#7 of m is unresponsive",
                                                                   unavailable=True, retryable=True)))
     caplog.set_level(logging.INFO, logger="xinserve.request")
     r, counters = run(app, {**CHAT, "stream": stream})
@@ -115,7 +65,7 @@ def test_a_worker_lost_after_tokens_keeps_the_log_fields_and_counts_the_usage(ti
 
 
 def test_a_timed_out_request_keeps_the_log_fields_and_counts_the_usage(tiny_tokenizer, caplog):
-    app = make_app(tiny_tokenizer, FailingWorker(1, None), request_timeout_s=0.2)  # a token, then silence
+    app = make_app(tiny_tokenizer, StandInWorker(1, None), {"request_timeout_s": 0.2})  # a token, then silence
     caplog.set_level(logging.INFO, logger="xinserve.request")
     r, counters = run(app, CHAT)
     assert r.status_code == 504
