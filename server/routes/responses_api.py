@@ -103,10 +103,8 @@ class _ResponseView:
         for event in self._events():
             yield event
         done = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        # The last event: Responses has no ``data: [DONE]`` (a failed stream ends at ``response.failed``).
         yield self._numbered({"type": done, "response": final})
-        # Not Responses' (its clients stop at the last event), but what this server's streams end
-        # with; a failed stream ends at ``response.failed`` (``failed``).
-        yield _DONE
 
     def stream(self, request: Request, group: GenerationGroup, frames: AsyncIterator[Any],
                metrics: Any) -> SSEResponse:
@@ -173,7 +171,6 @@ class _ResponseView:
                 "total_tokens": group.prompt_tokens + group.completion_tokens}
 
 
-_DONE = b"data: [DONE]\n\n"
 
 
 def _failure_code(status: int) -> str:
