@@ -18,7 +18,7 @@ STAMP := $(VENV)/.installed
 # --no-compile: pip would byte-compile all ~250 MB of installed Python, ~80 CPU s on one core (measured:
 # installing transformers alone, 54 MB of .py, 19.7 -> 2.7 CPU s). Python compiles what is imported on
 # first use instead and keeps it in __pycache__ (the venv is writable) -- unless PYTHONDONTWRITEBYTECODE
-# is set (the developers' machine sets it): then nothing is kept, and the test suite keeps the bytecode of
+# is set (some environments set it): then nothing is kept, and the test suite keeps the bytecode of
 # the processes it starts in a directory of its own (tests/conftest.py, PYTHONPYCACHEPREFIX).
 $(STAMP): pyproject.toml setup.py $(LOCK)
 	$(PYTHON) -m venv $(VENV)
