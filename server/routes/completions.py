@@ -14,6 +14,7 @@ from xinserve.server.auth import check_model_access, may_use
 from xinserve.server.errors import APIError
 from xinserve.server.generation import Delta, Generation
 from xinserve.server.limits import cap_max_tokens, check_completion
+from xinserve.server.prompt_tokens import encode_prompt
 from xinserve.server.protocol import CompletionRequest
 from xinserve.server.responses import TokenTexts
 from xinserve.server.routes.common import max_tokens_for, new_request_id, sse_frame
@@ -25,7 +26,7 @@ router = APIRouter()
 
 def _prompt_ids(tokenizer: Any, prompt: str | list[int], vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return encode_prompt(tokenizer, prompt)
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",

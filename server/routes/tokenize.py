@@ -3,7 +3,9 @@
 ``/tokenize`` takes a ``prompt`` (encoded as /v1/completions encodes it) or chat ``messages`` (through
 the chat template exactly as /v1/chat/completions renders them), so a client can count a request's
 tokens before sending it. They use the model's own tokenizer (never a fallback's) in the HTTP process;
-the key's model scoping and the prompt limits apply as for generation.
+the key's model scoping and the prompt limits apply as for generation. ``/detokenize`` returns text that
+``/tokenize`` turns back into the same ids where the tokenizer allows (server/prompt_tokens.py): lm-eval's
+text mode sends that text back for scoring.
 """
 
 import asyncio
@@ -17,6 +19,7 @@ from xinserve.server.chat_template import chat_prompt_ids
 from xinserve.server.errors import APIError
 from xinserve.server.limits import check_chat
 from xinserve.server.pool import ModelPool
+from xinserve.server.prompt_tokens import encode_prompt, prompt_text
 from xinserve.server.protocol import ChatCompletionRequest, ChatMessage, Tool
 
 router = APIRouter()
@@ -78,7 +81,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             raise APIError(400, f"Invalid 'prompt': the prompt is too long. Expected at most "
                            f"{limits.max_prompt_chars} characters, got {len(body.prompt)}.", param="prompt",
                            code="string_above_max_length")
-        ids = await asyncio.to_thread(pool.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await asyncio.to_thread(encode_prompt, pool.tokenizer, body.prompt, body.add_special_tokens)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": pool.max_model_len or pool.settings.max_model_len,
                            "tokens": ids}
     if body.return_token_strs:
@@ -93,7 +96,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     bad = next((t for t in body.tokens if not 0 <= t < size), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary (0..{size - 1})", param="tokens")
-    return {"prompt": await asyncio.to_thread(pool.tokenizer.decode, body.tokens)}
+    return {"prompt": await asyncio.to_thread(prompt_text, pool.tokenizer, body.tokens)}
 
 
 @router.get("/tokenizer_info")
@@ -103,12 +106,26 @@ async def tokenizer_info(request: Request, model: str | None = None) -> dict[str
     tokenizer = _pool(request, model).tokenizer
     info = {k: _plain(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
             if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "tokenizer_object")}
-    info["tokenizer_class"] = type(tokenizer).__name__
+    info["tokenizer_class"] = hugging_face_class_name(tokenizer)
     info["model_max_length"] = _plain(tokenizer.model_max_length)
     info.update({name: _plain(value) for name, value in tokenizer.special_tokens_map.items()})
     if getattr(tokenizer, "chat_template", None):
         info["chat_template"] = tokenizer.chat_template
     return info
+
+
+def hugging_face_class_name(tokenizer: Any) -> str:
+    """The tokenizer's class as transformers 4 and vLLM name it. transformers 5 folded each
+    ``XTokenizerFast`` into ``XTokenizer`` and renamed ``PreTrainedTokenizerFast`` to
+    ``TokenizersBackend``, keeping the old names as aliases: report the alias, the name a tokenizer
+    config holds and clients know (lm-eval, vLLM's /tokenizer_info)."""
+    import transformers  # loaded already: the tokenizer is one of its classes
+
+    cls = type(tokenizer)
+    for name in (f"{cls.__name__}Fast", "PreTrainedTokenizerFast"):
+        if getattr(transformers, name, None) is cls:
+            return name
+    return cls.__name__
 
 
 def _plain(value: Any) -> Any:
