@@ -64,12 +64,12 @@ def test_valid_text_and_malformed_bodies_pass(body):
 
 def test_an_8_mb_body_is_checked_in_well_under_a_second():
     # A regular expression over the strings took 2.3 s for the first (Python's json writes emoji as
-    # escaped surrogate pairs) and 0.5 s for the second, on a busy machine.
+    # escaped surrogate pairs) and 0.5 s for the second. CPU time: a busy machine's wall clock is not.
     bodies = [json.dumps({"messages": [{"content": "\U0001f600 [\"x\"]" * 350_000}]}).encode(),
               json.dumps({"messages": [{"content": "x" * 8_000_000}]}).encode(),
               json.dumps({"prompt": list(range(1_000_000))}).encode(),
               json.dumps({"messages": [{"content": "a"}] * 400_000}).encode()]
     for body in bodies:
-        start = time.perf_counter()
+        start = time.process_time()
         assert check_json_body(body) is None
-        assert time.perf_counter() - start < 1.0, len(body)
+        assert time.process_time() - start < 1.0, len(body)
