@@ -6,8 +6,25 @@ from typing import Any, Self
 
 # Temperatures this small are greedy, as in vLLM: dividing logits by 1e-40 overflows to inf and NaN.
 GREEDY_BELOW = 1e-5
+# Sane bounds beyond vLLM's (temperature >= 0, repetition_penalty > 0): dividing logits by a value
+# near 0 or past float32's range gives inf and NaN, and the sampler would then pick garbage.
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 # Applied where the text is made (the HTTP process, or ``LLM``), never by the engine's step.
 DETOKENIZER_FIELDS = ("stop", "include_stop_str_in_output", "skip_special_tokens")
+
+
+class InvalidSamplingParam(ValueError):
+    """A sampling setting out of its range; ``field`` names it (the HTTP 400's ``param``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise InvalidSamplingParam(field, message)
 
 
 @dataclass(slots=True)
@@ -59,45 +76,43 @@ class SamplingParams:
             try:
                 self.logit_bias = {int(t): float(v) for t, v in dict(self.logit_bias).items()} or None
             except (TypeError, ValueError):
-                raise ValueError("logit_bias must map token ids to numbers") from None
+                raise InvalidSamplingParam("logit_bias", "logit_bias must map token ids to numbers") from None
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the bad field; the server turns it into a 400."""
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 (disabled) or positive, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2 <= self.presence_penalty <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
-        if self.json_schema is not None and not isinstance(self.json_schema, str):
-            raise ValueError("json_schema must be a JSON Schema (its JSON text or a dict)")
-        if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
-            raise ValueError("logit_bias values must be in [-100, 100]")
+        """Raise ``InvalidSamplingParam`` naming the bad field; the server turns it into a 400.
+
+        Every float range is a closed finite interval, written so that NaN fails it too (every
+        comparison with NaN is false): the sampler's logits stay finite for any accepted value."""
+        _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
+        _check(0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+               f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"top_k must be 0 (disabled) or positive, got {self.top_k}")
+        _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty",
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        _check(low <= self.repetition_penalty <= high, "repetition_penalty",
+               f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+               f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+               f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed",
+               f"seed must be a 64-bit signed integer, got {self.seed}")
+        _check(all(self.stop), "stop", "stop strings must be non-empty")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+               f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        _check(self.json_schema is None or isinstance(self.json_schema, str), "json_schema",
+               "json_schema must be a JSON Schema (its JSON text or a dict)")
+        _check(all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias",
+               "logit_bias values must be in [-100, 100]")
 
     @classmethod
     def trusted(cls, **values: Any) -> Self:

@@ -26,7 +26,7 @@ from xinserve.server.body_limit import BodyLimitMiddleware
 from xinserve.server.config import AppConfig
 from xinserve.server.docs import add_docs
 from xinserve.server.drain import Drain, DrainMiddleware
-from xinserve.server.errors import install_error_handlers
+from xinserve.server.errors import InternalErrorMiddleware, install_error_handlers
 from xinserve.server.key_usage import KeyUsageMiddleware
 from xinserve.server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics
 from xinserve.server.pool import ModelPool, cpu_thread_share, default_cpu_threads, local_cpu_ranks
@@ -115,6 +115,9 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
     app.add_middleware(KeyUsageMiddleware, metrics=KeyMetrics(registry, prefix))
     app.add_middleware(RequestLogMiddleware)
+    # Outside the request log (which sees the exception, and logs the request as a 500), inside the
+    # Anthropic shape (which reshapes that 500).
+    app.add_middleware(InternalErrorMiddleware)
     # Outermost: every error on /v1/messages paths, whichever layer raised it, in Anthropic's shape.
     app.add_middleware(anthropic.AnthropicErrorMiddleware)
     # Outside every other middleware of ours: stream chunks skip their send wrappers (server/sse.py).

@@ -4,11 +4,15 @@ A pure ASGI middleware: a declared ``Content-Length`` over the limit is refused 
 reading the body; a body without one (chunked) is read up to the limit here, then handed to the
 app whole, so the app never sees a byte past the limit and never starts on a request it would
 have to abandon. The 413 says ``Connection: close``: the rest of the upload is not worth reading.
+
+The whole body in hand, its JSON is held to ``server/json_body.py``'s bounds (nesting depth, valid
+Unicode text) before any handler parses it: a 400 for every endpoint from this one place.
 """
 
 from typing import Any
 
 from xinserve.server.errors import APIError, error_response
+from xinserve.server.json_body import check_json_body
 
 
 class BodyLimitMiddleware:
@@ -38,6 +42,10 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
                 break
+        refusal = check_json_body(message["body"]) if message.get("body") else None
+        if refusal is not None:
+            await error_response(refusal)(scope, _replay(message, receive), send)
+            return
         await self.app(scope, _replay(message, receive), send)
 
     async def _refuse(self, scope: dict, receive: Any, send: Any, declared: int | None) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from xinserve.server.errors import APIError
+from xinserve.server.json_body import MAX_JSON_DEPTH, nested_deeper_than
 from xinserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 TEMPLATE_KEY = "chat_template"
@@ -27,8 +28,9 @@ _SERVER_KEYS = frozenset({
 })
 
 
-def template_message(message: ChatMessage) -> dict[str, Any]:
-    """The dict a Hugging Face chat template expects; "developer" is rendered as "system"."""
+def template_message(message: ChatMessage, param: str = "messages") -> dict[str, Any]:
+    """The dict a Hugging Face chat template expects; "developer" is rendered as "system".
+    ``param``: the message's place in the request ("messages.3"), which a 400 names."""
     out: dict[str, Any] = {
         "role": "system" if message.role == "developer" else message.role,
         "content": message.text(),
@@ -36,18 +38,24 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     if message.name is not None:
         out["name"] = message.name
     if message.tool_calls:
-        out["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+        out["tool_calls"] = [_template_tool_call(call, f"{param}.tool_calls.{i}")
+                             for i, call in enumerate(message.tool_calls)]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
 
 
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+def _template_tool_call(call: dict[str, Any], param: str) -> dict[str, Any]:
     """OpenAI sends a call's arguments as JSON text; chat templates (Qwen's, Llama's, GLM's) iterate
-    or re-serialise them, so they get the parsed object."""
+    or re-serialise them, so they get the parsed object, held to the request body's nesting bound
+    (parsing or templating deeper JSON recurses past Python's limit)."""
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
+    if nested_deeper_than(function["arguments"], MAX_JSON_DEPTH):
+        raise APIError(400, f"Invalid value for '{param}.function.arguments': the JSON is nested too deeply (at "
+                       f"most {MAX_JSON_DEPTH} levels of arrays and objects).", param=f"{param}.function.arguments",
+                       code="invalid_value")
     try:
         arguments = json.loads(function["arguments"])
     except ValueError:
@@ -80,7 +88,7 @@ def chat_prompt_ids(
             400, f"The model '{request.model}' has no chat template; use /v1/completions instead.",
             param="messages",
         )
-    messages = [template_message(m) for m in request.messages]
+    messages = [template_message(m, f"messages.{i}") for i, m in enumerate(request.messages)]
     try:
         text = tokenizer.apply_chat_template(
             messages,

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from xinserve.engines.sampling_params import SamplingParams
+from xinserve.engines.sampling_params import InvalidSamplingParam, SamplingParams
 from xinserve.engines.structured.schema import check_json_schema
 from xinserve.server.errors import APIError
 from xinserve.server.heavy_imports import load
@@ -236,8 +236,9 @@ class _SamplingFields(_Strict):
                 logit_bias={int(t): v for t, v in self.logit_bias.items()} if self.logit_bias else None,
                 prompt_logprobs=prompt_logprobs,
             )
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+        except InvalidSamplingParam as exc:
+            raise APIError(400, f"Invalid value for '{exc.field}': {exc}", param=exc.field,
+                           code="invalid_value") from None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -4,16 +4,13 @@
 Every error the server renders goes out in OpenAI's envelope (``server/errors.py``), from wherever it
 is raised: the body-size limit, the drain, the API-key check, validation, the router, the handler.
 ``AnthropicErrorMiddleware`` sits outside all of them and rewrites those on ``/v1/messages`` paths,
-so none is missed; an exception nothing handled becomes Anthropic's 500 here.
+so none is missed (an exception nothing handled too: ``InternalErrorMiddleware``'s 500).
 """
 
 import json
-import logging
 from typing import Any
 
 from xinserve.server.errors import APIError
-
-logger = logging.getLogger("xinserve.server")
 
 PATH_PREFIX = "/v1/messages"
 
@@ -59,10 +56,8 @@ class AnthropicErrorMiddleware:
             return
         started: dict[str, Any] = {}  # the error response's start message, held until its body is whole
         chunks: list[bytes] = []
-        sent = False
 
         async def rewrite(message: dict) -> None:
-            nonlocal sent
             if message["type"] == "http.response.start" and message["status"] >= 400:
                 started.update(message)
                 return
@@ -71,22 +66,10 @@ class AnthropicErrorMiddleware:
                 if message.get("more_body", False):
                     return
                 await _send_error(send, started, b"".join(chunks), _request_id(scope))
-                sent = True
                 return
-            if message["type"] == "http.response.start":
-                sent = True
             await send(message)
 
-        try:
-            await self.app(scope, receive, rewrite)
-        except Exception:
-            if sent:
-                raise
-            request_id = _request_id(scope)
-            logger.exception("internal error in request %s %s %s", request_id or "-", scope.get("method"),
-                             scope.get("path"))
-            message = f"The server had an error while processing your request (request id {request_id or '-'})."
-            await _send_json(send, 500, error_body(500, message, request_id), [])
+        await self.app(scope, receive, rewrite)
 
 
 def _request_id(scope: dict) -> str | None:

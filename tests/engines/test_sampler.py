@@ -1,12 +1,16 @@
 """The batched sampler against naive per-row reference implementations written here."""
 
 import math
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-from xinserve.engines.sampler import Sampler, SamplingRow, apply_penalties
+from xinserve.engines.sampler import Sampler, SamplingRow, adjusted_logits, apply_penalties, filtered_probs
 from xinserve.engines.sampling_params import SamplingParams
+from xinserve.kernels import reference
 
 VOCAB = 32
 
@@ -277,3 +281,39 @@ def test_vanishing_temperature_is_greedy(temperature: float) -> None:
     tokens = Sampler()(logits, rows).token_ids
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     assert rows[0].params.greedy and not rows[1].params.greedy
+
+
+# Values around every field's bounds and far past them; the property draws from these and from anywhere.
+EDGES = [0.0, -0.0, 1e-300, 1e-45, 1e-5, 1e-5 * (1 + 1e-9), 0.01, 0.5, 1.0, 2.0, 100.0, 1e5, 3.4e38, 1e300,
+         -1e-300, -2.0, -100.0, math.nan, math.inf, -math.inf]
+
+
+FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+
+
+def _any_float() -> Any:
+    return st.one_of(st.sampled_from(EDGES), st.floats(-200, 200), st.floats(allow_nan=True, allow_infinity=True))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(values=st.dictionaries(st.sampled_from(FLOAT_FIELDS), _any_float(), max_size=len(FLOAT_FIELDS)),
+    top_k=st.integers(0, VOCAB + 1), bias=st.dictionaries(st.integers(0, VOCAB - 1), _any_float(), max_size=3),
+    scale=st.floats(0.1, 100), seed=st.integers(0, 2**16))
+def test_every_accepted_sampling_value_keeps_the_logits_finite(values, top_k, bias, scale, seed):
+    """Whatever ``SamplingParams`` accepts, the sampler's logits stay finite (NaN or +inf would make
+    it sample garbage: a ``repetition_penalty`` of 1e-300 once picked token 0 every time)."""
+    try:
+        params = SamplingParams(top_k=top_k, logit_bias=bias or None, **values)
+    except ValueError:
+        assume(False)
+    logits = random_logits(2, seed=seed, scale=scale)
+    rows = [SamplingRow(params, [1, 2, 2, 5], [5, 7, 7, 7], None, [3]),  # prior tokens, a suppressed one
+            SamplingRow(params, [0], [], None, [])]
+    adjusted = adjusted_logits(logits, rows)
+    assert not adjusted.isnan().any() and not adjusted.isposinf().any(), adjusted
+    assert adjusted.isfinite().any(dim=-1).all(), adjusted  # greedy's argmax is a real token
+    greedy = [params.greedy] * 2
+    probs = filtered_probs(adjusted, rows, greedy, reference.top_k_top_p)
+    assert probs.isfinite().all(), (params, probs)
+    assert torch.allclose(probs.sum(dim=-1), torch.ones(2), atol=1e-4), (params, probs)

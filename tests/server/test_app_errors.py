@@ -21,9 +21,9 @@ def make_app(**server):
     return create_app(config)
 
 
-def call(app, method: str, path: str, **kw) -> httpx.Response:
+def call(app, method: str, path: str, raise_app_exceptions: bool = False, **kw) -> httpx.Response:
     async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
             return await c.request(method, path, **kw)
 
@@ -108,6 +108,28 @@ def test_internal_error_is_a_500_envelope_with_request_id(monkeypatch, caplog):
     assert any("abc123" in rec.getMessage() for rec in caplog.records)
     # The app keeps serving.
     assert call(app, "GET", "/v1/models", headers=AUTH).status_code == 200
+
+
+def recurse(depth: int) -> None:
+    recurse(depth + 1)  # a RecursionError: a traceback of ~1,000 frames
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", CHAT),
+    ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_an_internal_error_is_logged_once_with_a_bounded_traceback_and_not_raised_to_the_server(
+        monkeypatch, caplog, path, body):
+    app = make_app()
+    monkeypatch.setattr(app.state.router, "route", lambda *a, **k: recurse(0))
+    # raise_app_exceptions: an exception that reached the ASGI server would raise here. Uvicorn logged
+    # it a second time and dropped the kept-alive connection.
+    r = call(app, "POST", path, json=body, headers={**AUTH, "X-Request-Id": "deep1"}, raise_app_exceptions=True)
+    assert r.status_code == 500 and "deep1" in r.text
+    tracebacks = [text for text in map(caplog.handler.format, caplog.records) if "Traceback" in text]
+    assert len(tracebacks) == 1, [text[:300] for text in tracebacks]
+    assert "deep1" in tracebacks[0] and "RecursionError" in tracebacks[0]
+    assert len(tracebacks[0]) < 20_000  # the innermost frames, not 1,000 of them (~200 KB)
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/health"])

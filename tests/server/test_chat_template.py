@@ -1,5 +1,7 @@
 """Chat messages through the model's template: roles, content parts, tools, and template errors."""
 
+import json
+
 import pytest
 
 from xinserve.server.chat_template import chat_prompt_ids, template_message
@@ -116,3 +118,20 @@ def test_a_trusted_request_template_renders_within_the_character_bound(tiny_toke
     assert prompt_ids(tiny_tokenizer, plain, max_chars=rendered)
     with pytest.raises(APIError):
         prompt_ids(tiny_tokenizer, plain, max_chars=rendered - 1)
+
+
+@pytest.mark.parametrize("depth", [65, 500, 100_000])  # 100,000: past the JSON parser's own limit
+def test_tool_call_arguments_nested_too_deeply_are_a_400_naming_them(tiny_tokenizer, depth):
+    deep = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * depth + "]" * depth}}
+    req = request([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [deep]}])
+    with pytest.raises(APIError) as info:  # once a RecursionError: a 500 with 3,000 lines of traceback
+        prompt_ids(tiny_tokenizer, req)
+    assert (info.value.status, info.value.param) == (400, "messages.1.tool_calls.0.function.arguments")
+
+
+def test_tool_call_arguments_as_deep_as_the_body_may_be_are_templated(tiny_tokenizer):
+    arguments = '{"a":' * 32 + "[" * 32 + "1" + "]" * 32 + "}" * 32
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    req = request([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}],
+                  chat_template_kwargs={"deep": json.loads(arguments)})
+    assert prompt_ids(tiny_tokenizer, req)

@@ -1,5 +1,7 @@
 """Request models: OpenAI's ranges and types, vLLM's extras, and the mapping to SamplingParams."""
 
+import math
+
 import pytest
 from pydantic import ValidationError
 
@@ -121,6 +123,22 @@ def test_a_value_the_engine_refuses_is_a_400_before_any_worker_sees_it():
     with pytest.raises(APIError) as info:
         chat(seed=None).sampling_params(max_tokens=0, logprobs=None)
     assert info.value.status == 400 and "max_tokens" in info.value.message
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("repetition_penalty", 1e-300), ("repetition_penalty", math.inf), ("repetition_penalty", math.nan),
+    ("temperature", math.nan), ("min_p", math.nan), ("top_p", math.nan),
+])
+def test_a_non_finite_or_tiny_sampling_value_is_a_400_naming_its_field(field, value):
+    # JSON's Infinity and NaN parse as floats; the engine's own range (SamplingParams.validate) refuses them.
+    try:
+        req = chat(**{field: value})
+    except ValidationError as exc:  # OpenAI's narrower range, where the request model has one
+        assert exc.errors()[0]["loc"] == (field,)
+        return
+    with pytest.raises(APIError) as info:
+        req.sampling_params(max_tokens=4, logprobs=None)
+    assert (info.value.status, info.value.param) == (400, field) and field in info.value.message
 
 
 def test_min_tokens_above_max_tokens_is_a_400_naming_min_tokens():

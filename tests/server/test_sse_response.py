@@ -16,6 +16,7 @@ from xinserve.server.app import create_app
 from xinserve.server.body_limit import BodyLimitMiddleware
 from xinserve.server.config import parse_config
 from xinserve.server.drain import DrainMiddleware
+from xinserve.server.errors import InternalErrorMiddleware
 from xinserve.server.key_usage import KeyUsageMiddleware
 from xinserve.server.request_log import RequestLogMiddleware
 from xinserve.server.sse import DirectSendMiddleware, SSEResponse
@@ -120,8 +121,9 @@ def test_every_middleware_inside_the_direct_send_reads_only_the_start_message():
     # DirectSendMiddleware: the stream's chunks would skip it. Adding one means revisiting server/sse.py.
     stack = [m.cls for m in _app().user_middleware]
     assert stack[0] is DirectSendMiddleware
-    assert set(stack[1:]) == {AnthropicErrorMiddleware, RequestLogMiddleware, KeyUsageMiddleware, DrainMiddleware,
-                              BodyLimitMiddleware, PrometheusInstrumentatorMiddleware}
+    assert set(stack[1:]) == {AnthropicErrorMiddleware, InternalErrorMiddleware, RequestLogMiddleware,
+                              KeyUsageMiddleware, DrainMiddleware, BodyLimitMiddleware,
+                              PrometheusInstrumentatorMiddleware}
 
 
 def test_stream_chunks_skip_the_send_wrappers_but_the_start_goes_through_them():
