@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 
 from xinserve.engines.models import MODEL_REGISTRY
+from xinserve.engines.models.config_check import read_model_config
 from xinserve.engines.models.loader import _checkpoint_names, _config_dtype
 from xinserve.engines.models.mtp import attach_mtp
 from xinserve.engines.models.tensor_parallel import check_model_splits, shard_model
@@ -113,8 +113,9 @@ class _MetaRank:
 
 
 def read_config(path: str) -> tuple[Any, type[nn.Module], str]:
-    """(config, our model class, "Arch at 'path'") from ``path``/config.json alone."""
-    config = AutoConfig.from_pretrained(path)
+    """(config, our model class, "Arch at 'path'") from ``path``/config.json alone; ValueError naming
+    the file (and the field) when it is missing or cannot make one of our models."""
+    config = read_model_config(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture not in MODEL_REGISTRY:
         raise ValueError(f"unsupported architecture {architecture!r} in {str(Path(path) / 'config.json')!r}; "

@@ -3,9 +3,10 @@
 The build takes a minute or two and is cached under ``$TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/xinserve/torch_extensions``), keyed by the source, the torch version and the CPU's
 instruction-set flags (it is compiled with ``-march=native``), so restarts and later workers load it
-at once; concurrent builders wait on an ``flock`` (``_build_lock``). ``built()`` says whether a
-build is on disk already without building: the registry then lets an engine start on the reference
-kernel and build in the background (kernels/registry.py, engines/warmup.py).
+at once; concurrent builders wait on an ``flock`` (``_build_lock``). The compile runs in a child process
+tied to the caller (kernels/build_process.py), so a build never outlives the process that wanted it.
+``built()`` says whether a build is on disk already without building: the registry then lets an engine
+start on the reference kernel and build in the background (kernels/registry.py, engines/warmup.py).
 """
 
 import fcntl
@@ -18,6 +19,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from xinserve.kernels.build_process import build_in_child
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name
            for name in ("paged_decode_attention.cpp", "write_kv.cpp", "decode_linear.cpp", "bindings.cpp")]
@@ -67,7 +70,17 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
 
 
 def build() -> ModuleType:
-    """Build (or load the build of) the extension; ImportError when it cannot be built here."""
+    """Build (or load the build of) the extension; ImportError when it cannot be built here. A build not
+    on disk yet compiles in a child process that ends, compilers and all, when this one does
+    (kernels/build_process.py); this process then loads what it built."""
+    if not built():
+        build_in_child()
+    return load()
+
+
+def load() -> ModuleType:
+    """Compile (if not built yet) and load the extension in this process; ImportError when it cannot be
+    built here."""
     from torch.utils import cpp_extension
 
     build_dir = _build_dir(BUILD_KEY)

@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from xinserve.engines.config import COMPILE_ENV_VAR, COMPILE_MODES
 from xinserve.engines.process_exit import leave_quickly
+from xinserve.server.bad_input import BadInput
 from xinserve.server.config import AppConfig, ConfigError, default_config_path, load_config, parse_config
 from xinserve.server.model_settings import ModelSettings
 
@@ -144,11 +145,7 @@ def serve(args: argparse.Namespace) -> int:
 
     level = getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = build_config(args)
-    except ConfigError as exc:
-        print(f"xinserve: {exc}", file=sys.stderr)
-        return 2
+    config = build_config(args)
     if config.distributed.node_rank > 0:
         from xinserve.server.node import run_node
 
@@ -189,13 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         # Bare "xinserve" behaves like "xinserve serve": the README's first command.
         args = parser.parse_args(["serve"])
-    if args.command == "serve":
-        return serve(args)
-    if args.command == "bench":
-        return bench.run(args)
-    if args.command == "plan":
-        return plan.run(args)
-    return doctor.run(args)
+    commands = {"serve": serve, "bench": bench.run, "plan": plan.run, "doctor": doctor.run}
+    try:
+        return commands[args.command](args)
+    except BadInput as exc:  # a file, path or field the user gave: one line naming it, as argparse's own errors
+        print(f"xinserve {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 def run() -> None:

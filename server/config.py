@@ -12,10 +12,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, SecretStr, Tag, model_validator
 from pydantic_core import ValidationError
 
+from xinserve.server.bad_input import BadInput, read_text
 from xinserve.server.model_settings import ModelSettings
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput):
     """A config file or flag combination that cannot be served; the message names the bad key."""
 
 
@@ -242,9 +243,9 @@ def load_config(path: str | Path) -> AppConfig:
     """Read and validate a YAML file; raises ConfigError with every bad key named."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        text = read_text(path, "config")
+    except BadInput as exc:
+        raise ConfigError(str(exc)) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -9,6 +9,8 @@ import importlib
 import json
 import os
 import platform
+from collections.abc import Mapping
+from importlib import metadata
 from typing import Any
 
 GIB = 1024**3
@@ -131,8 +133,17 @@ def probe_kernels(kind: str, device: str) -> dict[str, Any]:
     return {"dtype": str(dtype).removeprefix("torch."), "ops": selection.report()}
 
 
-def _module_version(name: str) -> str | None:
-    """``name.__version__`` if the module imports, else None (never raises)."""
+def _module_version(name: str, distributions: Mapping[str, list[str]]) -> str | None:
+    """The installed version of module ``name`` (None: not installed), from its distribution's metadata
+    (``distributions``: importlib.metadata.packages_distributions()), not by importing it. Imported,
+    triton loads its nanobind extension, whose objects are still alive when the CLI freezes the heap
+    and leaves (engines/process_exit.py): nanobind then prints ~30 lines of "leaked" on stderr at exit.
+    A module installed without metadata (a vendor build copied in by hand) is imported, as before."""
+    for distribution in distributions.get(name, ()):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
     try:
         return str(getattr(importlib.import_module(name), "__version__", "?"))
     except Exception:  # noqa: BLE001  a vendor module without its driver fails in many ways
@@ -155,7 +166,9 @@ def _cann_version() -> str | None:
 
 def versions() -> dict[str, str | None]:
     """The software stack of every platform (None: not installed)."""
-    found: dict[str, str | None] = {"torch": _module_version("torch"), "triton": _module_version("triton")}
+    installed = metadata.packages_distributions()
+    found: dict[str, str | None] = {"torch": _module_version("torch", installed),
+                                    "triton": _module_version("triton", installed)}
     try:
         import torch
 
@@ -163,10 +176,10 @@ def versions() -> dict[str, str | None]:
         found["musa"] = getattr(torch.version, "musa", None)
     except ImportError:
         pass
-    found["torch_npu"] = _module_version("torch_npu")
+    found["torch_npu"] = _module_version("torch_npu", installed)
     found["cann"] = _cann_version()
-    found["torch_musa"] = _module_version("torch_musa")
-    found["mate"] = _module_version("mate")
+    found["torch_musa"] = _module_version("torch_musa", installed)
+    found["mate"] = _module_version("mate", installed)
     return found
 
 

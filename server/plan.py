@@ -7,10 +7,10 @@ bad argument or an unreadable model.
 
 import argparse
 import json
-import sys
 
 from xinserve.engines.capacity import GIB, KV_CACHE_DTYPES, QUANTIZATION_SCHEMES, Layout, Plan, plan
 from xinserve.engines.models.loader import parse_dtype
+from xinserve.server.bad_input import BadInput
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -42,21 +42,17 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--devices", args.devices), ("--tensor-parallel-size", tp), ("--pipeline-parallel-size", pp),
                         ("--max-model-len", args.max_model_len), ("--block-size", args.block_size)):
         if value is not None and value < 1:
-            print(f"xinserve plan: {flag} must be at least 1, got {value}", file=sys.stderr)
-            return 2
+            raise BadInput(f"{flag} must be at least 1, got {value}")
     if args.device_memory <= 0 or not 0 < args.kv_cache_memory_fraction <= 1:
-        print("xinserve plan: --device-memory must be positive and --kv-cache-memory-fraction in (0, 1]",
-              file=sys.stderr)
-        return 2
+        raise BadInput("--device-memory must be positive and --kv-cache-memory-fraction in (0, 1]")
     try:
         result = plan(args.model, devices=args.devices, device_memory_gib=args.device_memory,
                       layout=Layout(tp, pp, args.enable_expert_parallel), quantization=args.quantization,
                       kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                       dtype=parse_dtype(args.dtype), block_size=args.block_size,
                       kv_cache_memory_fraction=args.kv_cache_memory_fraction, mtp=args.mtp)
-    except (OSError, ValueError) as exc:
-        print(f"xinserve plan: {exc}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as exc:  # an unreadable model directory or config.json (read_config)
+        raise BadInput(str(exc)) from None
     print(json.dumps(result.as_json(), indent=2) if args.json else table(result))
     return 0 if result.fits else 1
 

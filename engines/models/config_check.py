@@ -12,7 +12,12 @@ Qwen3-MoE, Mixtral, GLM-4.5 and DeepSeek-V3. A ``quantization_config`` is the qu
 formats' to judge (engines/quantization/formats/): one no format implements is refused there.
 """
 
+import json
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
 
 from xinserve.engines.models.rope import SUPPORTED_ROPE_TYPES, rope_settings
 
@@ -28,6 +33,35 @@ UNIMPLEMENTED_FIELDS = {
     "residual_multiplier": "a multiplier on the residual branches",
     "attention_multiplier": "an attention scale other than head_dim ** -0.5",
 }
+
+# The sizes every model here is built from; head_dim is often absent (hidden_size / heads).
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "vocab_size", "max_position_embeddings")
+
+
+def invalid_sizes(fields: Mapping[str, Any]) -> list[str]:
+    """One message per size field that is set and is not a positive integer, naming the field."""
+    return [f"{field} must be a positive integer, got {value!r}" for field in SIZE_FIELDS
+            if (value := fields.get(field)) is not None
+            and (isinstance(value, bool) or not isinstance(value, int) or value < 1)]
+
+
+def read_model_config(path: str) -> PretrainedConfig:
+    """transformers' config of the model directory ``path``; ValueError naming config.json (and the
+    field, where we check it) when the file is missing, is not JSON, or cannot make a model."""
+    config_file = Path(path) / "config.json"
+    try:
+        fields = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, not JSON
+        raise ValueError(f"cannot read {config_file}: {exc}") from None
+    problems = invalid_sizes(fields) if isinstance(fields, dict) else ["the top level must be a JSON object"]
+    if problems:
+        raise ValueError(f"{config_file}: {'; '.join(problems)}")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001  transformers checks the other fields in many ways (strict dataclasses)
+        message = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise ValueError(f"{config_file}: {message[-1].strip()}") from None
 
 
 def unsupported_config_fields(config: Any) -> list[str]:

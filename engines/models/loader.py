@@ -12,10 +12,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from xinserve.engines.models import MODEL_REGISTRY
-from xinserve.engines.models.config_check import unsupported_config_fields
+from xinserve.engines.models.config_check import read_model_config, unsupported_config_fields
 from xinserve.engines.models.expert_parallel import make_exchange, place_experts
 from xinserve.engines.models.mtp import attach_mtp, mtp_parameter_name
 from xinserve.engines.models.tensor_parallel import (
@@ -66,7 +66,7 @@ def load_model(
     layers. A quantized checkpoint's weights stay quantized (engines/quantization/); ``quantization``
     forces a scheme (``EngineConfig.quantization``). ``choose_ep_exchange`` names expert parallel's token
     exchange for the shapes and dtype (kernels/ep_dispatch.py); None: the all-to-all reference."""
-    config = AutoConfig.from_pretrained(path)
+    config = read_model_config(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
     if architecture not in MODEL_REGISTRY:
         raise ValueError(

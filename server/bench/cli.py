@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from xinserve.server.bad_input import BadInput, read_text
 from xinserve.server.bench import dataset, report
 from xinserve.server.bench.client import RequestResult, one_request
 from xinserve.server.bench.load import Level, levels, run_level
@@ -130,9 +131,20 @@ def _cpu_model() -> str | None:
     return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
 
 
+def _results(path: str) -> dict[str, Any]:
+    """A saved ``--json`` result; BadInput naming the file when it is not one."""
+    try:
+        result = json.loads(read_text(path, "results file"))
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(result, dict) or not isinstance(result.get("runs"), list):
+        raise BadInput(f"{path}: not the JSON of xinserve bench --json (no 'runs')")
+    return result
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench_command == "plot":
-        results = [json.loads(Path(f).read_text()) for f in args.results]
+        results = [_results(path) for path in args.results]
         print(f"wrote {plot(results, args.out)}")
         return 0
     try:
@@ -140,9 +152,6 @@ def run(args: argparse.Namespace) -> int:
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         print(f"xinserve bench: cannot reach {args.base_url}: {exc}")
         return 1
-    except ValueError as exc:  # a bad dataset
-        print(f"xinserve bench: {exc}")
-        return 2
     if len(result["runs"]) > 1:
         print(report.levels_table([result]))
     if args.json_path:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xinserve.server.bad_input import BadInput, read_text
+
 _WORDS = (
     "river", "harbour", "library", "morning", "bread", "market", "window", "garden", "silver", "letter",
     "mountain", "valley", "engine", "signal", "kitchen", "winter", "summer", "station", "ladder",
@@ -37,26 +39,26 @@ def random_prompts(num: int, words: int, seed: int) -> list[Prompt]:
 
 
 def load_jsonl(path: str | Path) -> list[Prompt]:
-    """The dataset's prompts; a ValueError naming the line for anything else."""
+    """The dataset's prompts; BadInput naming the file, and the line, for anything else."""
     prompts = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(read_text(path, "dataset").splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            raise BadInput(f"{path}:{number}: not JSON ({exc.msg})") from None
         if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
-            raise ValueError(f"{path}:{number}: give exactly one of 'prompt' and 'messages'")
+            raise BadInput(f"{path}:{number}: give exactly one of 'prompt' and 'messages'")
         category, max_tokens = row.get("category"), row.get("max_tokens")
         if category is not None and not isinstance(category, str):
-            raise ValueError(f"{path}:{number}: 'category' must be a string")
+            raise BadInput(f"{path}:{number}: 'category' must be a string")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise ValueError(f"{path}:{number}: 'max_tokens' must be a positive integer")
+            raise BadInput(f"{path}:{number}: 'max_tokens' must be a positive integer")
         prompts.append(Prompt(messages=row.get("messages"), text=row.get("prompt"), category=category,
                               max_tokens=max_tokens))
     if not prompts:
-        raise ValueError(f"{path}: no prompts")
+        raise BadInput(f"{path}: no prompts")
     return prompts
 
 
@@ -79,7 +81,7 @@ def payload(prompt: Prompt, model: str, endpoint: str, max_tokens: int, ignore_e
     if endpoint == "chat":
         body["messages"] = prompt.messages or [{"role": "user", "content": prompt.text}]
     elif prompt.messages is not None:
-        raise ValueError("a dataset with 'messages' needs the chat endpoint")
+        raise BadInput("a dataset with 'messages' needs the chat endpoint")
     else:
         body["prompt"] = prompt.text
     return body
