@@ -24,6 +24,7 @@ Where prctl is missing (not Linux), a thread polls ``getppid()`` instead.
 
 import ctypes
 import ctypes.util
+import importlib
 import os
 import signal
 import subprocess
@@ -35,10 +36,11 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_POLL_S = 0.5
 
 
-def build_in_child() -> None:
-    """Run ``cpp_build.load()`` in a child tied to this process (see the module's docstring) and wait
-    for it; ImportError with the child's reason when it fails."""
-    done = subprocess.run([sys.executable, "-m", __name__, str(os.getpid())], check=False,
+def build_in_child(build: str) -> None:
+    """Run ``build`` (``"module:function"``, e.g. ``cpp_build.load``) in a child tied to this process (see
+    the module's docstring) and wait for it; ImportError with the child's reason when it fails. Named, not
+    imported here, so that the builder may import this module."""
+    done = subprocess.run([sys.executable, "-m", __name__, str(os.getpid()), build], check=False,
                           capture_output=True, text=True, start_new_session=True)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"the build process ended with status {done.returncode}"]
@@ -79,12 +81,12 @@ def _poll_parent(parent: int) -> None:
 
 def main() -> None:
     _tie_to(int(sys.argv[1]))
-    from xinserve.kernels.cpp_build import load
-
+    module, function = sys.argv[2].split(":")
+    build = getattr(importlib.import_module(module), function)
     if _parent_gone.is_set():  # while torch was imported: build nothing
         sys.exit(1)
     try:
-        load()
+        build()
     except ImportError as exc:
         print(exc, file=sys.stderr)
         sys.exit(1)

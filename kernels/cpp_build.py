@@ -74,7 +74,7 @@ def build() -> ModuleType:
     on disk yet compiles in a child process that ends, compilers and all, when this one does
     (kernels/build_process.py); this process then loads what it built."""
     if not built():
-        build_in_child()
+        build_in_child(f"{__name__}:load")
     return load()
 
 

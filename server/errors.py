@@ -119,16 +119,24 @@ class InternalErrorMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = send_failed = False
 
         async def watched(message: dict) -> None:
-            nonlocal started
+            nonlocal started, send_failed
             started = started or message["type"] == "http.response.start"
-            await send(message)
+            try:
+                await send(message)
+            except Exception:
+                send_failed = True
+                raise
 
         try:
             await self.app(scope, receive, watched)
-        except Exception as exc:  # noqa: BLE001  whatever it is, the client gets a 500 and the log one entry
+        except Exception as exc:  # whatever it is, the client gets a 500 and the log one entry
+            # The connection's own failure (a client gone; a pushed write fails outside ``watched``): the
+            # ASGI server's to handle, as before this middleware.
+            if send_failed or (started and isinstance(exc, OSError)):
+                raise
             request_id = (scope.get("state") or {}).get("request_id") or "-"
             logger.error("internal error in request %s %s %s\n%s", request_id, scope.get("method"),
                          scope.get("path"), bounded_traceback(exc))
