@@ -14,15 +14,16 @@ if str(BENCHMARKS) not in sys.path:
 
 @pytest.fixture
 def run_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
-    """``benchmarks/NAME.py --quick`` with its JSON and models under ``tmp_path``: (the process, the JSON path).
+    """``benchmarks/NAME.py --quick [ARGS]`` with its JSON and models under ``tmp_path``: (the process, the JSON path).
 
     The script runs in this process as ``python NAME.py`` would run it (``__main__``, its directory
     first on ``sys.path``, its arguments in ``sys.argv``): a subprocess would import torch and
     transformers again, ~7 CPU s quiet and twice that under load, for a run of a few CPU seconds.
     The torch thread count a script sets is put back afterwards."""
-    def run(name: str) -> tuple[subprocess.CompletedProcess, Path]:
+    def run(name: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
         out = tmp_path / f"{name}.json"
-        argv = [str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out), "--model-dir", str(tmp_path / "models")]
+        argv = [str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out), "--model-dir", str(tmp_path / "models"),
+                *args]
         monkeypatch.setattr(sys, "argv", argv)
         threads = torch.get_num_threads()
         capsys.readouterr()
