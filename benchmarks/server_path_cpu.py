@@ -3,7 +3,7 @@
 Wall time on a shared machine is noise; the CPU each process spends per token is not (much). Each arm
 is a server (the 5M Llama, ``common.LLAMA_5M``, float32, compile off) started from a checkout with extra
 CLI flags: ``after`` (this checkout), ``after, off`` (``--no-async-scheduling``; ``--no-off-arm`` leaves
-it out) and, with ``--before CHECKOUT``, another checkout (e.g. ``git worktree add ../before main``).
+it out) and, with ``--before CHECKOUT``, another checkout (a ``git worktree`` of another revision).
 After a warm-up run, the user + system CPU of the HTTP process and of the worker process (every thread,
 from /proc/PID/stat) is read before and after each load level (``xinserve bench``, streamed chat), and
 divided by the level's output tokens. Arms run one after another per level and repeat, alternating
@@ -12,6 +12,7 @@ fails to import, first on its path), to measure a checkout as it ran before they
 Writes ``benchmarks/results/server_path_cpu.json``. The committed result (before: main, after: a
 change; the arms' roots are recorded by name):
 
+    git worktree add ../main main
     python benchmarks/server_path_cpu.py --before ../main --no-off-arm --concurrency 8,32 --repeats 3
 
 Smoke run: ``python benchmarks/server_path_cpu.py --no-off-arm --concurrency 2 --repeats 1 --output-tokens 8
