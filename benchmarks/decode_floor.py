@@ -1,32 +1,40 @@
-"""The decode step against its memory floor (issue 25's target: batch 32 x 512 context within 2x).
+"""The decode step against its memory floor: the step at batch 32 x 512 context is to stay within 2x.
 
-The floor of one decode step is the bytes it must read — every weight once (the embedding only for the
-batch's rows) plus the K/V of every layer for every sequence's context — divided by the machine's read
-bandwidth, measured here as a ``torch.sum`` of 256 MB on 1 and 2 threads (PEERS.md's yardstick). The
-step is ``engine.step()`` in a loop, in process, on the 5M Llama of ../shared/PEERS.md in float32 with
-the C++ decode attention (when it builds), at batch x context points (32 x 512, 8 x 512, 32 x 64), with
-the decode bucket compiled (``compile="on"``, timed once the warm-up has settled) and eager
-(``compile="off"``), each on 1 and 2 torch threads. Per point: the fastest window of steps (wall time:
-on a shared machine the least disturbed estimate) and the process CPU seconds per step in that window
-(``time.process_time``, every thread; on 2 threads it includes spinning at OpenMP barriers), then
-step / floor against the bandwidth of the same thread count. ``--omp-wait-policy`` (default PASSIVE, as the
-server's CPU workers run) is set before torch loads; ``default`` leaves libgomp's spin-then-sleep. Prints a markdown table and writes
-``benchmarks/results/decode_floor.json``.
+The floor of one decode step is the bytes it must read (every weight once, the embedding only for the
+batch's rows, plus the K/V of every layer for every sequence's context, scales included) divided by the
+machine's read bandwidth, measured here as the fastest ``torch.sum`` of 256 MB on as many threads. The
+step is ``engine.step()`` in a loop, in process, on the 5M Llama (``common.LLAMA_5M``) in float32 with the
+C++ decode attention, at batch x context points, with the decode bucket compiled (``compile="on"``, timed
+once the warm-up has settled) and eager (``compile="off"``), each on 1 and 2 torch threads. Per point:
+the fastest window of steps (wall time: on a shared machine the least disturbed estimate), the process
+CPU seconds per step in that window (``time.process_time``, every thread; on 2 threads it includes
+spinning at OpenMP barriers), then step / floor against the bandwidth of the same thread count.
+``--kv-cache-dtype`` stores the cache in another dtype (its floor reads fewer bytes); ``--omp-wait-policy``
+(default PASSIVE, as the server's CPU workers run) is set before torch loads; ``default`` leaves libgomp's
+spin-then-sleep. Prints a markdown table and writes ``benchmarks/results/decode_floor.json``, which
+``perf_targets.py`` reads. The committed result:
 
-    python benchmarks/decode_floor.py [--quick] [--points 32x512,8x512,32x64] [--out PATH]
+    python benchmarks/decode_floor.py --points 32x512,32x160 --modes compiled --threads 1,2
+
+Smoke run: ``python benchmarks/decode_floor.py --quick --points 2x32 --threads 1 --out /tmp/floor.json``.
 """
 
-import argparse
 import json
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from engine_timing import LLAMA_5M, decode_engine, decoding, llama_5m
+from common import (
+    LLAMA_5M,
+    decode_engine,
+    decoding,
+    llama_5m,
+    lscpu,
+    markdown_table,
+    script_args,
+    write_result,
+)
 
-RESULTS = Path(__file__).resolve().parent / "results" / "decode_floor.json"
 POINTS = ((32, 512), (8, 512), (32, 64))
 SUM_BYTES = 256 << 20
 
@@ -49,14 +57,12 @@ def read_bandwidth(threads: int, repeats: int = 7) -> float:
 def step_bytes(runner, batch: int, context: int) -> dict[str, int]:
     """The bytes one decode step of ``batch`` sequences at ``context`` tokens must read: every parameter
     except the embedding table (of which only ``batch`` rows), and K and V of every layer over every
-    context. Shapes from the model and the KV pool ``[2, layers, blocks, block_size, kv_heads, head_dim]``."""
+    context in the cache's dtype, scales included (the model's cache spec)."""
     model = runner.model
     table = model.model.embed_tokens.weight  # [vocab, hidden]; the logits read it whole when tied
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not table)
     weights += batch * table.shape[1] * table.element_size() + (table.nbytes if model.lm_head is None else 0)
-    cache = runner.kv_cache
-    _, layers, _, _, kv_heads, head_dim = cache.shape
-    kv = 2 * layers * batch * context * kv_heads * head_dim * cache.element_size()
+    kv = batch * context * model.kv_bytes_per_token(runner.kv_dtype)
     return {"weights": weights, "kv": kv, "total": weights + kv}
 
 
@@ -83,8 +89,7 @@ def wait_settled(engine, timeout_s: float = 1800) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer and shorter windows (a smoke run)")
+    parser = script_args(__doc__, "decode_floor.json", "fewer and shorter windows (a smoke run)")
     parser.add_argument("--points", default=",".join(f"{b}x{c}" for b, c in POINTS),
                         help="batch x context points, comma separated")
     parser.add_argument("--modes", default="compiled,eager")
@@ -92,8 +97,7 @@ def main() -> None:
     parser.add_argument("--omp-wait-policy", default="PASSIVE",
                         help="OMP_WAIT_POLICY of this process (the server's CPU workers run PASSIVE: server/pool.py); "
                              "'default' leaves libgomp's (spin, then sleep)")
-    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's dtype (auto: the model's)")
     args = parser.parse_args()
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
     modes = args.modes.split(",")
@@ -113,7 +117,7 @@ def main() -> None:
     for mode in modes:
         torch.set_num_threads(1)
         llm = decode_engine(path, max_batch, max_context, steps, compile="on" if mode == "compiled" else "off",
-                            kernels={"decode_attention": "cpp"})
+                            kernels={"decode_attention": "cpp"}, kv_cache_dtype=args.kv_cache_dtype)
         engine = llm.engine
         report = wait_settled(engine)
         print(f"{mode}: warm-up settled: {json.dumps(report['buckets'])}", file=sys.stderr)
@@ -134,17 +138,16 @@ def main() -> None:
                               f"(cpu {row['cpu_ms_per_step']:.2f}), floor {row['floor_ms']:.2f} ms, "
                               f"{row['step_over_floor']:.2f}x", file=sys.stderr)
         llm.close()
-    result = {"model": LLAMA_5M, "dtype": "float32", "decode_attention": "cpp",
-              "omp_wait_policy": args.omp_wait_policy, "load_average": os.getloadavg(),
+    result = {"model": LLAMA_5M, "dtype": "float32", "kv_cache_dtype": args.kv_cache_dtype, "decode_attention": "cpp",
+              "lscpu": lscpu(), "omp_wait_policy": args.omp_wait_policy, "load_average": os.getloadavg(),
               "read_bandwidth_gb_s": {str(n): b / 1e9 for n, b in bandwidth.items()}, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print("| mode | threads | batch x context | weights MB | K/V MB | floor ms | step ms | CPU ms/step | step / floor |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['threads']} | {r['batch']} x {r['context']} | {r['bytes']['weights'] / 1e6:.1f} | "
-              f"{r['bytes']['kv'] / 1e6:.1f} | {r['floor_ms']:.2f} | {r['step_ms']:.2f} | "
-              f"{r['cpu_ms_per_step']:.2f} | {r['step_over_floor']:.2f}x |")
+    write_result(args.out, result)
+    print(markdown_table(
+        ("mode", "threads", "batch x context", "weights MB", "K/V MB", "floor ms", "step ms", "CPU ms/step",
+         "step / floor"),
+        [(r["mode"], r["threads"], f"{r['batch']} x {r['context']}", f"{r['bytes']['weights'] / 1e6:.1f}",
+          f"{r['bytes']['kv'] / 1e6:.1f}", f"{r['floor_ms']:.2f}", f"{r['step_ms']:.2f}", f"{r['cpu_ms_per_step']:.2f}",
+          f"{r['step_over_floor']:.2f}x") for r in rows]))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ here on the Python standard library's sources, as big as Llama 2's) it measures
 
 Prints a markdown table and writes ``benchmarks/results/grammar_backends.json``.
 
-    python benchmarks/grammar_backends.py            # a few minutes (the 32k tokenizer is trained once)
-    python benchmarks/grammar_backends.py --quick    # the 1k vocabulary only
+    python benchmarks/grammar_backends.py            # the committed result: a few minutes (the 32k tokenizer is trained once)
+    python benchmarks/grammar_backends.py --quick    # smoke run: the 1k vocabulary only (add --out /tmp/g.json)
+
+llguidance comes with the ``bench`` extra (``pip install 'xinserve[bench]'``); the server uses xgrammar alone.
 """
 
 import argparse
@@ -37,12 +39,12 @@ import llguidance.hf
 import llguidance.torch
 import torch
 import xgrammar
+from common import RESULTS, write_result
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from xinserve.server.embedded_model.tokenizer import build_tokenizer
 
-RESULTS = Path(__file__).resolve().parent / "results" / "grammar_backends.json"
 BATCH = 32
 COMPILE_RUNS = 5
 
@@ -236,7 +238,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the 1k vocabulary only")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "xinserve-bench",
                         help="where the 32k tokenizer is trained once and reused")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "grammar_backends.json")
     args = parser.parse_args()
     vocabularies = [("tiny-1k", build_tokenizer())]
     if not args.quick:
@@ -254,8 +256,7 @@ def main() -> None:
               "xgrammar": xgrammar.__version__ if hasattr(xgrammar, "__version__") else None,
               "llguidance": llguidance.get_version() if hasattr(llguidance, "get_version") else None,
               "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

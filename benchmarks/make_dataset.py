@@ -3,7 +3,7 @@
 default, so that it fits the 2,048-token context of the embedded tiny model with its output) and
 ``multi-turn`` (three user turns with two assistant answers between them).
 
-    python benchmarks/make_dataset.py --out benchmarks/datasets/mixed.jsonl [--tokenizer MODEL_DIR]
+    python benchmarks/make_dataset.py --out mixed.jsonl [--tokenizer MODEL_DIR]
 """
 
 import argparse

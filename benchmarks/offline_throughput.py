@@ -10,21 +10,19 @@ batches, left padding, a batch runs until its longest request is done) both deco
 
 Output tokens/s is the best of ``--repeats`` runs. For the engine it also reports one step's wall
 time, the model forward inside it (decoder plus logits, the runner's ``forward`` timed from outside
-by benchmarks/engine_timing.py) and the difference:
-the per-step overhead of scheduling, input preparation and sampling. Prints a markdown table
-and writes ``benchmarks/results/offline_throughput.json``.
+by ``common.forward_clock``) and the difference: the per-step overhead of scheduling, input preparation
+and sampling. Prints a markdown table and writes ``benchmarks/results/offline_throughput.json``. The
+committed result (the ~30M-parameter model, a few minutes; ``make bench`` runs the same):
 
-    python benchmarks/offline_throughput.py           # the ~30M-parameter model, a few minutes
-    python benchmarks/offline_throughput.py --quick   # smoke run: tiny model, batch 1 and 8
+    python benchmarks/offline_throughput.py
+
+Smoke run (a tiny model, batch 1 and 8): ``python benchmarks/offline_throughput.py --quick --out /tmp/o.json``.
 """
 
-import argparse
-import json
 import os
 import platform
 import random
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,14 +32,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
 import torch
-from engine_timing import StepClock, forward_clock
+from common import StepClock, forward_clock, script_args, write_result
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from xinserve.engines import LLM, SamplingParams
 from xinserve.server.embedded_model.factory import ensure_tiny_model
 
-RESULTS = Path(__file__).resolve().parent / "results" / "offline_throughput.json"
 FIRST_ID = 7  # past the tiny tokenizer's special tokens
 
 
@@ -177,16 +174,12 @@ def cpu_info() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, batch 1 and 8")
+    parser = script_args(__doc__, "offline_throughput.json", "smoke run: tiny model, batch 1 and 8")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto: bfloat16 when the CPU has AMX, else float32")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for both sides (default: usable cores but one, at least 1)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per point, best kept (3; quick 1)")
-    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"),
-                        help="where the benchmark model is built once and reused")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     setup = QUICK if args.quick else FULL
     repeats = args.repeats or (1 if args.quick else 3)
@@ -229,8 +222,7 @@ def main() -> None:
         },
         "rows": [asdict(r) for r in rows],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(render(result))
     print(f"\nwrote {args.out}")
 

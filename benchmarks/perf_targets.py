@@ -1,22 +1,22 @@
-"""Issue 25's targets, checked against the results of the benchmarks that measure them.
+"""The performance targets, checked against the committed results of the benchmarks that measure them.
 
 Reads what four benchmark runs wrote and prints one row per target (what was measured, the bound, met or
 not), then writes ``benchmarks/results/perf_targets.json``. Exit status 0 when every target is met, 1 when
 one is not, 2 when an input is missing or malformed. It runs nothing itself: the measurements are minutes
-long and must run on a quiet machine, one after another (README, "Performance targets"):
+long and must run on a quiet machine, one after another:
 
     python benchmarks/compare.py --peers-before-and-after --out-dir benchmarks/results/compare_short
     python benchmarks/compare.py --peers-before-and-after --input-words 189 --out-dir benchmarks/results/compare_long
     python benchmarks/decode_floor.py --points 32x512,32x160 --modes compiled --threads 1,2
     python benchmarks/cold_start.py
-    python benchmarks/perf_targets.py --short benchmarks/results/compare_short --long benchmarks/results/compare_long
+    python benchmarks/perf_targets.py        # the committed result: these four results, the defaults
 
-The targets (issue 25): output tok/s >= 1.4x vLLM's with short prompts and >= 1.3x with ~512-token prompts
-at every concurrency (vLLM's figure: the mean of its runs before and after ours), TTFT p50 no worse than
-vLLM's; the decode step at batch 32 x 512 within 2x its memory floor (the better thread count: the server
-picks its split by measurement); TPOT p50 at c=32 (short prompts) within 1.3x of the decode step at 32 x
-160 (that run's mean context); cold start to /health 200 within 40 s. A target holds on a machine: say
-which (``lscpu``), the figures differ between AVX2 and AVX-512 machines.
+The targets: output tok/s >= 1.4x vLLM's with short prompts and >= 1.3x with ~512-token prompts at every
+concurrency (vLLM's figure: the mean of its runs before and after ours), TTFT p50 no worse than vLLM's;
+the decode step at batch 32 x 512 within 2x its memory floor (the better thread count: the server picks
+its split by measurement); TPOT p50 at c=32 (short prompts) within 1.3x of the decode step at 32 x 160
+(that run's mean context); cold start to /health 200 within 40 s. A target holds on a machine: the
+result says which (``lscpu`` in cold_start.json), the figures differ between AVX2 and AVX-512 machines.
 """
 
 import argparse
@@ -25,7 +25,8 @@ import platform
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "perf_targets.json"
+from common import RESULTS, ROOT, markdown_table, write_result
+
 SHORT_RATIO, LONG_RATIO = 1.4, 1.3
 FLOOR_RATIO, TPOT_RATIO, COLD_START_S = 2.0, 1.3, 40.0
 PEER = "vLLM-CPU"
@@ -110,28 +111,33 @@ def check(short_dir: Path, long_dir: Path, floor_path: Path, cold_path: Path) ->
     rows = [*throughput_rows(short_dir, "short", SHORT_RATIO), *throughput_rows(long_dir, "long", LONG_RATIO),
             *floor_rows(floor, short_dir), cold_start_row(cold)]
     # the CPU the runs measured, as cold_start.py recorded it (lscpu), else this machine's
-    return {"cpu": cpu_isa(cold.get("lscpu", {}).get("Flags")), "inputs": {"short": str(short_dir), "long": str(long_dir), "floor": str(floor_path),
-                                         "cold_start": str(cold_path)},
+    inputs = {"short": short_dir, "long": long_dir, "floor": floor_path, "cold_start": cold_path}
+    return {"cpu": cpu_isa(cold.get("lscpu", {}).get("Flags")), "inputs": {k: _shown(v) for k, v in inputs.items()},
             "rows": rows, "all_met": all(r["met"] for r in rows)}
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the checkout when it lies in it (a result names no machine's folders)."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path)
+
+
 def table(result: dict) -> str:
-    lines = [f"Issue 25's targets, measured on {result['cpu']}:", "",
-             "| target | measured | bound | met | detail |", "|---|---:|---|---|---|"]
-    lines += [f"| {r['target']} | {r['measured']} | {r['bound']} | {'yes' if r['met'] else '**no**'} | {r['detail']} |"
-              for r in result["rows"]]
-    lines += ["", "every target met" if result["all_met"] else "NOT every target met"]
-    return "\n".join(lines)
+    rows = [(r["target"], r["measured"], r["bound"], "yes" if r["met"] else "**no**", r["detail"])
+            for r in result["rows"]]
+    return "\n".join([f"The performance targets, measured on {result['cpu']}:", "",
+                      markdown_table(("target", "measured", "bound", "met", "detail"), rows), "",
+                      "every target met" if result["all_met"] else "NOT every target met"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    results = RESULTS.parent
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--short", type=Path, default=results / "compare_short", help="compare.py --out-dir, short prompts")
-    p.add_argument("--long", type=Path, default=results / "compare_long", help="compare.py --out-dir, --input-words 189")
-    p.add_argument("--floor", type=Path, default=results / "decode_floor.json", help="decode_floor.py's output")
-    p.add_argument("--cold-start", type=Path, default=results / "cold_start.json", help="cold_start.py's output")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--short", type=Path, default=RESULTS / "compare_short", help="compare.py --out-dir, short prompts")
+    p.add_argument("--long", type=Path, default=RESULTS / "compare_long", help="compare.py --out-dir, --input-words 189")
+    p.add_argument("--floor", type=Path, default=RESULTS / "decode_floor.json", help="decode_floor.py's output")
+    p.add_argument("--cold-start", type=Path, default=RESULTS / "cold_start.json", help="cold_start.py's output")
+    p.add_argument("--out", type=Path, default=RESULTS / "perf_targets.json")
     args = p.parse_args(argv)
     try:
         result = check(args.short, args.long, args.floor, args.cold_start)
@@ -139,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot check the targets: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     print(table(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0 if result["all_met"] else 1
 
 

@@ -1,6 +1,6 @@
 """Long-prompt prefill: one c=32 round of ~512-token prompts through the in-process engine, in CPU time.
 
-The 5M-parameter Llama of ../shared/PEERS.md (hidden 256, 4 layers, 4 heads / 2 KV heads), float32, one
+The 5M-parameter Llama (``common.LLAMA_5M``: hidden 256, 4 layers, 4 heads / 2 KV heads), float32, one
 thread, the engine's default token budget. Two rounds are timed for each prefill-attention
 implementation the registry can choose on this machine (forced in turn): ``fresh`` (32 distinct
 prompts of ``--prompt-tokens`` tokens, as in ``benchmarks/compare.py``'s long workload) and
@@ -11,23 +11,23 @@ round computed) and each request's TTFT in CPU seconds from the round's start (t
 last); the best of ``--repeats`` rounds is kept (CPU time is not free of a loaded machine's noise:
 caches and frequency still move it).
 
-``--profile`` also runs one fresh round per implementation under ``torch.profiler`` and writes the
-breakdown of its CPU time by operator family to ``benchmarks/results/prefill_profile.json`` (the
-profiler's own overhead inflates the milliseconds; the shares are what it is for).
+``--profile`` also runs one fresh round per implementation under ``torch.profiler`` and adds the
+breakdown of its CPU time by operator family to the result (``profile``; the profiler's own overhead
+inflates the milliseconds, the shares are what it is for). Prints a markdown table and writes
+``benchmarks/results/prefill.json``. The committed result:
 
-    python benchmarks/prefill.py [--quick] [--profile] [--label before|after]
+    python benchmarks/prefill.py --profile
+
+Smoke run: ``python benchmarks/prefill.py --quick --out /tmp/prefill.json``.
 """
 
-import argparse
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from engine_timing import LLAMA_5M, llama_5m
+from common import LLAMA_5M, llama_5m, markdown_table, script_args, write_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CONCURRENCY = 32
 # operator families of the profile: an aten op's name -> its family (the first substring that matches)
 FAMILIES = (
@@ -100,15 +100,12 @@ def profile_round(llm, token_lists: list[list[int]]) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="one repeat, 8 requests (a smoke run)")
-    p.add_argument("--profile", action="store_true", help="also write results/prefill_profile.json")
+    p = script_args(__doc__, "prefill.json", "one repeat, 8 requests (a smoke run)")
+    p.add_argument("--profile", action="store_true", help="also profile a round per implementation")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--prefix-tokens", type=int, default=384)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--label", default="current")
-    p.add_argument("--model-dir", default="/tmp/xinserve-bench")
-    p.add_argument("--out", type=Path, default=RESULTS / "prefill.json")
     args = p.parse_args()
     path = llama_5m(args.model_dir)
     import torch
@@ -147,26 +144,19 @@ def main() -> None:
                 profiles[impl] = profile_round(llm, prompts(count, length, salt=7))
                 print(impl, json.dumps(profiles[impl]["families_percent"], indent=1), file=sys.stderr)
             llm.close()
-    if profiles:
-        report = {"model": LLAMA_5M, "dtype": "float32", "threads": 1, "requests": count, "prompt_tokens": length,
-                  "token_budget": budget, "label": args.label, "by_prefill_attention": profiles}
-        (RESULTS / "prefill_profile.json").write_text(json.dumps(report, indent=2) + "\n")
     result = {"model": LLAMA_5M, "dtype": "float32", "threads": 1, "requests": count, "prompt_tokens": length,
               "prefix_tokens": args.prefix_tokens, "label": args.label, "rows": rows}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(markdown_table(rows))
+    if profiles:
+        result["profile"] = {"model": LLAMA_5M, "dtype": "float32", "threads": 1, "requests": count,
+                             "prompt_tokens": length, "token_budget": budget, "by_prefill_attention": profiles}
+    write_result(args.out, result)
+    print(markdown_table([c[0] for c in COLUMNS], [[fmt.format(row[key]) for _, key, fmt in COLUMNS] for row in rows]))
 
 
 # the table's columns: (heading, row key, format)
 COLUMNS = (("impl", "impl", "{}"), ("workload", "workload", "{}"), ("CPU s", "cpu_s", "{:.3f}"),
            ("prefill tok / CPU s", "prefill_tokens_per_cpu_s", "{:.0f}"), ("TTFT median CPU s", "ttft_median_s",
            "{:.3f}"), ("TTFT last CPU s", "ttft_last_s", "{:.3f}"), ("steps", "steps", "{}"))
-
-
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(c[0] for c in COLUMNS) + " |", "|---|---|" + "---:|" * (len(COLUMNS) - 2)]
-    lines += ["| " + " | ".join(fmt.format(row[key]) for _, key, fmt in COLUMNS) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

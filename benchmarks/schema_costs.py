@@ -7,11 +7,14 @@ Shapes: a counted repetition in a ``pattern`` (cost grows with the square of the
 with N properties (optional, as strict mode writes them), and ``maxLength``/``maxItems`` counts
 (a repeat construct: the count does not change the cost).
 
-Prints a markdown table and writes ``benchmarks/results/schema_costs.json``.
+Prints a markdown table and writes ``benchmarks/results/schema_costs.json``. The committed result:
 
     python benchmarks/schema_costs.py    # about a minute on 2 cores
+
+Smoke run: the same with ``--out /tmp/schema_costs.json``.
 """
 
+import argparse
 import json
 import sys
 import time
@@ -20,12 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
 import xgrammar
+from common import RESULTS, ROOT, write_result
 from transformers import AutoTokenizer
 
 from xinserve.engines.structured.limits import SchemaTooCostly, check_schema_shape, check_schema_size
 from xinserve.engines.structured.schema import GRAMMAR_OPTIONS
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def schemas() -> dict[str, dict]:
@@ -54,6 +56,9 @@ def allowed(text: str, schema: dict) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=RESULTS / "schema_costs.json")
+    args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "tests" / "fixtures" / "stories260K")
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -74,9 +79,8 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['schema']} | {r['bytes']} | {r['check_ms']} | {r['compile_ms']} | {r['compiled_kb']} | {r['allowed']} |")
-    out = ROOT / "benchmarks" / "results" / "schema_costs.json"
-    out.write_text(json.dumps({"vocab_size": len(tokenizer), "rows": rows}, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, {"vocab_size": len(tokenizer), "rows": rows})
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,34 +1,36 @@
 """CPU time per output token in the HTTP process and in the worker, per arm, under the same load.
 
 Wall time on a shared machine is noise; the CPU each process spends per token is not (much). Each arm
-is a server started from a checkout with extra CLI flags (e.g. ``--no-async-scheduling``); after a
-warm-up run, the user + system CPU of the HTTP process and of the worker process (every thread, from
-/proc/PID/stat) is read before and after each load level, and divided by the level's output tokens.
-Arms run one after another per level and repeat, alternating order. Writes
-benchmarks/results/server_path_cpu.json.
+is a server (the 5M Llama, ``common.LLAMA_5M``, float32, compile off) started from a checkout with extra
+CLI flags: ``after`` (this checkout), ``after, off`` (``--no-async-scheduling``; ``--no-off-arm`` leaves
+it out) and, with ``--before CHECKOUT``, another checkout (a ``git worktree`` of another revision).
+After a warm-up run, the user + system CPU of the HTTP process and of the worker process (every thread,
+from /proc/PID/stat) is read before and after each load level (``xinserve bench``, streamed chat), and
+divided by the level's output tokens. Arms run one after another per level and repeat, alternating
+order. ``--before-without httptools,uvloop`` hides packages from the before arm (a stub module that
+fails to import, first on its path), to measure a checkout as it ran before they were installed.
+Writes ``benchmarks/results/server_path_cpu.json``. The committed result (before: main, after: a
+change; the arms' roots are recorded by name):
 
-``--before-without httptools,uvloop`` hides packages from the before arm (a stub module that fails to
-import, first on its path), to measure a checkout as it ran before they were installed;
-``--no-off-arm`` leaves out the ``--no-async-scheduling`` arm.
+    git worktree add ../main main
+    python benchmarks/server_path_cpu.py --before ../main --no-off-arm --concurrency 8,32 --repeats 3
 
-Run: python benchmarks/server_path_cpu.py [--before /work/main [--before-without httptools,uvloop]]
-[--concurrency 8,32] [--no-off-arm]
+Smoke run: ``python benchmarks/server_path_cpu.py --no-off-arm --concurrency 2 --repeats 1 --output-tokens 8
+--out /tmp/spc.json``.
 """
 
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import httpx
+from common import LLAMA_5M, RESULTS, ROOT, write_result
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.server_path_ab import LLAMA_5M, _bench
 from xinserve.server.bench import launch
 from xinserve.server.bench.cli import machine
 from xinserve.server.embedded_model.factory import ensure_tiny_model
@@ -72,6 +74,19 @@ def _start(label: str, root: Path, flags: list[str], model: Path, scratch: Path,
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _bench(url: str, concurrency: int, words: int, prompts: int, tokens: int, out: Path) -> dict:
+    """One ``xinserve bench`` level against ``url``: output tok/s, mean TTFT and TPOT, failures."""
+    cmd = [sys.executable, "-m", "xinserve.server.cli", "bench", "--base-url", f"{url}/v1", "--concurrency",
+           str(concurrency), "--num-prompts", str(prompts), "--output-tokens", str(tokens), "--input-words", str(words),
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    run = json.loads(out.read_text())["runs"][0]
+    return {"output_tok_s": run["output_throughput_tok_s"], "ttft_ms": run["ttft_ms"]["mean"],
+            "tpot_ms": run["tpot_ms"]["mean"], "failed": run["failed"]}
+
+
 def _worker_pid(url: str) -> int:
     return httpx.get(f"{url}/health", timeout=10).json()["workers"][0]["ranks"][0]["pid"]
 
@@ -87,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-words", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "server_path_cpu.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "server_path_cpu.json")
     args = p.parse_args(argv)
     arms = _arms(args)
     runs: dict[str, dict[str, list[dict]]] = {label: {} for label, _, _ in arms}
@@ -140,12 +155,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(args: argparse.Namespace, arms: list, runs: dict, summary: dict | None) -> None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "load_average": os.getloadavg(),
-                                    "arms": [{"label": label, "root": str(root), "flags": flags} for label, root, flags in arms],
-                                    "before_without": args.before_without, "server_flags": args.server_flags,
-                                    "input_words": args.input_words, "output_tokens": args.output_tokens,
-                                    "runs": runs, "summary": summary}, indent=2))
+    # An arm's root by its folder's name (this checkout, or --before's), not a machine's path.
+    write_result(args.out, {"machine": machine(), "load_average": os.getloadavg(),
+                            "arms": [{"label": label, "root": root.name, "flags": flags} for label, root, flags in arms],
+                            "before_without": args.before_without, "server_flags": args.server_flags,
+                            "input_words": args.input_words, "output_tokens": args.output_tokens,
+                            "runs": runs, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ Exits 1 when any request got a 5xx or the server did not go idle.
 
 Run against a running server:  python benchmarks/soak.py --base-url http://127.0.0.1:8000 --server-pid PID
 Or let it start one:           python benchmarks/soak.py --start [--model DIR]   (default: embedded tiny)
+
+The committed result (the embedded tiny model): ``python benchmarks/soak.py --start --requests 300``.
+Smoke run: ``python benchmarks/soak.py --start --requests 40 --concurrency 8 --max-tokens 8 --out /tmp/soak.json``.
 """
 
 import argparse
@@ -29,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import RESULTS, ROOT
 from prometheus_client.parser import text_string_to_metric_families
 
 from xinserve.server.bench import launch
 
-ROOT = Path(__file__).resolve().parents[1]
 GAUGES = ("xinserve:kv_cache_usage_perc", "xinserve:num_requests_running", "xinserve:num_requests_waiting")
 WORDS = ("river", "harbour", "library", "morning", "bread", "market", "window", "garden", "silver", "letter")
 
@@ -57,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle-s", type=float, default=30.0, help="how long to wait for the server to go idle")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
+    p.add_argument("--out", default=str(RESULTS / "soak.json"))
     return p.parse_args(argv)
 
 

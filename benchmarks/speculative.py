@@ -17,11 +17,12 @@ concurrency (wall and CPU time: the CPU time of this process, the engine's, is w
 distorts least). Prints markdown tables and writes ``benchmarks/results/speculative.json``.
 
     python benchmarks/speculative.py           # stories260K n-gram, then MTP's cost, at c = 1 / 8 / 32
-    python benchmarks/speculative.py --quick   # 24-token outputs, one repeat: under 2 minutes quiet
+    python benchmarks/speculative.py --quick   # the committed result: 24-token outputs, one repeat
+
+Smoke run: ``python benchmarks/speculative.py --quick --concurrency 1 --out /tmp/spec.json``.
 """
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -37,12 +38,12 @@ os.environ.setdefault("XINSERVE_COMPILE", "off")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
 import torch
+from common import RESULTS, write_result
 from transformers.utils import logging as hf_logging
 
 from xinserve.engines import LLM, SamplingParams
 from xinserve.server.embedded_model.factory import make_tiny_model
 
-RESULTS = Path(__file__).resolve().parent / "results" / "speculative.json"
 STORIES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "stories260K"
 FIRST_ID = 7  # past the tiny tokenizer's special tokens
 MEDIUM = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 768}
@@ -163,6 +164,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--repeats", type=int, default=None, help="runs per row, the fastest kept (default 2; quick 1)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
     args = parser.parse_args()
     hf_logging.set_verbosity_error()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -179,16 +181,15 @@ def main() -> None:
     mtp = {"method": "mtp", "num_speculative_tokens": args.k, "disable_by_batch_size": max(args.concurrency)}
     mtp_rows = compare(mtp_model, mtp, f"mtp k={args.k}", args.concurrency, max_tokens, repeats)
     table(mtp_rows, "MTP's cost per step: tiny DeepSeek-V3, random MTP layer")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    write_result(args.out, {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch": torch.__version__, "load_average": os.getloadavg()},
         "ngram_model": "random llama" if args.random_llama else "stories260K", "max_tokens": max_tokens, "k": args.k,
         "quick": args.quick, "repeats": repeats,
         "rows": [asdict(r) for r in ngram_rows],
         "mtp_model": "tiny deepseek_v3, random MTP layer", "mtp_rows": [asdict(r) for r in mtp_rows],
-    }, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    })
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

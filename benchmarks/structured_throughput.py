@@ -8,15 +8,12 @@ advancing each matcher; greedy also loses the argmax fast path. The target: with
 
 Prints a markdown table and writes ``benchmarks/results/structured_throughput.json``.
 
-    python benchmarks/structured_throughput.py            # the 3.6M-parameter Llama of DESIGN.md
-    python benchmarks/structured_throughput.py --quick    # the embedded tiny model, 1 repeat
+    python benchmarks/structured_throughput.py            # the committed result: a random 3.6M-parameter Llama
+    python benchmarks/structured_throughput.py --quick    # smoke run: the embedded tiny model, 1 repeat
 """
 
-import argparse
-import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,11 +22,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
 import torch
+from common import script_args, write_result
 
 from xinserve.engines import LLM, SamplingParams
 from xinserve.server.embedded_model.factory import ensure_tiny_model
 
-RESULTS = Path(__file__).resolve().parent / "results" / "structured_throughput.json"
 BATCH, PROMPT_LEN, MAX_TOKENS = 32, 16, 128
 MODELS = {
     "llama-3.6m": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2},
@@ -54,12 +51,9 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the embedded tiny model, 1 repeat")
+    parser = script_args(__doc__, "structured_throughput.json", "the embedded tiny model, 1 repeat")
     parser.add_argument("--repeats", type=int, default=None, help="runs per point, best kept (3; quick 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: a worker's share of 2 cores)")
-    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     name = "llama-tiny" if args.quick else "llama-3.6m"
     repeats = args.repeats or (1 if args.quick else 3)
@@ -86,8 +80,7 @@ def main() -> None:
     result = {"model": name, "batch": BATCH, "prompt_len": PROMPT_LEN, "max_tokens": MAX_TOKENS,
               "threads": args.threads, "repeats": repeats, "schema": SCHEMA, "torch": torch.__version__,
               "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def decode_rows(decodes: list[ScheduledSeq], starts: list[int], tables: np.ndarr
     if counts.count(1) == len(counts):
         # No drafts: one row per sequence, in Python over D ints. On the loop thread, which prepares a
         # step right after it wakes, each numpy call costs tens of microseconds (cold code), a
-        # comprehension a few (benchmarks/loop_thread_cpu.py).
+        # comprehension a few (measured on the loop thread's CPU time per step).
         slots = [s.seq.block_table[p // block_size] * block_size + p % block_size for s, p in zip(decodes, starts)]
         return DecodeRows(token_ids, np.array(starts, dtype=np.int64), np.array(slots, dtype=np.int64), tables,
                           np.array([p + 1 for p in starts], dtype=np.int32))

@@ -4,7 +4,7 @@ A bucket's inputs never change between steps: the same buffer views (engines/dec
 model's parameters and the one KV cache. So once dynamo has traced a bucket into one graph, its guards
 (shapes, strides, dtypes, ids) can only pass, yet a call through dynamo still evaluates them, patches
 its config and runs its frame wrapper: ~0.4 ms of CPU per step at batch 1, measured beside the graph's
-own ~1.4 ms (benchmarks/step_overhead.py). ``GraphRecorder`` is the ``torch.compile`` backend: it
+own ~1.4 ms (process CPU time per ``engine.step()``, one thread). ``GraphRecorder`` is the ``torch.compile`` backend: it
 compiles each graph with inductor as the default backend does and keeps the compiled graph with the
 tensors dynamo handed it; ``direct_call`` rebinds those tensors from the compiler's buffers to the
 step buffers and calls the compiled graph itself.

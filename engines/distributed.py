@@ -9,7 +9,7 @@ nccl, hccl, mccl) carries the all-reduces and the gather inside a step, with the
 since a follower waits on it for as long as the server is idle. A rank that dies closes its
 sockets, so the others' pending collective fails at once instead of waiting for a timeout.
 
-``counts`` tallies every collective by name (benchmarks/tensor_parallel.py reads it per step).
+``counts`` tallies every collective by name (benchmarks/parallel_collectives.py reads it per step).
 """
 
 import logging

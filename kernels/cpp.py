@@ -19,7 +19,7 @@ from xinserve.kernels.model_shapes import ModelShapes
 _extension = build()
 _ops = getattr(torch.ops, OPS_NAMESPACE)
 # Up to this many rows the C++ linear beats the GEMM of torch's BLAS with the weight cold, on the AVX2
-# machine measured (benchmarks/decode_linear.py: 1.1-2.6x at 1-32 rows; at 64 rows MKL is level or ahead).
+# machine measured (1.1-2.6x at 1-32 rows, the weight read from DRAM; at 64 rows MKL is level or ahead).
 DECODE_ROWS = 32
 LINEAR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,7 +1,7 @@
 """Dequant-on-load: each quantized weight dequantized once, at load, to the compute dtype and kept so;
 a step is then one plain matmul (after the activation quantization the scheme asks for, which keeps
 the math the reference's). A memory trade: the weights take the compute dtype's bytes (4x an int8
-weight's in float32), measured in benchmarks/quantized_decode.py; the registry takes it only where it
+weight's in float32, measured as the process's peak resident memory); the registry takes it only where it
 times faster and the operator accepts the memory (it is last but the reference in preference).
 """
 

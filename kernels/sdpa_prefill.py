@@ -3,7 +3,8 @@
 The reference (``kernels/reference.py``) makes one 3-D SDPA call per sequence with each KV head
 repeated for its query heads. Torch's CPU SDPA takes its fused, tiled (flash) kernel only for 4-D
 inputs, so there every [q_len, L'] score matrix is materialised, soft-maxed and multiplied (the math
-path): 38% of a c=32 round of 512-token prompts (benchmarks/results/prefill_profile.json). Here:
+path): 38% of a c=32 round of 512-token prompts (``benchmarks/prefill.py --profile``: the ``profile`` of
+benchmarks/results/prefill.json). Here:
 
 - the G query heads that share a KV head are one 4-D batch row: queries [rows * KVH, G, q_len, D],
   keys and values [rows * KVH, 1, L', D] expanded over G (a stride-0 view, nothing is copied);

@@ -4,7 +4,7 @@ Each message is one struct, tagged by its kind and encoded as a positional array
 stats, {...}]``): at one token per request per step, field names would be most of the bytes. The
 engine's own records (``StepOutput``, ``EngineStats``, engines/outputs.py) travel as they are. The
 worker sends ONE ``Outputs`` message per engine step carrying every request's new tokens, so the
-per-token IPC cost shrinks as the batch grows (benchmarks/ipc_overhead.py).
+per-token IPC cost shrinks as the batch grows.
 
 State per request lives in the HTTP process (``xinserve.server.fanout``: which choices are done, the load);
 the worker keeps only what its engine holds. A request that fails is one ``Failed`` message with one

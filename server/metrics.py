@@ -185,7 +185,7 @@ def observe_many(histogram: Histogram, values: list[float]) -> None:
 
     A request observes one inter-token latency per output token, twice (two names): one lock and one
     bucket walk per value were ~10% of the HTTP process's CPU per streamed token
-    (benchmarks/http_stream_cpu.py). Here each bucket gets one increment of its count. prometheus_client
+    (benchmarks/server_path_cpu.py measures that CPU). Here each bucket gets one increment of its count. prometheus_client
     has no public bulk observe; its per-bucket (non-cumulative) counts ``_buckets``, bounds
     ``_upper_bounds`` and ``_sum`` are what ``observe`` updates (tests/server/test_metrics.py holds the
     two to the same exposition)."""

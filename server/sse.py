@@ -7,7 +7,7 @@ per-chunk encoding check or debug log, no cancel scope per send. A disconnect (`
 from ``receive``) cancels the streaming task, so the chunk iterator's ``finally`` runs (it aborts the
 request in the worker); so does a failing send, after which the error propagates.
 
-Measured with ``benchmarks/http_stream_cpu.py`` (CPU of the HTTP process per streamed token).
+Measured with ``benchmarks/server_path_cpu.py`` (CPU of the HTTP process per streamed token).
 """
 
 import asyncio

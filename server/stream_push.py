@@ -4,7 +4,7 @@ One worker step reaches the HTTP process as one ``Outputs`` message, read in one
 (``WorkerClient._on_readable`` -> ``Fanout.deliver``). Without this, each stream's task then wakes
 and climbs its chain of async generators (queue -> generation -> group -> view -> SSE events ->
 response) to write one frame: a task wake-up per stream per step and ~20 Python calls per token of
-plumbing alone (benchmarks/stream_path_cpu.py). With it, the deliver callback writes the frame of
+plumbing alone (tests/server/test_stream_path_calls.py counts them). With it, the deliver callback writes the frame of
 each stream's new token itself, so one wake-up serves every stream of the step.
 
 It takes over only what cannot end the stream: an unfinished ``StepOutput`` of a request with one

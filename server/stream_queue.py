@@ -3,7 +3,7 @@
 One task reads a request's queue, and the HTTP process puts one item per token per stream. An
 ``asyncio.Queue`` spends ~10 Python calls on each put and get (its size limit, a deque of getters,
 the unfinished-task count and its ``Event``); this one is a deque and at most one waiting future
-(benchmarks/stream_path_cpu.py counts the calls per token). It keeps ``asyncio.Queue``'s names for
+(tests/server/test_stream_path_calls.py counts the calls per token). It keeps ``asyncio.Queue``'s names for
 what the streams and tests use: ``put_nowait``, ``get``, ``get_nowait``, ``empty``, ``qsize``.
 
 ``push``, when set, is offered each item that arrives while the reader waits on an empty queue; if it

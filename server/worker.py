@@ -45,8 +45,8 @@ STATS_INTERVAL_S = 0.05
 # Python per step at batch 32 (resolve, emit, schedule and prepare the next step): at 5 ms the step
 # waits out that whole chunk, at 0.5 ms it takes the GIL back within 0.5 ms. In-process A/B at batch 32
 # (1 thread, compiled, alternating arms; a saturated machine, load 12-25): the gap between forwards
-# 9.5 vs 16.9 ms and the forward's wall 75 vs 173 ms, medians of 4 (benchmarks/gil_switch_interval.py).
-# Served at c=32 (benchmarks/server_step_timeline.py, load ~10) the two did not differ above the noise.
+# 9.5 vs 16.9 ms and the forward's wall 75 vs 173 ms, medians of 4 (a real WorkerLoop over ZeroMQ).
+# Served at c=32 (load ~10) the two did not differ above the noise.
 ASYNC_GIL_SWITCH_INTERVAL_S = 0.0005
 
 

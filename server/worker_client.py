@@ -101,7 +101,7 @@ class WorkerClient:
 
         A plain socket whose file descriptor the loop watches, drained in one callback, rather than
         zmq.asyncio: one callback per wake-up instead of a future per message, measured at half
-        the receive cost for one-request steps (benchmarks/ipc_overhead.py).
+        the receive cost for one-request steps.
         """
         self._recv = _zmq_context().socket(zmq.PULL)
         self._recv.setsockopt(zmq.RCVHWM, 0)

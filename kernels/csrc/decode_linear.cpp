@@ -48,7 +48,7 @@ constexpr int64_t kLanes = 8;
 #endif
 constexpr int64_t kBlock = 4;  // output rows per block
 // How far ahead of the block being multiplied its weight is prefetched, in bytes of the flat weight:
-// enough to cover the memory latency at the machine's bandwidth (measured: benchmarks/decode_linear.py).
+// enough to cover the memory latency at the machine's bandwidth (measured with the weight cold).
 constexpr int64_t kPrefetchBytes = 16384;
 constexpr int64_t kLine = 64;
 

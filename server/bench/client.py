@@ -2,7 +2,8 @@
 
 The client is aiohttp: the load generator shares the machine with the server it measures, and per
 streamed chunk aiohttp's C parser costs a fraction of httpx's pure-Python stack (httpcore, h11, anyio),
-which at concurrency 32 took most of a core on a 2-core machine (``benchmarks/bench_client_cpu.py``).
+which at concurrency 32 took most of a core on a 2-core machine (the client's CPU per level is in its
+JSON: ``client_cpu_s``).
 """
 
 import asyncio

@@ -3,7 +3,7 @@
 Nearly every chunk of a chat stream is ``{"id","object","created","model","choices":[{"index",
 "delta":{"content"},"logprobs":null,"finish_reason":null}]}`` (and ``"usage":null`` with
 ``include_usage``), the same but for the text. Building its dicts and encoding them all again was a
-measured share of the HTTP process's Python work per token (benchmarks/stream_path_cpu.py); here the
+measured share of the HTTP process's Python work per token (tests/server/test_stream_path_calls.py); here the
 fixed parts are encoded once per stream and only the text is JSON-encoded per token. The bytes equal
 ``sse_frame(chat_chunk(...))``'s (tests/server/test_chat_frames.py).
 """

@@ -7,21 +7,24 @@ import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+# The scripts import their sibling common.py, as `python benchmarks/NAME.py` lets them.
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
 
 
 @pytest.fixture
 def run_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
-    """``benchmarks/NAME.py --quick`` with its JSON and models under ``tmp_path``: (the process, the JSON path).
+    """``benchmarks/NAME.py --quick [ARGS]`` with its JSON and models under ``tmp_path``: (the process, the JSON path).
 
     The script runs in this process as ``python NAME.py`` would run it (``__main__``, its directory
     first on ``sys.path``, its arguments in ``sys.argv``): a subprocess would import torch and
     transformers again, ~7 CPU s quiet and twice that under load, for a run of a few CPU seconds.
     The torch thread count a script sets is put back afterwards."""
-    def run(name: str) -> tuple[subprocess.CompletedProcess, Path]:
+    def run(name: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
         out = tmp_path / f"{name}.json"
-        argv = [str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out), "--model-dir", str(tmp_path / "models")]
+        argv = [str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out), "--model-dir", str(tmp_path / "models"),
+                *args]
         monkeypatch.setattr(sys, "argv", argv)
-        monkeypatch.syspath_prepend(str(BENCHMARKS))
         threads = torch.get_num_threads()
         capsys.readouterr()
         try:

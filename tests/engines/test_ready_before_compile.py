@@ -1,7 +1,7 @@
 """An engine is ready before anything that compiles is imported: ``torch.compile`` (which imports
 inductor) runs on a CPU bucket's first compile, in the background warm-up, and building the model on
 the meta device runs no op through ``torch._refs`` (whose first use imports dynamo). Together these
-imports cost seconds of CPU in every worker's start (benchmarks/results/cold_start_profile.json)."""
+imports cost seconds of CPU in every worker's start (cProfile of a cold worker start)."""
 
 import json
 import os

@@ -15,7 +15,7 @@ import uvicorn
 from transformers import AutoTokenizer
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from benchmarks.stepping_worker import SteppingWorker
+from tests.server.stepping_worker import SteppingWorker
 from xinserve.server import stream_push
 from xinserve.server.app import create_app
 from xinserve.server.config import parse_config

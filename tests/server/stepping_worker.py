@@ -1,8 +1,8 @@
-"""A stand-in for an engine worker in the HTTP process, for benchmarks of the HTTP path alone.
+"""A stand-in for an engine worker in the HTTP process, for tests of the HTTP path alone.
 
 ``step()`` hands one token to every open request through the real ``Fanout``, as one worker
-``Outputs`` message would (``length`` at its max_tokens). Used by http_stream_cpu.py (a step every
-``--step-ms``) and stream_path_cpu.py (a step once every stream took the last one).
+``Outputs`` message would (``length`` at its max_tokens). Used by test_stream_path_calls.py (a step
+once every stream took the last one) and test_stream_push_flow_control.py (a step from a loop callback).
 """
 
 from xinserve.engines.outputs import StepOutput

@@ -1,34 +1,73 @@
-"""How the benchmarks time the engine, from outside it (production code carries no timer):
+"""What the benchmark scripts share: the machine, their command line, their results, the engine's clocks.
 
-- ``StepClock``: an engine seen through a stopwatch, put where ``LLM.generate`` looks for its engine;
-- ``forward_clock``: a timing wrapper around the runner's ``forward`` (the decoder and the logits);
-- ``decoding`` and ``best_window``: steady decode steps of a batch at a given context, and the
-  fastest window of them (on a shared machine the least disturbed estimate);
-- ``decode_args``, ``llama_5m`` and ``decode_engine``: the command line, the model and the engines
-  of the decode-step scripts;
-- ``collectives_per_step``: decode steps of a parallel engine timed per batch, with the collectives
-  each step issued (the tensor-, pipeline- and expert-parallel scripts).
+- ``lscpu``: the CPU a result was measured on (model name, cores, flags: compile times and kernels
+  differ between AVX2 and AVX-512 machines);
+- ``script_args``: the options every engine script takes (``--model-dir``, ``--out``, ``--quick``);
+- ``write_result`` and ``markdown_table``: the JSON under ``benchmarks/results/`` and the printed table;
+- ``LLAMA_5M`` and ``llama_5m``: the random 5M-parameter Llama most scripts measure (hidden 256, 4 layers,
+  4 heads / 2 KV heads, context 2048), built locally once;
+- ``StepClock`` and ``forward_clock``: an engine's step and its runner's forward seen through a stopwatch
+  from outside (production code carries no timer);
+- ``decoding`` and ``decode_engine``: steady decode steps of a batch at a given context;
+- ``collectives_per_step``: decode steps of a parallel engine timed per batch, with the collectives each
+  step issued.
 
 A sibling module of the scripts (``python benchmarks/X.py`` puts this folder on ``sys.path``).
 """
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from xinserve.engines.outputs import StepResult
 
 ROOT = Path(__file__).resolve().parents[1]
-# The 5M-parameter Llama of ../shared/PEERS.md; its context is 2048
+RESULTS = ROOT / "benchmarks" / "results"
 LLAMA_5M = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
+
+
+def lscpu() -> dict[str, str]:
+    """``lscpu``'s model name, CPU count and flags; empty where there is no lscpu."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {k.strip(): v.strip() for k, v in fields.items() if k.strip() in ("Model name", "CPU(s)", "Flags")}
+
+
+def script_args(doc: str, result_name: str, quick_help: str | None = None) -> argparse.ArgumentParser:
+    """A parser with the options every engine script takes: ``--model-dir`` (where the models are built
+    once), ``--out`` (default ``benchmarks/results/RESULT_NAME``) and, given its help, ``--quick``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    if quick_help:
+        parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
+    parser.add_argument("--out", type=Path, default=RESULTS / result_name)
+    return parser
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """``result`` as indented JSON at ``path`` (its folder made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def markdown_table(headings: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table; the first column left-aligned, the others right-aligned."""
+    lines = ["| " + " | ".join(headings) + " |", "|---|" + "---:|" * (len(headings) - 1)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 class StepClock:
@@ -91,26 +130,6 @@ def decoding(engine, batch: int, context: int, steps: int) -> Iterator[None]:
     finally:
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
-
-
-def best_window(engine, windows: int, window: int) -> float:
-    """The fastest mean seconds per ``engine.step()`` over ``windows`` windows of ``window`` steps."""
-    best = float("inf")
-    for _ in range(windows):
-        start = time.perf_counter()
-        for _ in range(window):
-            engine.step()
-        best = min(best, (time.perf_counter() - start) / window)
-    return best
-
-
-def decode_args(doc: str, results: Path, quick_help: str) -> argparse.Namespace:
-    """The decode-step scripts' command line: ``--quick``, ``--model-dir``, ``--out``."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "xinserve-bench"))
-    parser.add_argument("--out", type=Path, default=results)
-    return parser.parse_args()
 
 
 def llama_5m(model_dir: str) -> str:
