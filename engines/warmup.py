@@ -9,7 +9,7 @@ happens between steps and a step never waits for a compile, only for the swap it
 
 The thread runs at a lower priority (nice +10, which inductor's and the C++ compiler's child
 processes inherit); a compile still takes the GIL in turns with the steps, so steps run slower while
-buckets compile (the README says by how much). ``background=False`` does the same work inline, before
+buckets compile (docs/performance.md says by how much). ``background=False`` does the same work inline, before
 the engine is ready (offline benchmarks and tests that want every bucket compiled at once).
 """
 

@@ -28,7 +28,7 @@ EMBEDDED_DEFAULT = {"models": [{"name": "xinserve-tiny", "path": "embedded:xinse
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (examples in config/, keys in the README)")
+    p.add_argument("--config", help="YAML config file (examples in config/, keys in docs/configuration.md)")
     p.add_argument("--model", help="Hugging Face model directory, or embedded:<name>")
     p.add_argument("--device", action="append",
                    help="worker device: cpu, cuda:N, npu:N, musa:N; repeat or comma-separate for several")
@@ -40,7 +40,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_const", const=True, default=None,
                    help="let requests replace the chat template (chat_template_kwargs.chat_template)")
     _add_model_flags(p)
-    p.add_argument("--nnodes", type=int, help="machines the tensor-parallel groups span (README: multi-node)")
+    p.add_argument("--nnodes", type=int, help="machines the tensor-parallel groups span (docs/parallelism.md)")
     p.add_argument("--node-rank", type=int, help="this machine's index; 0 serves HTTP, the others only run ranks")
     p.add_argument("--master-addr", help="node 0's address, reachable from every node")
     p.add_argument("--master-port", type=int, help="first rendezvous port on node 0 (one per group from it)")

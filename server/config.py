@@ -1,4 +1,4 @@
-"""The server's YAML configuration (examples in config/, keys in the README), validated by pydantic.
+"""The server's YAML configuration (examples in config/, keys in docs/configuration.md), validated by pydantic.
 
 Every section forbids unknown keys, so a typo fails at start-up with the key's dotted path
 (``models.0.wokers: Extra inputs are not permitted``) instead of being silently ignored.

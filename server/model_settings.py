@@ -32,7 +32,7 @@ class ModelSettings(EngineSettings):
         None, description="how tool calls are read with tool_choice auto (default: detected from the chat template)")
     # server/reasoning/; None: the output is all content.
     reasoning_parser: Literal["deepseek_r1", "qwen3", "glm45"] | None = Field(
-        None, description="split <think> reasoning from the answer as reasoning_content (README: Reasoning)")
+        None, description="split <think> reasoning from the answer as reasoning_content (docs/api.md: Reasoning)")
 
     @field_validator("workers")
     @classmethod

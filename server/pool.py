@@ -90,7 +90,7 @@ def load_tokenizer(path: str) -> Any:
 # loads in the spawned child, before any of its code runs, so it is set here, in the parent, unless the
 # user set it. With the HTTP process busy on the other core, a spinning thread waits for a peer that was
 # descheduled: under load, a batch-8 x 512 decode step on 2 threads took 386-886 ms spinning, 13-41 ms
-# passive (1 thread: 30-80 ms); README "The decode step against its memory floor".
+# passive (1 thread: 30-80 ms); docs/performance.md (decode step vs its floor).
 WORKER_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

@@ -21,8 +21,8 @@ os.environ.setdefault("XINSERVE_COMPILE", "off")
 # Compiled bytecode: where the environment sets PYTHONDONTWRITEBYTECODE (this machine's does) over a venv
 # installed without byte-compiling (the Makefile's --no-compile), no module has a .pyc and every process
 # the suite starts (xdist workers, servers, their workers and ranks: hundreds) compiles all it imports
-# from source: 9.5 CPU s for a worker's imports and tokenizer, 3.9 s with bytecode (README "Suite
-# time"). The suite keeps what it compiles in a directory of its own, beside neither the sources nor
+# from source: 9.5 CPU s for a worker's imports and tokenizer, 3.9 s with bytecode (docs/testing.md).
+# The suite keeps what it compiles in a directory of its own, beside neither the sources nor
 # the venv; every process started from here reads it (PYTHONPYCACHEPREFIX).
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
     os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"xinserve-pycache-{os.getuid()}"))

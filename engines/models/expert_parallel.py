@@ -10,7 +10,7 @@ pair of the chunk to the rank that holds the expert, runs its experts on what it
 the results back, weights and sums them per token, and the chunks are gathered again. Per MoE layer:
 three ``all_to_all_single`` (the row counts, the rows, the results) and one ``all_gather``. With
 data-parallel attention (each rank its own requests) the chunking and the gather drop out: a rank's
-own tokens are its chunk (README, "Expert parallel"). Where the platform has a fused dispatch / combine
+own tokens are its chunk (docs/parallelism.md, "Expert parallel"). Where the platform has a fused dispatch / combine
 (Ascend's ``npu_moe_distribute_*``, chosen by kernels/ep_dispatch.py), ``FusedExchange`` replaces the
 three ``all_to_all``; the all-to-all path is its reference.
 

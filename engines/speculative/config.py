@@ -14,7 +14,7 @@ METHODS = ("ngram", "mtp")
 ALIASES = {"deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp"}  # vLLM's per-architecture names of the same method
 PLANNED = {"draft_model": "a separate draft model", "eagle": "EAGLE heads", "eagle3": "EAGLE-3 heads"}
 # Past this many running sequences a step is compute-bound and verification costs more than the drafts
-# save; measured on CPU by benchmarks/speculative.py (README: speculative decoding).
+# save; measured on CPU by benchmarks/speculative.py (docs/speculative-decoding.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 MAX_SPECULATIVE_TOKENS = 16
 

@@ -1,6 +1,6 @@
 """What a JSON schema may cost: static bounds checked before any compile, and the compile's deadline.
 
-One place for every default (the README's "Structured output" section lists them). The bounds are
+One place for every default (docs/api.md's "Structured output" section lists them). The bounds are
 measured, not guessed (``benchmarks/schema_costs.py``): xgrammar's compile time grows with the square
 of a pattern's unrolled repetitions and faster than linearly with an object's properties, while
 ``minLength``/``maxLength``/``minItems``/``maxItems`` compile to a counted repeat whose cost does not

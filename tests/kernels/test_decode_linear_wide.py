@@ -5,7 +5,7 @@ folds, other K tails, rows 13-16 in the dot-product tiles instead of the broadca
 vectors. The developers' machines have AVX2 only, so that logic would go untested there. This builds the
 same source with ``XINSERVE_DECODE_LINEAR_LANES=16`` (each vector then spans two AVX2 registers) and checks
 it against F.linear at every row count the three paths take. It checks the arithmetic and the indexing, not
-AVX-512's instructions: those run only on an AVX-512 machine (README, "What runs where").
+AVX-512's instructions: those run only on an AVX-512 machine (docs/kernels-and-devices.md, "What runs where").
 What can be checked without one is that the sources compile for it: a 16-lane ``if constexpr`` branch that did
 not (``fold``) made the whole extension fail to build on every AVX-512 machine, silently leaving it on the
 reference kernels.
