@@ -131,10 +131,15 @@ def test_invalid_sampling_params_raise():
 def test_kv_pool_is_sized_from_free_memory_after_warm_up(tiny_models):
     from xinserve.engines.platforms import get_platform
 
-    small = LLM(tiny_models("llama"), kv_cache_memory_fraction=1e-6, max_num_batched_tokens=64)
-    large = LLM(tiny_models("llama"), kv_cache_memory_fraction=1e-4, max_num_batched_tokens=64)
+    # The small pool a few blocks of whatever memory is free now (a fixed 1e-6 of it is under one block
+    # when the rest of the suite holds memory), the large one a hundred times that.
+    probe = LLM(tiny_models("llama"), kv_cache_memory_fraction=1e-4, max_num_batched_tokens=64)
+    small_fraction = max(1e-6, 4 * probe.engine.runner.bytes_per_block() / get_platform("cpu").free_memory())
+    probe.close()
+    small = LLM(tiny_models("llama"), kv_cache_memory_fraction=small_fraction, max_num_batched_tokens=64)
+    large = LLM(tiny_models("llama"), kv_cache_memory_fraction=100 * small_fraction, max_num_batched_tokens=64)
     free = get_platform("cpu").free_memory()
-    for llm, fraction in ((small, 1e-6), (large, 1e-4)):
+    for llm, fraction in ((small, small_fraction), (large, 100 * small_fraction)):
         bm = llm.engine.block_manager
         assert bm.num_blocks * llm.engine.runner.bytes_per_block() <= 1.5 * fraction * free
         # plus the scratch block where padded decode rows write (engines/decode_buckets.py)
