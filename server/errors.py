@@ -110,7 +110,8 @@ class InternalErrorMiddleware:
     """Pure ASGI: an exception nothing handled becomes a 500 in OpenAI's envelope, logged here once
     (``bounded_traceback``). It is not re-raised: the ASGI server would log it a second time and
     drop the kept-alive connection. After the response has started only the log is left to write
-    (the server then ends the unfinished response)."""
+    (the server then ends the unfinished response). A failed write (the client gone) is not ours:
+    it is re-raised, unlogged, for the ASGI server."""
 
     def __init__(self, app: Any) -> None:
         self.app = app

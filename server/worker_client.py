@@ -396,7 +396,5 @@ class WorkerClient:
         for sock in (self._send, self._recv):
             if sock is not None:
                 sock.close(linger=0)
-        # A model whose tokenizer fails closes its workers at once, and the server's shutdown closes them
-        # again: the second close must find nothing left to release.
-        self._send = self._recv = None
+        self._send = self._recv = None  # closed twice (a failed tokenizer, then shutdown): nothing left
 
