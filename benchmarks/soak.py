@@ -35,7 +35,7 @@ import httpx
 from common import RESULTS, ROOT
 from prometheus_client.parser import text_string_to_metric_families
 
-from xinserve.server.bench import launch
+from xinserve.server.cli.bench import launch
 
 GAUGES = ("xinserve:kv_cache_usage_perc", "xinserve:num_requests_running", "xinserve:num_requests_waiting")
 WORDS = ("river", "harbour", "library", "morning", "bread", "market", "window", "garden", "silver", "letter")

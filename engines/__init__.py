@@ -1,21 +1,21 @@
 """xinserve's engine: paged KV cache, continuous batching, our own compact models.
 
-Names are imported lazily so that the plain-Python core (``xinserve.engines.scheduler``, ``xinserve.engines.kv_cache``,
-``xinserve.engines.sequence``) can be used without loading torch or transformers.
+Names are imported lazily so that the plain-Python core (``xinserve.engines.core.scheduler``, ``xinserve.engines.core.kv_cache``,
+``xinserve.engines.core.sequence``) can be used without loading torch or transformers.
 """
 
 import importlib
 
 _EXPORTS = {
     "LLM": "xinserve.engines.llm",
-    "CompletionOutput": "xinserve.engines.outputs",
+    "CompletionOutput": "xinserve.engines.core.outputs",
     "EngineConfig": "xinserve.engines.config",
-    "EngineStats": "xinserve.engines.outputs",
-    "LLMEngine": "xinserve.engines.engine",
-    "RequestOutput": "xinserve.engines.outputs",
-    "SamplingParams": "xinserve.engines.sampling_params",
-    "StepOutput": "xinserve.engines.outputs",
-    "TokenLogprob": "xinserve.engines.outputs",
+    "EngineStats": "xinserve.engines.core.outputs",
+    "LLMEngine": "xinserve.engines.core.engine",
+    "RequestOutput": "xinserve.engines.core.outputs",
+    "SamplingParams": "xinserve.engines.core.sampling_params",
+    "StepOutput": "xinserve.engines.core.outputs",
+    "TokenLogprob": "xinserve.engines.core.outputs",
 }
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams", "StepOutput", "TokenLogprob"]

@@ -1,7 +1,7 @@
 """Engine options: the keyword arguments of ``LLM``, and the one definition of every engine setting.
 
 Each field's metadata (``setting``) holds its help text and its bounds or choices. The server's
-per-model YAML keys (``server/engine_settings.py``), the ``serve`` flags (``server/cli.py``) and the
+per-model YAML keys (``server/engine_settings.py``), the ``serve`` flags (``server/cli/main.py``) and the
 checks below are all derived from these fields, so they cannot drift apart.
 """
 
@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from xinserve.engines.kv_events import KVEventsConfig
-from xinserve.engines.parallel_config import ParallelConfig
+from xinserve.engines.kv.events import KVEventsConfig
+from xinserve.engines.parallel.parallel_config import ParallelConfig
 from xinserve.engines.speculative.config import parse_speculative_config, uses_mtp
 
 COMPILE_MODES = ("auto", "off", "on")
@@ -21,7 +21,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")  # "auto" (or None): the che
 QUANTIZATION_METHODS = ("fp8", "w8a8", "compressed-tensors", "ascend", "gptq", "awq")
 # --kv-cache-dtype's spellings: the keys of kernels/kv_quant.KV_CACHE_DTYPES (tests/engines/test_engine_config.py
 # pins that), written out here because that module imports torch and the HTTP process reads this config
-# before it spawns its workers (server/heavy_imports.py).
+# before it spawns its workers (server/http/heavy_imports.py).
 KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
 
 
@@ -60,10 +60,10 @@ class EngineConfig:
         "force kernel implementations, op=impl (kernels/registry.py; wins over XINSERVE_KERNELS)"))
     seed: int = field(default=0, metadata=setting("seeds the generator of unseeded sampled requests"))
     tensor_parallel_size: int = field(default=1, metadata=setting(
-        "ranks per replica (engines/tp_runner.py); the server groups consecutive worker devices by it "
+        "ranks per replica (engines/parallel/tp_runner.py); the server groups consecutive worker devices by it "
         "(--device cpu: N CPU ranks)", ge=1))
     pipeline_parallel_size: int = field(default=1, metadata=setting(
-        "pipeline stages per replica, each a contiguous range of layers (engines/pipeline_parallel.py); a "
+        "pipeline stages per replica, each a contiguous range of layers (engines/parallel/pipeline_parallel.py); a "
         "replica has tensor_parallel_size x pipeline_parallel_size ranks", ge=1))
     enable_expert_parallel: bool = field(default=False, metadata=setting(
         "place whole routed experts on the tensor-parallel ranks and exchange tokens all-to-all, instead of "
@@ -73,23 +73,23 @@ class EngineConfig:
     compile: str | None = field(default=None, metadata=setting(
         "pure-decode steps compiled (CPU: torch.compile) or graph-captured (CUDA, Ascend, MUSA) per padded "
         "bucket: auto keeps a CPU bucket compiled only where it measures faster, on keeps every bucket that "
-        "compiles, off runs eagerly (engines/graphs.py); default: $XINSERVE_COMPILE, else auto",
+        "compiles, off runs eagerly (engines/worker/graphs.py); default: $XINSERVE_COMPILE, else auto",
         choices=COMPILE_MODES))
     enforce_eager: bool = field(default=False, metadata=setting(
         "never compile or graph-capture decode steps (vLLM's name for compile off; wins over it)"))
     warm_up_in_background: bool = field(default=True, metadata=setting(
         "report ready once the model is loaded and the eager path warmed, then compile the CPU decode buckets "
         "and build C++ kernels not built yet in a background thread, swapping each in between steps "
-        "(engines/warmup.py); off: do both before ready"))
+        "(engines/worker/warmup.py); off: do both before ready"))
     max_cpu_threads: int | None = field(default=None, metadata=setting(
         "a CPU engine times its decode step at start with its torch threads and with this many and keeps the faster, "
-        "cached per machine and shape under $XINSERVE_CACHE_DIR (engines/thread_split.py); the server sets it to "
+        "cached per machine and shape under $XINSERVE_CACHE_DIR (engines/worker/thread_split.py); the server sets it to "
         "the cores a CPU worker may use unless cpu_threads is set; None: no timing", ge=1))
     async_scheduling: bool = field(default=True, metadata=setting(
         "the server's worker never waits for the HTTP process: a step's outputs go out without blocking, or, "
-        "while the socket is full, through a sender thread that merges them (server/output_sender.py); and "
+        "while the socket is full, through a sender thread that merges them (server/worker/output_sender.py); and "
         "step N+1 is scheduled and prepared while step N runs, its input ids taken from N's sampled tensor "
-        "(engines/async_scheduling.py; CPU, one rank, no speculative decoding; requests with log-probs, "
+        "(engines/core/async_scheduling.py; CPU, one rank, no speculative decoding; requests with log-probs, "
         "penalties or structured output step synchronously); off: one step at a time, blocking on a full socket"))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
         "speculative decoding, as vLLM spells it (JSON on the command line): "
@@ -99,10 +99,10 @@ class EngineConfig:
         check=parse_speculative_config))
     kv_events_config: dict[str, Any] | None = field(default=None, metadata=setting(
         "publish KV-cache events for prefix-aware routers, vLLM's JSON: enable_kv_cache_events, publisher "
-        "(zmq), endpoint, replay_endpoint, topic, buffer_steps, hwm, max_queue_size (engines/kv_events.py)"))
+        "(zmq), endpoint, replay_endpoint, topic, buffer_steps, hwm, max_queue_size (engines/kv/events.py)"))
     kv_offloading_size: float | None = field(default=None, metadata=setting(
         "GiB of host memory that keeps the prefix-cache blocks the device pool evicts, reloaded on a later "
-        "hit instead of recomputed (engines/kv_connector/host.py)", gt=0, le=1 << 20))
+        "hit instead of recomputed (engines/kv/host_tier.py)", gt=0, le=1 << 20))
     # Which replica of its model this engine is (the worker's index in the pool; KV events carry it).
     data_parallel_rank: int = field(default=0, metadata=setting("this replica's index among its model's", ge=0))
     quantization: str | None = field(default=None, metadata=setting(

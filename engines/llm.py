@@ -9,10 +9,10 @@ from collections.abc import Sequence as Seq
 from typing import Self
 
 from xinserve.engines.config import EngineConfig
-from xinserve.engines.detokenizer import IncrementalDetokenizer
-from xinserve.engines.engine import LLMEngine
-from xinserve.engines.outputs import CompletionOutput, RequestOutput
-from xinserve.engines.sampling_params import SamplingParams
+from xinserve.engines.core.detokenizer import IncrementalDetokenizer
+from xinserve.engines.core.engine import LLMEngine
+from xinserve.engines.core.outputs import CompletionOutput, RequestOutput
+from xinserve.engines.core.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

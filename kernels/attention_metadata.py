@@ -33,7 +33,7 @@ class DecodeGather:
 
     def live(self, num_seqs: int, block_size: int) -> "DecodeGather":
         """This plan cut to the longest context ``host_seq_lens`` holds. A decode bucket's plan
-        (engines/decode_buckets.py) spans max_model_len so that its shapes never change; the reference
+        (engines/worker/decode_buckets.py) spans max_model_len so that its shapes never change; the reference
         decode kernels, opaque ops inside a compiled bucket, gather only the live blocks through this."""
         context_len = int(self.host_seq_lens.max())
         width = self.block_ids.numel() // num_seqs  # Bg
@@ -64,7 +64,7 @@ class AttentionMetadata:
     """One varlen batch. Sequences are ordered decode-first: the first ``num_decode_seqs``
     sequences have exactly one new token each, and those are tokens ``[0, num_decode_seqs)``
     (a sequence verifying k drafts is 1 + k of them, one per row with its own context length and the
-    same block table: engines/decode_rows.py). The remaining sequences (prefills, possibly chunked,
+    same block table: engines/worker/decode_rows.py). The remaining sequences (prefills, possibly chunked,
     possibly after a cached prefix) follow.
 
     Shapes: T = new tokens this step, S = sequences this step, B = max blocks per sequence.

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 REFERENCE = "all_to_all"
 # implementation name -> module exposing ``unsupported`` and ``dispatch_combine``
-MODULES = {"npu_moe_dispatch": "xinserve.kernels.npu_moe_dispatch"}
+MODULES = {"npu_moe_dispatch": "xinserve.kernels.ascend.moe_dispatch"}
 # Candidates per platform, most preferred first; the reference closes every list.
 PREFERENCE = {"npu": ("npu_moe_dispatch", REFERENCE)}
 

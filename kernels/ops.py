@@ -5,10 +5,10 @@ An op is one or more functions that are chosen together: rotary is ``rotary_cos_
 table, built once for all layers) plus ``rotary_embedding`` (applied per layer), because a vendor
 kernel wants its own table layout; fused_moe is ``select_experts`` (routing) plus ``fused_moe`` (the
 experts), because a vendor's routing output is laid out for its own expert kernels. Every
-implementation module (``xinserve.kernels.reference``, ``xinserve.kernels.triton``, ``xinserve.kernels.npu``, ...) exposes
+implementation module (``xinserve.kernels.references.dense``, ``xinserve.kernels.triton``, ``xinserve.kernels.ascend.ops``, ...) exposes
 ``OPS``: function name -> function, for the functions it implements, with the reference signatures.
 
-A function says what graph capture (engines/graphs.py) must know of it as attributes, like cpp's
+A function says what graph capture (engines/worker/graphs.py) must know of it as attributes, like cpp's
 ``build_key``: ``graph_capturable = False`` when a captured replay would be wrong (it reads host
 values that a graph freezes), ``graph_capture_hook`` a context-manager factory to wrap each capture
 in, yielding what to call before each replay (Ascend's paged attention re-issues its task groups).
@@ -17,7 +17,7 @@ in, yielding what to call before each replay (Ascend's paged attention re-issues
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from xinserve.kernels import reference
+from xinserve.kernels.references import dense as reference
 
 # op -> the functions that make it up, in ``KernelOps`` field names
 OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
@@ -31,12 +31,12 @@ OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "top_k_top_p": ("top_k_top_p",),
     # the dense linear layers (F.linear's contract): projections, MLP, lm_head
     "linear": ("linear",),
-    # multi-head latent attention and DSA (kernels/mla_reference.py); only MLA models call them
+    # multi-head latent attention and DSA (kernels/references/mla.py); only MLA models call them
     "write_latent": ("write_latent",),
     "mla_decode_attention": ("mla_decode_attention",),
     "mla_prefill_attention": ("mla_prefill_attention",),
     "indexer_topk": ("indexer_topk",),
-    # quantized checkpoints (kernels/quant_reference.py); only models with quantized weights call them
+    # quantized checkpoints (kernels/references/quant.py); only models with quantized weights call them
     "quant_linear": ("prepare_quant_weight", "quant_linear"),
     "quant_fused_moe": ("prepare_quant_experts", "quant_fused_moe"),
 }
@@ -46,7 +46,7 @@ OPS = tuple(OP_FUNCTIONS)
 @dataclass(frozen=True, slots=True)
 class KernelOps:
     """The functions a model and the sampler call, one per field, bound once at build time (the
-    step's hot path looks nothing up). Signatures: those of ``xinserve.kernels.reference``."""
+    step's hot path looks nothing up). Signatures: those of ``xinserve.kernels.references.dense``."""
 
     write_kv: Callable
     paged_prefill_attention: Callable

@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from xinserve.kernels.quant_reference import dense_experts
 from xinserve.kernels.quantized_weight import QuantizedWeight, dequantize, quantize_activation
+from xinserve.kernels.references.quant import dense_experts
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,7 @@ def prepare_quant_experts(w13: QuantizedWeight, w2: QuantizedWeight, dtype: torc
 
 def quant_fused_moe(hidden: torch.Tensor, experts: tuple[DenseWeight, DenseWeight], topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor) -> torch.Tensor:
-    """As kernels/quant_reference.py's, on the weights dequantized at load."""
+    """As kernels/references/quant.py's, on the weights dequantized at load."""
     w13, w2 = experts
     return dense_experts(hidden, w13.weight, w2.weight, w13.activation, w2.activation, topk_weights, topk_ids)
 

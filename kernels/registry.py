@@ -1,6 +1,6 @@
 """Which implementation of each op a worker uses: among its platform's candidates that import,
 accept the model's shapes, run on the device and agree with the reference, the fastest at the
-model's shapes where the op is timed (kernels/timing.py), else the first in preference order.
+model's shapes where the op is timed (kernels/probes/timing.py), else the first in preference order.
 
 A fused vendor operator can be missing or broken on a given chip or driver version; then the
 next candidate is taken and the reason is kept (``not installed: ...``, ``raised AclError: ...``,
@@ -14,7 +14,7 @@ choice that cannot be used fails start-up with its reason.
 A candidate built from source on first use (``BUILT_FROM_SOURCE``: the C++ kernels) can take minutes
 to build. With ``defer_builds`` a selection does not wait for a build that is not on disk yet: the
 candidate is reported as building (``KernelSelection.deferred``), the next one serves, and the
-caller builds it and selects again later (engines/warmup.py, in a background thread).
+caller builds it and selects again later (engines/worker/warmup.py, in a background thread).
 """
 
 import importlib
@@ -27,26 +27,26 @@ import torch
 
 from xinserve.kernels.model_shapes import ModelShapes
 from xinserve.kernels.ops import OP_FUNCTIONS, OPS, KernelOps
-from xinserve.kernels.probes import applies, probe, probe_tolerance
-from xinserve.kernels.timing import WORKLOADS, TimingCache, fastest, measure
+from xinserve.kernels.probes.checks import applies, probe, probe_tolerance
+from xinserve.kernels.probes.timing import WORKLOADS, TimingCache, fastest, measure
 
 # implementation name -> module exposing ``OPS`` (and optionally ``unsupported(op, shapes, dtype)``, and
 # ``serves(op, shapes, dtype)``: False where it is no candidate at all, so nothing is reported)
 MODULES = {
-    "reference": "xinserve.kernels.reference",
-    "cpp": "xinserve.kernels.cpp",
-    "sdpa": "xinserve.kernels.sdpa_prefill",
+    "reference": "xinserve.kernels.references.dense",
+    "cpp": "xinserve.kernels.cpu.cpp",
+    "sdpa": "xinserve.kernels.cpu.sdpa_prefill",
     "triton": "xinserve.kernels.triton",
-    "grouped_mm": "xinserve.kernels.grouped_mm",
-    "npu": "xinserve.kernels.npu",
-    "npu_kv": "xinserve.kernels.npu_kv",
-    "musa": "xinserve.kernels.musa",
+    "grouped_mm": "xinserve.kernels.cuda.grouped_mm",
+    "npu": "xinserve.kernels.ascend.ops",
+    "npu_kv": "xinserve.kernels.ascend.kv",
+    "musa": "xinserve.kernels.musa.ops",
     "int8mm": "xinserve.kernels.quant_int8",
     "dequant": "xinserve.kernels.quant_dequant",
 }
 # implementation name -> module that builds it: ``built()`` (on disk already?), ``build()``, and
 # ``BUILDS_OPS``, the ops it provides once built
-BUILT_FROM_SOURCE = {"cpp": "xinserve.kernels.cpp_build"}
+BUILT_FROM_SOURCE = {"cpp": "xinserve.kernels.cpu.cpp_build"}
 # Candidates per platform, most preferred first; "reference" always comes last.
 PREFERENCE = {
     "cpu": ("cpp", "sdpa", "int8mm", "dequant", "reference"),

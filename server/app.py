@@ -2,7 +2,7 @@
 
 The app starts serving at once; models load in the background (``/health`` says 503
 "unavailable" until every model has a ready worker), so orchestrators can probe it while weights
-load. Shutdown drains first (``xinserve.server.drain``, driven by ``xinserve.server.graceful`` on SIGTERM).
+load. Shutdown drains first (``xinserve.server.http.drain``, driven by ``xinserve.server.http.graceful`` on SIGTERM).
 """
 
 import asyncio
@@ -20,22 +20,25 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
 
-from xinserve.server import anthropic
-from xinserve.server.auth import limited_key, require_api_key
-from xinserve.server.body_limit import BodyLimitMiddleware
+from xinserve.server.api import anthropic, health
+from xinserve.server.api.openai import chat, completions, models
+from xinserve.server.api.responses import routes as responses_api
+from xinserve.server.api.responses.store import ResponseStore
+from xinserve.server.api.sglang import routes as sglang_worker
+from xinserve.server.api.sse import DirectSendMiddleware
+from xinserve.server.api.tokenize import routes as tokenize
 from xinserve.server.config import AppConfig
-from xinserve.server.docs import add_docs
-from xinserve.server.drain import Drain, DrainMiddleware
 from xinserve.server.errors import InternalErrorMiddleware, install_error_handlers
-from xinserve.server.key_usage import KeyUsageMiddleware
-from xinserve.server.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics
-from xinserve.server.pool import ModelPool, cpu_thread_share, default_cpu_threads, local_cpu_ranks
-from xinserve.server.request_log import RequestLogMiddleware
-from xinserve.server.responses_api.store import ResponseStore
-from xinserve.server.router import Router
-from xinserve.server.routes import chat, completions, health, models, responses_api, sglang_worker, tokenize
-from xinserve.server.sse import DirectSendMiddleware
-from xinserve.server.startup import stop_if_nothing_loads
+from xinserve.server.http.auth import limited_key, require_api_key
+from xinserve.server.http.body_limit import BodyLimitMiddleware
+from xinserve.server.http.docs import add_docs
+from xinserve.server.http.drain import Drain, DrainMiddleware
+from xinserve.server.http.key_usage import KeyUsageMiddleware
+from xinserve.server.http.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics
+from xinserve.server.http.request_log import RequestLogMiddleware
+from xinserve.server.pool.model_pool import ModelPool, cpu_thread_share, default_cpu_threads, local_cpu_ranks
+from xinserve.server.pool.router import Router
+from xinserve.server.pool.startup import stop_if_nothing_loads
 
 logger = logging.getLogger("xinserve.server")
 
@@ -120,6 +123,6 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.add_middleware(InternalErrorMiddleware)
     # Outermost: every error on /v1/messages paths, whichever layer raised it, in Anthropic's shape.
     app.add_middleware(anthropic.AnthropicErrorMiddleware)
-    # Outside every other middleware of ours: stream chunks skip their send wrappers (server/sse.py).
+    # Outside every other middleware of ours: stream chunks skip their send wrappers (server/api/sse.py).
     app.add_middleware(DirectSendMiddleware)
     return app

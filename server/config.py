@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, SecretStr, Tag, model_validator
 from pydantic_core import ValidationError
 
-from xinserve.server.bad_input import BadInput, read_text
+from xinserve.server.cli.bad_input import BadInput, read_text
 from xinserve.server.model_settings import ModelSettings
 
 
@@ -78,7 +78,7 @@ class ServerSettings(_Section):
     # error), then seconds workers get to leave before they are killed.
     shutdown_timeout_s: float = Field(10, gt=0)
     # A ready worker silent this long is "unresponsive" (routed around, its requests moved or ended);
-    # silent twice as long, it is killed and restarted (server/heartbeat.py).
+    # silent twice as long, it is killed and restarted (server/pool/heartbeat.py).
     heartbeat_timeout_s: float = Field(10, gt=0)
 
     @model_validator(mode="after")
@@ -133,7 +133,7 @@ class LimitsSettings(_Section):
     """Per-request input limits, checked before a request costs any tokenising or engine time.
 
     OpenAI's own API limits (4 stop strings, ``top_logprobs`` <= 20, completions ``logprobs`` <= 5,
-    300 ``logit_bias`` entries) are fixed in ``server/protocol.py``; these are the operator's.
+    300 ``logit_bias`` entries) are fixed in ``server/api/openai/protocol.py``; these are the operator's.
     """
 
     # Bytes of request body; larger bodies get a 413 before any of it is parsed.
@@ -153,7 +153,7 @@ class LimitsSettings(_Section):
 class ResponsesStoreSettings(_Section):
     """The Responses API's stored responses (``previous_response_id``, ``GET /v1/responses/{id}``): in
     memory, each API key with its own budget (requests without a key share one), so a key's entries
-    are evicted only by its own traffic (``server/responses_api/store.py``)."""
+    are evicted only by its own traffic (``server/api/responses/store.py``)."""
 
     max_entries_per_key: int = Field(1000, ge=1)
     # An entry's bytes: its response and conversation as JSON. The HTTP process may hold this much
@@ -174,7 +174,7 @@ class AppConfig(_Section):
     @model_validator(mode="after")
     def _check_groups(self) -> "AppConfig":
         """Every tensor-parallel group fits the nodes, has one device kind, and no card twice."""
-        from xinserve.engines.parallel_config import ParallelConfig
+        from xinserve.engines.parallel.parallel_config import ParallelConfig
 
         nnodes = self.distributed.nnodes
         for model in self.models:

@@ -16,10 +16,10 @@ from xinserve.engines.config import EngineConfig
 
 # EngineConfig fields that are no model setting: ``path`` stands for the model, ``workers`` for the
 # device, each tensor-parallel group of workers for the ranks' placement, and each worker's index for
-# its replica's rank (server/pool.py).
+# its replica's rank (server/pool/model_pool.py).
 PLACED = ("model", "device", "parallel", "data_parallel_rank")
 # Settings each worker receives resolved rather than as written: the tokenizer's local path, and its
-# group's size (server/pool.py).
+# group's size (server/pool/model_pool.py).
 PER_WORKER = ("tokenizer", "tensor_parallel_size")
 
 

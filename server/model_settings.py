@@ -13,7 +13,7 @@ _DEVICE = re.compile(r"^(cpu|(cuda|npu|musa)(:\d+)?)$")
 
 class ModelSettings(EngineSettings):
     """One served model: every engine setting (``server/engine_settings.py``, from ``EngineConfig``) and
-    the server's own keys. A field with a description is also a ``serve`` flag (server/cli.py)."""
+    the server's own keys. A field with a description is also a ``serve`` flag (server/cli/main.py)."""
 
     name: str = Field(min_length=1)
     # A Hugging Face directory, or "embedded:<name>" for the built-in tiny model.
@@ -30,7 +30,7 @@ class ModelSettings(EngineSettings):
     # hermes also reads Qwen2.5 and Qwen3; glm47 also GLM-5.
     tool_call_parser: Literal["hermes", "llama3_json", "glm45", "glm47", "deepseek_v3"] | None = Field(
         None, description="how tool calls are read with tool_choice auto (default: detected from the chat template)")
-    # server/reasoning/; None: the output is all content.
+    # server/api/reasoning/; None: the output is all content.
     reasoning_parser: Literal["deepseek_r1", "qwen3", "glm45"] | None = Field(
         None, description="split <think> reasoning from the answer as reasoning_content (docs/api.md: Reasoning)")
 

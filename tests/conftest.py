@@ -15,7 +15,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # Triton kernels run on CPU tensors under Triton's interpreter; set for the whole session (it is read
 # when kernels.triton is imported) so no test's outcome depends on which test imported it first.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Compiling decode buckets costs seconds per engine: only tests/engines/test_decode_graphs.py (which
+# Compiling decode buckets costs seconds per engine: only tests/engines/worker/test_decode_graphs.py (which
 # asks for it) compiles; every other engine, in-process or a server's worker, decodes eagerly.
 os.environ.setdefault("XINSERVE_COMPILE", "off")
 # Compiled bytecode: where the environment sets PYTHONDONTWRITEBYTECODE (this machine's does) over a venv
@@ -54,8 +54,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """pytest's own exit (each xdist worker's too) skips the walk over its heap (engines/process_exit.py)."""
-    from xinserve.engines.process_exit import leave_quickly
+    """pytest's own exit (each xdist worker's too) skips the walk over its heap (engines/worker/process_exit.py)."""
+    from xinserve.engines.worker.process_exit import leave_quickly
 
     leave_quickly()
 

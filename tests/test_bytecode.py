@@ -10,13 +10,13 @@ from tests.conftest import REPO_ROOT
 
 
 def test_a_process_started_by_the_suite_leaves_its_modules_compiled():
-    # A fresh interpreter, as a server, worker or rank is; xinserve.server.heavy_imports imports nothing heavy.
-    code = ("import json, sys, importlib.util, xinserve.server.heavy_imports as m; "
+    # A fresh interpreter, as a server, worker or rank is; xinserve.server.http.heavy_imports imports nothing heavy.
+    code = ("import json, sys, importlib.util, xinserve.server.http.heavy_imports as m; "
             "print(json.dumps([sys.dont_write_bytecode, importlib.util.cache_from_source(m.__file__)]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     dont_write, cached = json.loads(out.stdout.splitlines()[-1])
     assert dont_write is False
     assert cached == importlib.util.cache_from_source(str(REPO_ROOT / "server" / "heavy_imports.py"))
-    assert importlib.util.find_spec("xinserve.server.heavy_imports").cached == cached
+    assert importlib.util.find_spec("xinserve.server.http.heavy_imports").cached == cached
     with open(cached, "rb") as f:
         assert f.read(4) == importlib.util.MAGIC_NUMBER

@@ -13,7 +13,7 @@ RANK = {name: rank for rank, name in enumerate(reversed(PACKAGES))}
 
 
 def module_name(path: Path) -> str:
-    """``engines/kv_cache.py`` -> ``xinserve.engines.kv_cache``: the folders install under one namespace."""
+    """``engines/core/kv_cache.py`` -> ``xinserve.engines.core.kv_cache``: the folders install under one namespace."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(["xinserve", *(parts[:-1] if parts[-1] == "__init__" else parts)])
 

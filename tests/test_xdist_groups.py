@@ -19,23 +19,23 @@ def item(nodeid: str, *fixtures: str, slow: bool = False) -> SimpleNamespace:
 
 def test_files_sharing_a_session_server_are_one_unit_and_the_others_one_each():
     items = [
-        item("tests/server/test_api.py::test_a", "server", "embedded_server"),
-        item("tests/server/test_api.py::test_b", "server"),
-        item("tests/server/test_structured_api.py::test_c", "embedded_server"),
-        item("tests/server/test_fuzz.py::test_d", "short_tiny_server"),
-        item("tests/server/anthropic/test_messages_fuzz.py::test_e", "short_tiny_server"),
+        item("tests/server/api/openai/test_api.py::test_a", "server", "embedded_server"),
+        item("tests/server/api/openai/test_api.py::test_b", "server"),
+        item("tests/server/api/openai/test_structured_api.py::test_c", "embedded_server"),
+        item("tests/server/api/openai/test_fuzz.py::test_d", "short_tiny_server"),
+        item("tests/server/api/anthropic/test_messages_fuzz.py::test_e", "short_tiny_server"),
         # two servers in one file join both their units
         item("tests/server/test_z.py::test_f", "short_tiny_server", "thinking_server"),
-        item("tests/server/test_reasoning_api.py::test_g", "thinking_server"),
+        item("tests/server/api/openai/test_reasoning_api.py::test_g", "thinking_server"),
         item("tests/engines/test_engine.py::test_h", "tiny_models"),
     ]
     assert xdist_groups.units(items) == {
-        "tests/server/test_api.py": "tests/server/test_api.py",
-        "tests/server/test_structured_api.py": "tests/server/test_api.py",
-        "tests/server/test_fuzz.py": "tests/server/anthropic/test_messages_fuzz.py",
-        "tests/server/anthropic/test_messages_fuzz.py": "tests/server/anthropic/test_messages_fuzz.py",
-        "tests/server/test_z.py": "tests/server/anthropic/test_messages_fuzz.py",
-        "tests/server/test_reasoning_api.py": "tests/server/anthropic/test_messages_fuzz.py",
+        "tests/server/api/openai/test_api.py": "tests/server/api/openai/test_api.py",
+        "tests/server/api/openai/test_structured_api.py": "tests/server/api/openai/test_api.py",
+        "tests/server/api/openai/test_fuzz.py": "tests/server/api/anthropic/test_messages_fuzz.py",
+        "tests/server/api/anthropic/test_messages_fuzz.py": "tests/server/api/anthropic/test_messages_fuzz.py",
+        "tests/server/test_z.py": "tests/server/api/anthropic/test_messages_fuzz.py",
+        "tests/server/api/openai/test_reasoning_api.py": "tests/server/api/anthropic/test_messages_fuzz.py",
         "tests/engines/test_engine.py": "tests/engines/test_engine.py",
     }
 

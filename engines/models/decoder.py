@@ -118,7 +118,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, spec, ops, i, attention(i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.pipeline: Callable | None = None  # a pipeline stage runs the forward (engines/pipeline_parallel.py)
+        self.pipeline: Callable | None = None  # a pipeline stage runs the forward (engines/parallel/pipeline_parallel.py)
 
     def forward(
         self,
@@ -184,14 +184,14 @@ class CausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False
         )
-        self.ops = ops  # the logits' linear (swapped with the layers' when a kernel is built: engines/warmup.py)
+        self.ops = ops  # the logits' linear (swapped with the layers' when a kernel is built: engines/worker/warmup.py)
         # [max_positions, rotary_dim], filled by reset_buffers once the loader has materialised the model
         # built on the meta device (computed there, it would run through torch._refs, as the embedding's init).
         rope_shape = (config.max_position_embeddings, rotary_dim(config, self.head_dim))
         self.register_buffer("cos_sin_cache", torch.empty(rope_shape), persistent=False)
         # Tensor parallel: gathers each rank's vocabulary slice of the logits (models/tensor_parallel.py)
         self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # Pipeline parallel: checkpoint name prefixes another stage holds (engines/pipeline_parallel.py)
+        # Pipeline parallel: checkpoint name prefixes another stage holds (engines/parallel/pipeline_parallel.py)
         self.absent_weights: tuple[str, ...] = ()
         self.mtp: nn.Module | None = None  # the checkpoint's MTP layer, with speculative method mtp (models/mtp.py)
 

@@ -34,7 +34,7 @@ from xinserve.kernels.ep_dispatch import REFERENCE as EP_REFERENCE
 
 
 class ExpertCollectives(Protocol):
-    """What the dispatch needs of ``xinserve.engines.distributed.ParallelGroup``."""
+    """What the dispatch needs of ``xinserve.engines.parallel.distributed.ParallelGroup``."""
 
     rank: int
     world_size: int

@@ -26,8 +26,8 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """An ``nn.Linear`` that multiplies with the kernel registry's ``linear`` (on the CPU, a decode step's
-    few rows go through a kernel that streams the cold weight once: kernels/csrc/decode_linear.cpp).
-    It keeps ``ops`` itself, so a kernel built in the background is swapped in (engines/warmup.py)."""
+    few rows go through a kernel that streams the cold weight once: kernels/cpu/csrc/decode_linear.cpp).
+    It keeps ``ops`` itself, so a kernel built in the background is swapped in (engines/worker/warmup.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelOps = REFERENCE_OPS) -> None:
         super().__init__(in_features, out_features, bias=bias)

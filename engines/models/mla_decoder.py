@@ -48,7 +48,7 @@ class MLADecoderModel(DecoderModel):
         self.keep_layers(range(config.num_hidden_layers))
 
     def keep_layers(self, layers: range) -> None:
-        """Lay the pool out for ``layers`` only (a pipeline stage's; engines/pipeline_parallel.py): each
+        """Lay the pool out for ``layers`` only (a pipeline stage's; engines/parallel/pipeline_parallel.py): each
         kept layer's (first value per token, values per token), the latents first, then the indexer
         keys; a segment spans first * N * BS to (first + width) * N * BS."""
         latent = self.latent_width

@@ -28,7 +28,7 @@ from xinserve.engines.models.moe import Experts, SparseMoeBlock
 
 
 class Collectives(Protocol):
-    """What the layers need of ``xinserve.engines.distributed.ParallelGroup``."""
+    """What the layers need of ``xinserve.engines.parallel.distributed.ParallelGroup``."""
 
     rank: int
     world_size: int

@@ -1,5 +1,5 @@
 """A linear layer whose weight stays quantized in memory: it holds what the ``quant_linear`` kernel
-prepared from the checkpoint's record(s) (kernels/quant_reference.py) and calls that kernel.
+prepared from the checkpoint's record(s) (kernels/references/quant.py) and calls that kernel.
 
 It stands in for an ``nn.Linear`` or a fused ``MergedLinear`` (q/k/v, gate/up) of a model built on the
 meta device (engines/quantization/install.py swaps it in); the loader hands it one record per

@@ -9,7 +9,7 @@ speculate: the detokenizer takes a step's accepted tokens one by one and the out
 that completes a stop string (``IncrementalDetokenizer.add_each``), as it would one token per step.
 """
 
-from xinserve.engines.sequence import Sequence
+from xinserve.engines.core.sequence import Sequence
 
 
 def may_draft(seq: Sequence) -> bool:

@@ -1,8 +1,8 @@
 """What rank 0 of a tensor-parallel group tells its other ranks about the MTP layer's work in a step, so
 that every rank runs the same MTP forwards (each one holds collectives: the split attention's and
 experts' all-reduces, the vocabulary-parallel embedding and the draft logits' all-gather) and keeps the
-same draft seeds. Flat int64 tensors, sent with the step message's broadcast (engines/tp_runner.py);
-the kinds do not collide with engines/step_message.py's.
+same draft seeds. Flat int64 tensors, sent with the step message's broadcast (engines/parallel/tp_runner.py);
+the kinds do not collide with engines/parallel/step_message.py's.
 
 - CHAIN, before the step's message: the sequences whose drafts 2..k the MTP layer computes, with
   ``[MTP_CHAIN, C, W, seq_ids [C], lengths [C] (k of each), num_tokens [C], block_tables [C * W]]``.

@@ -16,7 +16,7 @@ whose KV slots lie in the rows the step just allocated; the catch-up of that ste
 from the target's hidden states. Drafts are the MTP layer's argmax (a point mass, as
 engines/speculative/verify.py assumes), copied to the host once per step.
 
-A pure-decode step (verification included: engines/decode_rows.py) runs in a compiled or captured
+A pure-decode step (verification included: engines/worker/decode_rows.py) runs in a compiled or captured
 decode bucket like any other; the bucket returns the target's hidden states with the logits
 (``DecodeGraphs.hidden``), which the catch-up reads. The MTP layer's own forwards (the catch-up and the
 k - 1 drafts) run eagerly: compiling them would take a second set of buckets (another function, over
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from xinserve.engines.core.scheduler import SampledTokens, ScheduledSeq
+from xinserve.engines.core.sequence import Sequence
 from xinserve.engines.models.mtp import mtp_layer_caches
-from xinserve.engines.runner import ModelRunner, StepBatch
-from xinserve.engines.scheduler import SampledTokens, ScheduledSeq
-from xinserve.engines.sequence import Sequence
 from xinserve.engines.speculative.mtp_messages import CatchUp, Chain, decode, encode_catch_up, encode_chain
+from xinserve.engines.worker.runner import ModelRunner, StepBatch
 from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
 
 
@@ -64,7 +64,7 @@ class MTPModelRunner(ModelRunner):
         self._step = (args[1], args[3], output)  # forward(input_ids, positions, kv_cache, metadata)
 
     def share(self, message: torch.Tensor) -> None:
-        """Hand an MTP message to the group's other ranks (engines/tp_runner.py); one device has none."""
+        """Hand an MTP message to the group's other ranks (engines/parallel/tp_runner.py); one device has none."""
 
     def follow(self, message: torch.Tensor) -> None:
         """A rank > 0: run what rank 0's MTP message says, as rank 0 runs it."""

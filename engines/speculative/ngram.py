@@ -6,7 +6,7 @@ no torch: text that repeats its prompt or itself (code edits, extraction, loops)
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from xinserve.engines.sequence import Sequence
+from xinserve.engines.core.sequence import Sequence
 from xinserve.engines.speculative.config import SpeculativeConfig
 from xinserve.engines.speculative.eligibility import may_draft
 

@@ -6,7 +6,7 @@ checkpoint's MTP layer, which runs on the device once the step's blocks are allo
 with placeholder tokens the runner overwrites before the forward.
 """
 
-from xinserve.engines.sequence import Sequence
+from xinserve.engines.core.sequence import Sequence
 from xinserve.engines.speculative.config import SpeculativeConfig
 from xinserve.engines.speculative.eligibility import may_draft
 from xinserve.engines.speculative.ngram import NgramProposer

@@ -16,8 +16,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from xinserve.engines.outputs import TokenLogprob
-from xinserve.engines.sampler import (
+from xinserve.engines.core.outputs import TokenLogprob
+from xinserve.engines.core.scheduler import SampledTokens
+from xinserve.engines.core.sequence import Sequence
+from xinserve.engines.worker.sampler import (
     SamplingRow,
     adjusted_logits,
     filtered_probs,
@@ -25,8 +27,6 @@ from xinserve.engines.sampler import (
     row_generators,
     sample_from_probs,
 )
-from xinserve.engines.scheduler import SampledTokens
-from xinserve.engines.sequence import Sequence
 
 
 def verify_drafts(

@@ -3,7 +3,7 @@ in the engine (a ValueError). The static bounds (``limits.py``) come first and k
 xgrammar's tokenizer-free conversion costs at most about 0.1 s within them. The tokenizer-specific
 compile runs in the worker (``engines/structured/compiler.py``). xgrammar is imported on the first
 check: it imports torch and transformers, which the HTTP process loads after spawning its workers
-(``server/heavy_imports.py``)."""
+(``server/http/heavy_imports.py``)."""
 
 import json
 import re

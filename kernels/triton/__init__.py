@@ -1,5 +1,5 @@
 """Triton kernels over the paged KV cache, drop-in for the references of the same names in
-kernels/reference.py: KV write, paged decode attention (split-K flash-decoding) and varlen prefill
+kernels/references/dense.py: KV write, paged decode attention (split-K flash-decoding) and varlen prefill
 attention after a cached prefix, and ``quant_linear`` (a GEMM dequantizing quantized weights tile by tile). They run on any device with a Triton backend, and on CPU tensors
 under Triton's interpreter when TRITON_INTERPRET=1 is set before this package is imported.
 Importing it raises ImportError where Triton is not installed."""

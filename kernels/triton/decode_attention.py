@@ -138,7 +138,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            gather: "DecodeGather | None" = None, *,
                            split_len: int | None = None) -> torch.Tensor:
-    """``xinserve.kernels.reference.paged_decode_attention`` in Triton. query: [S, H, D]; key_cache,
+    """``xinserve.kernels.references.dense.paged_decode_attention`` in Triton. query: [S, H, D]; key_cache,
     value_cache: [N, BS, KVH, D]; block_tables: [S, B] int32; seq_lens: [S] int32. Returns [S, H, D].
 
     ``gather`` (the reference's gather plan) is accepted for the shared signature and not read: the

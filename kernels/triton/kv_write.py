@@ -1,7 +1,7 @@
 """Triton KV write: scatter this step's keys and values into the paged caches, in place.
 
 One program per new token copies its [KVH, D] key and value rows to the token's slot
-(block = slot // BS, offset = slot % BS). Shape letters as in kernels/reference.py.
+(block = slot // BS, offset = slot % BS). Shape letters as in kernels/references/dense.py.
 """
 
 import torch
@@ -41,7 +41,7 @@ def _write_kv_kernel(
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """``xinserve.kernels.reference.write_kv`` in Triton. key, value: [T, KVH, D] (any strides);
+    """``xinserve.kernels.references.dense.write_kv`` in Triton. key, value: [T, KVH, D] (any strides);
     key_cache, value_cache: [N, BS, KVH, D]; slot_mapping: [T] int64."""
     num_tokens = key.shape[0]
     if num_tokens == 0:

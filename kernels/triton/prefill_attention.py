@@ -83,7 +83,7 @@ def _prefill_kernel(
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                             scale: float) -> torch.Tensor:
-    """``xinserve.kernels.reference.paged_prefill_attention`` in Triton. query: [T, H, D]; key_cache,
+    """``xinserve.kernels.references.dense.paged_prefill_attention`` in Triton. query: [T, H, D]; key_cache,
     value_cache: [N, BS, KVH, D] (already holding the new tokens); block_tables: [P, B] int32;
     query_start_loc: P + 1 host offsets from 0; seq_lens: P host context lengths. Returns [T, H, D]."""
     num_heads, head_dim = query.shape[1:]

@@ -1,5 +1,5 @@
 """The embedded default model written directly: the same files as ``factory.make_tiny_model(path)`` (a
-Llama), byte for byte (tests/server/test_embedded_model.py compares them), without importing any
+Llama), byte for byte (tests/server/embedded_model/test_embedded_model.py compares them), without importing any
 transformers model class. Building the model class, the way ``factory.py`` does, imports ~10 CPU
 seconds of modelling code; this writes the weights from their names and shapes and takes well under
 one, so a server builds its embedded model in-process on first start."""

@@ -1,7 +1,7 @@
 """Every worker, tensor-parallel rank and test process imports ``engines``: a package that only one
 checkpoint format needs, and that costs seconds to import, is imported where that format is read,
 never at a module's top level. (compressed_tensors pulls in accelerate and transformers' distributed
-stack: ~5 CPU seconds per process, most of what importing ``xinserve.engines.engine`` cost.)"""
+stack: ~5 CPU seconds per process, most of what importing ``xinserve.engines.core.engine`` cost.)"""
 
 import ast
 from pathlib import Path
@@ -49,9 +49,9 @@ def test_engines_and_kernels_import_no_heavy_format_package_at_import_time() -> 
     assert {path: names for path, names in offenders.items() if names} == {}
 
 
-# What the HTTP process imports to build the embedded model on first use (server/embedded.py): a
+# What the HTTP process imports to build the embedded model on first use (server/embedded_model/resolve.py): a
 # transformers model class costs ~10 CPU s of modelling code (factory.py's way of building models).
-EMBEDDED_BUILD = ("server/embedded.py", "server/embedded_model/llama_files.py", "server/embedded_model/weights.py",
+EMBEDDED_BUILD = ("server/embedded_model/resolve.py", "server/embedded_model/llama_files.py", "server/embedded_model/weights.py",
                   "server/embedded_model/build_once.py", "server/embedded_model/tokenizer.py")
 
 

@@ -142,7 +142,7 @@ def test_kv_pool_is_sized_from_free_memory_after_warm_up(tiny_models):
     for llm, fraction in ((small, small_fraction), (large, 100 * small_fraction)):
         bm = llm.engine.block_manager
         assert bm.num_blocks * llm.engine.runner.bytes_per_block() <= 1.5 * fraction * free
-        # plus the scratch block where padded decode rows write (engines/decode_buckets.py)
+        # plus the scratch block where padded decode rows write (engines/worker/decode_buckets.py)
         assert llm.engine.runner.kv_cache.shape[2] == bm.num_blocks + 1
     assert large.engine.block_manager.num_blocks > 10 * small.engine.block_manager.num_blocks
     out = small.generate(["Once upon a time"] * 4, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

@@ -1,9 +1,8 @@
-"""Greedy tokens with the batched SDPA prefill attention (kernels/sdpa_prefill.py) forced equal
+"""Greedy tokens with the batched SDPA prefill attention (kernels/cpu/sdpa_prefill.py) forced equal
 transformers', with a cached prefix, chunked prefill and several prompts per step (GQA ratio 4; the
-kernel's own tests, tests/kernels/test_sdpa_prefill.py, cover ratios 1/2/4 against the reference)."""
+kernel's own tests, tests/kernels/cpu/test_sdpa_prefill.py, cover ratios 1/2/4 against the reference)."""
 
-from test_llm_vs_transformers import Reference, check_against_reference, random_prompts
-
+from tests.engines.test_llm_vs_transformers import Reference, check_against_reference, random_prompts
 from xinserve.engines import LLM
 
 

@@ -25,10 +25,10 @@ import triton
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's packages
 
-from xinserve.kernels import reference
 from xinserve.kernels import triton as triton_ops
 from xinserve.kernels.attention_metadata import build_decode_gather
-from xinserve.kernels.probes import TOLERANCE  # the registry's, so a pass here is a pass there
+from xinserve.kernels.probes.checks import TOLERANCE  # the registry's, so a pass here is a pass there
+from xinserve.kernels.references import dense as reference
 from xinserve.kernels.triton.decode_attention import default_split_len
 
 RESULTS = ROOT / "benchmarks" / "results" / "cuda_check.json"
@@ -204,7 +204,7 @@ def greedy_vs_transformers(device: torch.device) -> dict:
 
 
 def cuda_graphs(device: torch.device) -> dict:
-    """Decode with CUDA graphs per bucket (engines/graphs.py) against eager: greedy tokens equal at
+    """Decode with CUDA graphs per bucket (engines/worker/graphs.py) against eager: greedy tokens equal at
     batches 1, 3, 8 and 9 (bucket boundaries), and the decode step time per batch, graphs on and off."""
     import tempfile
     import time

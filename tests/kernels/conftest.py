@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
-import xinserve.engines.engine
+import xinserve.engines.core.engine
 from xinserve import kernels
 from xinserve.engines.platforms import Platform
 from xinserve.kernels.registry import ENV_VAR, TIMING_ENV_VAR
@@ -26,19 +26,19 @@ def choose_kernels_by_order(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def npu() -> Iterator[ModuleType]:
-    """xinserve.kernels.npu imported afresh against the fake torch_npu (once for this module); both are gone
+    """xinserve.kernels.ascend.ops imported afresh against the fake torch_npu (once for this module); both are gone
     again afterwards, so elsewhere "npu" stays "not installed"."""
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(FAKES_DIR))
         mp.delattr(kernels, "npu", raising=False)
-        for name in ("torch_npu", "torch_npu.npu", "xinserve.kernels.npu", "xinserve.kernels.npu_mla", "xinserve.kernels.npu_quant",
-                     "xinserve.kernels.npu_kv"):
+        for name in ("torch_npu", "torch_npu.npu", "xinserve.kernels.ascend.ops", "xinserve.kernels.ascend.mla", "xinserve.kernels.ascend.quant",
+                     "xinserve.kernels.ascend.kv"):
             mp.delitem(sys.modules, name, raising=False)
-        module = importlib.import_module("xinserve.kernels.npu")
+        module = importlib.import_module("xinserve.kernels.ascend.ops")
         assert module.torch_npu.__file__.startswith(str(FAKES_DIR))  # never a real one by accident
         yield module
-        for name in ("torch_npu", "torch_npu.npu", "xinserve.kernels.npu", "xinserve.kernels.npu_mla", "xinserve.kernels.npu_quant",
-                     "xinserve.kernels.npu_kv"):
+        for name in ("torch_npu", "torch_npu.npu", "xinserve.kernels.ascend.ops", "xinserve.kernels.ascend.mla", "xinserve.kernels.ascend.quant",
+                     "xinserve.kernels.ascend.kv"):
             sys.modules.pop(name, None)
         if hasattr(torch, "npu"):  # set by the fake's import, as the real torch_npu sets it
             delattr(torch, "npu")
@@ -60,6 +60,6 @@ def npu_platform(npu, no_forced_kernels, monkeypatch: pytest.MonkeyPatch) -> Non
     cpu = torch.device("cpu")
     platform = Platform(kind="npu", device=cpu, default_block_size=128, default_kv_cache_memory_fraction=0.1,
                         free_memory=lambda: 2**30, synchronize=lambda: None)
-    real = xinserve.engines.engine.get_platform
-    monkeypatch.setattr(xinserve.engines.engine, "get_platform",
+    real = xinserve.engines.core.engine.get_platform
+    monkeypatch.setattr(xinserve.engines.core.engine, "get_platform",
                         lambda device: platform if device.startswith("npu") else real(device))

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-import xinserve.engines.graphs
-import xinserve.kernels.timing
-import xinserve.server.embedded
+import xinserve.engines.worker.graphs
+import xinserve.kernels.probes.timing
+import xinserve.server.embedded_model.resolve
 from xinserve.kernels.cache_dir import cache_dir
 
 
@@ -19,6 +19,6 @@ def test_the_cache_dir_is_the_variable_else_the_home_cache(monkeypatch, tmp_path
 
 def test_the_embedded_model_kernel_timings_and_inductor_share_it(monkeypatch, tmp_path):
     monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
-    assert xinserve.server.embedded.cache_dir is cache_dir
-    assert xinserve.kernels.timing.cache_path() == tmp_path / "kernel_timings.json"
-    assert xinserve.engines.graphs.inductor_cache_dir() == tmp_path / "inductor"
+    assert xinserve.server.embedded_model.resolve.cache_dir is cache_dir
+    assert xinserve.kernels.probes.timing.cache_path() == tmp_path / "kernel_timings.json"
+    assert xinserve.engines.worker.graphs.inductor_cache_dir() == tmp_path / "inductor"

@@ -9,12 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-import xinserve.engines.engine
+import xinserve.engines.core.engine
 from xinserve.engines import LLM, SamplingParams
 from xinserve.engines.platforms import Platform
-from xinserve.kernels import grouped_mm, reference, registry
+from xinserve.kernels import registry
+from xinserve.kernels.cuda import grouped_mm
 from xinserve.kernels.model_shapes import ModelShapes
-from xinserve.kernels.probes import TOLERANCE, max_error
+from xinserve.kernels.probes.checks import TOLERANCE, max_error
+from xinserve.kernels.references import dense as reference
 from xinserve.kernels.routing import MoeRouting
 
 CPU = torch.device("cpu")
@@ -217,8 +219,8 @@ def npu_platform(npu, no_forced_kernels, monkeypatch):
     """get_platform("npu...") answers an Ascend platform whose device is the CPU."""
     platform = Platform(kind="npu", device=CPU, default_block_size=16, default_kv_cache_memory_fraction=0.1,
                         free_memory=lambda: 2**30, synchronize=lambda: None)
-    real = xinserve.engines.engine.get_platform
-    monkeypatch.setattr(xinserve.engines.engine, "get_platform",
+    real = xinserve.engines.core.engine.get_platform
+    monkeypatch.setattr(xinserve.engines.core.engine, "get_platform",
                         lambda device: platform if device.startswith("npu") else real(device))
 
 
@@ -239,7 +241,7 @@ def test_greedy_generation_of_moe_models_on_npu_equals_cpu(npu_platform, tiny_mo
 
 @pytest.mark.parametrize("impl", [reference.fused_moe, grouped_mm.fused_moe], ids=["reference", "grouped_mm"])
 def test_fused_moe_traces_as_one_graph_that_no_routing_recompiles(impl):
-    """Under torch.compile (the compiled decode, engines/graphs.py) fused_moe is one opaque op: no graph
+    """Under torch.compile (the compiled decode, engines/worker/graphs.py) fused_moe is one opaque op: no graph
     break (fullgraph), and a new routing reuses the compiled graph. Before: the reference's host read
     of the per-expert counts broke the graph and its per-expert guards recompiled for every routing
     until dynamo's recompile limit; grouped_mm's bincount broke the graph."""

@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from xinserve.kernels import cpp, kv_quant, mla_reference, reference
+from xinserve.kernels import kv_quant
 from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.cpu import cpp
 from xinserve.kernels.model_shapes import ModelShapes
-from xinserve.kernels.probes import TOLERANCE, probe_tolerance
+from xinserve.kernels.probes.checks import TOLERANCE, probe_tolerance
+from xinserve.kernels.references import dense as reference
+from xinserve.kernels.references import mla as mla_reference
 from xinserve.kernels.registry import select
 from xinserve.kernels.triton import unsupported as triton_unsupported
 

@@ -1,17 +1,18 @@
 """The MLA ops in the kernel registry: MLA prefill is a registry op like the others, so a candidate is
-probed against kernels/mla_reference.py (a wrong one is rejected with its error), and the model's
+probed against kernels/references/mla.py (a wrong one is rejected with its error), and the model's
 prefill runs whatever the registry chose."""
 
 import torch
-from test_registry import fake_module
 
+from tests.kernels.test_registry import fake_module
 from xinserve.engines import LLM, SamplingParams
-from xinserve.kernels import mla_reference, registry
-from xinserve.kernels.probes import PROBES, TOLERANCE, ModelShapes, applies, probe
+from xinserve.kernels import registry
+from xinserve.kernels.probes.checks import PROBES, TOLERANCE, ModelShapes, applies, probe
+from xinserve.kernels.references import mla as mla_reference
 from xinserve.kernels.routing import MoeRouting
 
 CPU = torch.device("cpu")
-# tests/engines/test_mla.py's tiny DSA model's attention: kv_lora_rank 32, qk_rope_head_dim 8, dn = dv = 16
+# tests/engines/models/test_mla.py's tiny DSA model's attention: kv_lora_rank 32, qk_rope_head_dim 8, dn = dv = 16
 SHAPES = ModelShapes(
     num_heads=4, num_kv_heads=1, head_dim=8, rotary_dim=8, rope_is_neox=False, hidden_size=64,
     intermediate_size=64, vocab_size=300, block_size=4, num_experts=8, moe_intermediate_size=16,

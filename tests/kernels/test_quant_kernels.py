@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from xinserve.kernels import quant_dequant, quant_int8, quant_reference
+from xinserve.kernels import quant_dequant, quant_int8
 from xinserve.kernels.model_shapes import ModelShapes
-from xinserve.kernels.probe_inputs import max_error
-from xinserve.kernels.quant_probes import random_weight
+from xinserve.kernels.probes.inputs import max_error
+from xinserve.kernels.probes.quant import random_weight
 from xinserve.kernels.quantized_weight import (
     QuantShape,
     dequantize,
@@ -18,6 +18,7 @@ from xinserve.kernels.quantized_weight import (
     quantize_activation,
     unpack_int4,
 )
+from xinserve.kernels.references import quant as quant_reference
 from xinserve.kernels.registry import select
 
 SHAPES = [

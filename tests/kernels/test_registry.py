@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from xinserve.engines import LLM, SamplingParams
-from xinserve.kernels import reference, registry
+from xinserve.kernels import registry
 from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.references import dense as reference
 from xinserve.kernels.registry import KernelSelectionError, parse_forced, select
 
 SHAPES = ModelShapes(num_heads=6, num_kv_heads=2, head_dim=8, rotary_dim=8, rope_is_neox=True, hidden_size=48,
@@ -58,7 +59,7 @@ def test_cpu_times_its_decode_candidates_and_keeps_the_reference_elsewhere(monke
     monkeypatch.setenv(registry.TIMING_ENV_VAR, "on")
     selection = select("cpu", CPU, torch.float32, SHAPES)
     assert not selection.rejected
-    # the only ops with two correct candidates: cpp decode, KV write and linear, sdpa prefill (kernels/sdpa_prefill.py)
+    # the only ops with two correct candidates: cpp decode, KV write and linear, sdpa prefill (kernels/cpu/sdpa_prefill.py)
     assert set(selection.timings_ms) == {"decode_attention", "prefill_attention", "write_kv", "linear"}
     timed = selection.timings_ms["decode_attention"]
     assert set(timed) == {"cpp", "reference"}
@@ -138,7 +139,7 @@ def test_the_model_calls_the_chosen_implementation(tiny_models, monkeypatch):
 def test_every_probe_accepts_the_reference_itself(monkeypatch):
     """The probes compare like with like: the reference, probed as a candidate, has no error
     (also for a windowed mixture-of-experts model, whose probes exercise the window and routing)."""
-    from xinserve.kernels.probes import PROBES, applies, probe
+    from xinserve.kernels.probes.checks import PROBES, applies, probe
     from xinserve.kernels.routing import MoeRouting
 
     routing = MoeRouting(top_k=2, scoring="sigmoid", num_groups=2, correction_bias=True, scaling_factor=2.0)
@@ -185,7 +186,7 @@ def test_the_fastest_correct_candidate_wins_and_timings_are_cached(monkeypatch, 
 
 
 def test_ties_go_to_the_preferred_candidate():
-    from xinserve.kernels.timing import fastest
+    from xinserve.kernels.probes.timing import fastest
 
     assert fastest({"reference": 1.0, "cpp": 1.0}, ("cpp", "reference")) == "cpp"
     assert fastest({"reference": 0.5, "cpp": 1.0}, ("cpp", "reference")) == "reference"

@@ -1,5 +1,5 @@
-"""The reference decode kernels over a verification step's decode rows (engines/decode_rows.py) and
-over a decode bucket's padded plan (engines/decode_buckets.py):
+"""The reference decode kernels over a verification step's decode rows (engines/worker/decode_rows.py) and
+over a decode bucket's padded plan (engines/worker/decode_buckets.py):
 - MLA's absorbed decode over 1 + k rows of one sequence (row j: context p + j + 1) equals the causal
   up-projected prefill of the same rows; the DSA indexer ranks each row over its own context only;
 - the opaque ops a compiled bucket calls (``xinserve::live_*``) cut the max_model_len-wide plan to
@@ -8,8 +8,9 @@ over a decode bucket's padded plan (engines/decode_buckets.py):
 import numpy as np
 import torch
 
-from xinserve.kernels import mla_reference, reference
 from xinserve.kernels.attention_metadata import AttentionMetadata, DecodeGather, build_decode_gather
+from xinserve.kernels.references import dense as reference
+from xinserve.kernels.references import mla as mla_reference
 
 BS, R, DR, DN, DV, H = 4, 16, 8, 8, 8, 4  # block size, latent rank, rope / nope / value dims, heads
 TABLE = [6, 2, 9, 0, 4]  # one sequence's blocks, scrambled
@@ -27,7 +28,7 @@ def rows_metadata(lens: list[int], tables: np.ndarray) -> AttentionMetadata:
 
 
 def bucket_plan(tables: np.ndarray, lens: list[int], width: int) -> DecodeGather:
-    """A bucket's plan (engines/decode_buckets.py): every row gathers ``width`` blocks, masked past its length."""
+    """A bucket's plan (engines/worker/decode_buckets.py): every row gathers ``width`` blocks, masked past its length."""
     padded = np.zeros((len(lens), width), dtype=np.int64)
     padded[:, : tables.shape[1]] = tables
     seq_lens = torch.tensor(lens, dtype=torch.int32)

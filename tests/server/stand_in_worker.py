@@ -5,12 +5,12 @@ import asyncio
 
 from fastapi import FastAPI
 
-from xinserve.engines.outputs import StepOutput
+from xinserve.engines.core.outputs import StepOutput
+from xinserve.server.api.openai.view import TokenTexts
 from xinserve.server.app import create_app
 from xinserve.server.config import parse_config
-from xinserve.server.fanout import RequestStream
-from xinserve.server.messages import RequestError
-from xinserve.server.responses import TokenTexts
+from xinserve.server.pool.fanout import RequestStream
+from xinserve.server.worker.messages import RequestError
 
 KEYS = {"team-a": "sk-team-a-8c1d2e", "team-b": "sk-team-b-41f07a"}  # the app's API keys, by name
 

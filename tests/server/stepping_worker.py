@@ -5,8 +5,8 @@
 once every stream took the last one) and test_stream_push_flow_control.py (a step from a loop callback).
 """
 
-from xinserve.engines.outputs import StepOutput
-from xinserve.server.fanout import Fanout, RequestStream
+from xinserve.engines.core.outputs import StepOutput
+from xinserve.server.pool.fanout import Fanout, RequestStream
 
 
 class SteppingWorker:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from xinserve.server.cli import _add_serve_args, build_config
+from xinserve.server.cli.main import _add_serve_args, build_config
 from xinserve.server.config import ConfigError, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]

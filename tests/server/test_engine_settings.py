@@ -11,7 +11,7 @@ import yaml
 
 from tests.server.test_config import args
 from xinserve.engines import EngineConfig
-from xinserve.server.cli import MODEL_FLAGS, build_config
+from xinserve.server.cli.main import MODEL_FLAGS, build_config
 from xinserve.server.config import ConfigError, parse_config
 from xinserve.server.engine_settings import PER_WORKER, PLACED
 from xinserve.server.model_settings import ModelSettings

@@ -4,9 +4,9 @@ the model, and which ranks each node runs."""
 import pytest
 
 from tests.server.test_config import args
-from xinserve.server.cli import build_config
+from xinserve.server.cli.main import build_config
 from xinserve.server.config import ConfigError, parse_config
-from xinserve.server.pool import ModelPool, group_engine_kwargs, local_cpu_ranks
+from xinserve.server.pool.model_pool import ModelPool, group_engine_kwargs, local_cpu_ranks
 
 
 def model(**kw) -> dict:

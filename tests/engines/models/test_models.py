@@ -20,7 +20,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from xinserve.engines.models.loader import load_model
+from xinserve.engines.model_loader import load_model
 from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 32

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from xinserve.engines.models.loader import load_model
+from xinserve.engines.model_loader import load_model
 
 
 @pytest.mark.parametrize(("arch", "extra_kv_values"), [
@@ -44,7 +44,7 @@ def test_a_model_without_an_mtp_layer_is_refused_by_name(tiny_models, tmp_path):
 
 
 def test_mtp_under_pipeline_parallel_is_refused_by_name_with_the_reason(tiny_models):
-    from xinserve.engines.pipeline_parallel import PipelineStage, StageLayout
+    from xinserve.engines.parallel.pipeline_parallel import PipelineStage, StageLayout
 
     with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM at .*'mtp' is not implemented with pipeline "
                                          r"parallel: the MTP layer needs the last stage's final hidden state"):

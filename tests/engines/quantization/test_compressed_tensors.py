@@ -26,7 +26,7 @@ from compressed_tensors.quantization.utils import calculate_qparams
 
 from tests.engines.quantization.checkpoints import greedy_regret, hf_greedy, write_quantized
 from xinserve.engines import LLM, SamplingParams
-from xinserve.engines.models.loader import load_model
+from xinserve.engines.model_loader import load_model
 from xinserve.engines.quantization.experts import QuantExperts
 from xinserve.engines.quantization.linear import QuantLinear
 from xinserve.kernels.quantized_weight import QuantizedWeight

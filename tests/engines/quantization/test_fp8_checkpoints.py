@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.engines.quantization.checkpoints import fp8_blocks, hf_greedy, write_quantized
 from xinserve.engines import LLM, SamplingParams
-from xinserve.engines.models.loader import load_model
+from xinserve.engines.model_loader import load_model
 from xinserve.engines.quantization.experts import QuantExperts
 from xinserve.engines.quantization.linear import QuantLinear
 

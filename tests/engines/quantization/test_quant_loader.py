@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tests.engines.quantization.checkpoints import greedy_regret, write_quantized
 from xinserve.engines import LLM, SamplingParams
 from xinserve.engines.config import EngineConfig
-from xinserve.engines.models.loader import load_model
+from xinserve.engines.model_loader import load_model
 from xinserve.engines.quantization.install import weights_report
 from xinserve.engines.quantization.linear import QuantLinear
 from xinserve.engines.quantization.online import quantize_weight

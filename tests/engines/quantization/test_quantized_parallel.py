@@ -14,14 +14,14 @@ from typing import ClassVar
 import pytest
 import torch
 
+from tests.engines.parallel.test_tensor_parallel import LoadOnly, RecordingSafeOpen
 from tests.engines.quantization.checkpoints import fp8_blocks, write_quantized
 from tests.engines.quantization.int4_checkpoints import write_int4_model
 from tests.engines.quantization.modelslim_checkpoints import write_w4a8_moe, write_w8a8_dynamic
-from tests.engines.test_tensor_parallel import LoadOnly, RecordingSafeOpen
 from xinserve.engines import LLM, SamplingParams
-from xinserve.engines.capacity import Layout, plan
-from xinserve.engines.models import loader
-from xinserve.engines.models.loader import load_model
+from xinserve.engines import model_loader as loader
+from xinserve.engines.core.capacity import Layout, plan
+from xinserve.engines.model_loader import load_model
 from xinserve.engines.quantization.experts import QuantExperts
 from xinserve.engines.quantization.install import weights_report
 from xinserve.engines.quantization.linear import QuantLinear
@@ -138,7 +138,7 @@ def test_an_expert_parallel_rank_reads_only_its_experts_tensors(quantized, monke
 
 
 def test_a_pipeline_stage_keeps_only_its_layers_records(quantized) -> None:
-    from xinserve.engines.pipeline_parallel import PipelineStage, StageLayout
+    from xinserve.engines.parallel.pipeline_parallel import PipelineStage, StageLayout
 
     path, _ = quantized("gptq")
     model, _ = load_model(str(path), None, CPU, pipeline=PipelineStage(None, StageLayout.of(1, 1, 2)))
@@ -190,7 +190,7 @@ def test_two_ranks_generate_what_one_device_generates(quantized, kind: str, para
 def test_the_plan_holds_what_every_rank_loads(tiny_models, arch: str, layout: Layout) -> None:
     """w8a8 (int8 per output channel): routers, MLA's kv_b_proj, embeddings and norms stay float; a
     pipeline's embedding and LM head on stage 0; the planned bytes are the largest rank's."""
-    from xinserve.engines.pipeline_parallel import PipelineStage, StageLayout
+    from xinserve.engines.parallel.pipeline_parallel import PipelineStage, StageLayout
 
     path = str(tiny_models(arch))
     held = []

@@ -2,7 +2,7 @@
 
 import random
 
-from xinserve.engines.sequence import Sequence
+from xinserve.engines.core.sequence import Sequence
 
 
 class OracleProposer:

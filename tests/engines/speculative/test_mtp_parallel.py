@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.engines.parallel.test_tensor_parallel import LoadOnly
 from tests.engines.quantization.checkpoints import fp8_blocks, write_quantized
 from tests.engines.quantization.test_quantized_parallel import held_bytes
 from tests.engines.speculative.test_mtp_reference import check_draft_logits
 from tests.engines.test_llm_vs_transformers import GREEDY, Reference
-from tests.engines.test_tensor_parallel import LoadOnly
 from xinserve.engines import LLM
-from xinserve.engines.capacity import Layout, plan
-from xinserve.engines.models.loader import load_model
+from xinserve.engines.core.capacity import Layout, plan
+from xinserve.engines.model_loader import load_model
 
 CPU = torch.device("cpu")
 

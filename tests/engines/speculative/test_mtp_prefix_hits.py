@@ -1,6 +1,6 @@
 """Speculative method ``mtp`` after a prefix-cache hit: the MTP layer's KV at a cached block's last
 position was computed from the token after the block, which another prompt with the same blocks may
-not have. A hit therefore also needs that token (engines/kv_cache.py ``match_next_token``): the MTP
+not have. A hit therefore also needs that token (engines/core/kv_cache.py ``match_next_token``): the MTP
 state after a hit is what a fresh prefill computes, and a draft that always matches is still accepted
 whole."""
 

@@ -1,7 +1,7 @@
 """Prompt lookup: the longest suffix n-gram, its latest earlier match, what followed it."""
 
-from xinserve.engines.sampling_params import SamplingParams
-from xinserve.engines.sequence import Sequence
+from xinserve.engines.core.sampling_params import SamplingParams
+from xinserve.engines.core.sequence import Sequence
 from xinserve.engines.speculative.config import SpeculativeConfig
 from xinserve.engines.speculative.ngram import NgramProposer, propose_ngram
 

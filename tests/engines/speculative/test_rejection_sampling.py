@@ -7,11 +7,11 @@ from collections import Counter
 
 import torch
 
-from xinserve.engines.sampler import SamplingRow
-from xinserve.engines.sampling_params import SamplingParams
-from xinserve.engines.sequence import Sequence
+from xinserve.engines.core.sampling_params import SamplingParams
+from xinserve.engines.core.sequence import Sequence
 from xinserve.engines.speculative.verify import verify_drafts
-from xinserve.kernels.reference import top_k_top_p
+from xinserve.engines.worker.sampler import SamplingRow
+from xinserve.kernels.references.dense import top_k_top_p
 
 P0 = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])  # the target's first distribution
 P1 = torch.tensor([0.05, 0.05, 0.3, 0.3, 0.3])  # the next one, after the draft

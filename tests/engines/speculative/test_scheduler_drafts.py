@@ -1,10 +1,10 @@
 """The scheduler with draft tokens, torch-free: 1 + k rows in the budget, only accepted drafts computed,
 rejected drafts' empty blocks freed, unverified tokens never in the prefix cache."""
 
-from xinserve.engines.kv_cache import BlockManager
-from xinserve.engines.sampling_params import SamplingParams
-from xinserve.engines.scheduler import SampledTokens, Scheduler
-from xinserve.engines.sequence import Sequence
+from xinserve.engines.core.kv_cache import BlockManager
+from xinserve.engines.core.sampling_params import SamplingParams
+from xinserve.engines.core.scheduler import SampledTokens, Scheduler
+from xinserve.engines.core.sequence import Sequence
 
 
 def make(num_blocks=64, block_size=4, budget=32, max_model_len=None):

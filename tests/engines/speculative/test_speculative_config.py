@@ -6,7 +6,7 @@ import pytest
 
 from xinserve.engines.config import EngineConfig
 from xinserve.engines.speculative.config import SpeculativeConfig, parse_speculative_config
-from xinserve.server.cli import _add_serve_args, build_config
+from xinserve.server.cli.main import _add_serve_args, build_config
 from xinserve.server.config import ConfigError, parse_config
 
 

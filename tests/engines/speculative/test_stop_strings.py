@@ -4,7 +4,7 @@ per step."""
 
 from tests.engines.speculative.doubles import OracleProposer, TableProposer
 from xinserve.engines import LLM, SamplingParams
-from xinserve.engines.detokenizer import IncrementalDetokenizer
+from xinserve.engines.core.detokenizer import IncrementalDetokenizer
 
 
 def test_the_detokenizer_ends_a_multi_token_add_at_the_stop_strings_token(tiny_model_dir):

@@ -1,6 +1,6 @@
 """FAKE torch_npu, for tests only: importable as ``torch_npu`` when tests/fakes is put on sys.path.
 
-It implements exactly the torch_npu functions that kernels/npu.py calls, with their documented
+It implements exactly the torch_npu functions that kernels/ascend/ops.py calls, with their documented
 signatures, on CPU tensors. Each function first checks what the real operator checks (from the
 torch_npu / CANN operator documentation and from how vllm-ascend calls it) and raises as the real
 one would (RuntimeError naming the aclnn / ATB operator; TypeError where the Python binding itself
@@ -10,7 +10,7 @@ the paged kernels accept, and the TND / PageAttention length conventions.
 
 Then it reads its arguments the way the operator does (caches through block tables, cumulative
 query ends, per-sequence context lengths, the right-down causal mask, the two rotary pairings) and
-computes the operator's documented formula with the pure-torch reference (kernels/reference.py), in
+computes the operator's documented formula with the pure-torch reference (kernels/references/dense.py), in
 the reference's order of roundings, so a whole generation through the fake can be compared with the
 CPU path token for token. Real kernels round differently (within the registry's tolerance).
 
@@ -22,8 +22,8 @@ speed or memory.
 import torch
 import torch.nn.functional as F
 
-from xinserve.kernels import reference
 from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.references import dense as reference
 from xinserve.kernels.routing import MoeRouting
 
 from . import npu  # graphs and streams; the real torch_npu registers its npu module as torch.npu too
@@ -137,7 +137,7 @@ def npu_fused_infer_attention_score(
     key_antiquant_offset=None, value_antiquant_scale=None, value_antiquant_offset=None, key_antiquant_mode=0,
     value_antiquant_mode=0,
 ):
-    """Modelled: input_layout "TND" with PageAttention and sparse_mode 3 (what kernels/npu.py uses).
+    """Modelled: input_layout "TND" with PageAttention and sparse_mode 3 (what kernels/ascend/ops.py uses).
     query [T, H, D]; key and value caches [N, BS, KVH * D] (BnBsH) or [N, KVH, BS, D] (BnNBsD);
     block_table [B, M] int32; actual_seq_lengths: cumulative query ends; actual_seq_lengths_kv: each
     batch's own context length. Returns (attention_out [T, H, D], softmax_lse)."""

@@ -14,8 +14,8 @@ softmax(scale * q k^T) v with k, v = codes * scale in float32, cast to the query
 import numpy as np
 import torch
 
-from xinserve.kernels import reference
 from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.references import dense as reference
 
 _HALF = (torch.float16, torch.bfloat16)
 PER_TOKEN_HEAD_PAGED = 5

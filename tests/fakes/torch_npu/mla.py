@@ -2,13 +2,13 @@
 ``npu_scatter_nd_update_``, the MLA form of ``npu_fused_infer_attention_score`` (query_rope /
 key_rope), ``npu_sparse_flash_attention`` and ``npu_lightning_indexer``. Each checks the argument
 conventions vllm-ascend's MLA / SFA backends use and computes the documented formula with
-kernels/mla_reference.py on CPU tensors."""
+kernels/references/mla.py on CPU tensors."""
 
 import numpy as np
 import torch
 
-from xinserve.kernels import mla_reference
 from xinserve.kernels.attention_metadata import build_decode_gather
+from xinserve.kernels.references import mla as mla_reference
 
 HALF = (torch.float16, torch.bfloat16)
 RIGHT_DOWN_CAUSAL = 3

@@ -17,7 +17,7 @@ Checked as the real operators check: half-precision x, int32 expert ids [BS, K] 
 per row in [0, moe_expert_num), 0 < BS, K <= 16, moe_expert_num <= 512 and divisible by the ranks,
 H a multiple of 32 up to 7168, A >= BS * ws * min(L, K) (or global_bs * min(L, K)), a group name of
 1-127 characters that names a group whose rank is ``ep_rank_id``, float32 expert_scales [BS, K].
-Not modelled: the chip-specific EP world sizes (16/32/64 on A2, 8-288 on A3; kernels/npu_moe_dispatch.py
+Not modelled: the chip-specific EP world sizes (16/32/64 on A2, 8-288 on A3; kernels/ascend/moe_dispatch.py
 refuses others before calling), HCCL_BUFFSIZE, and that the EP group must carry no other collective.
 """
 

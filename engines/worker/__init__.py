@@ -1,0 +1,1 @@
+"""What runs a step on one device: the model runner, the step's input tensors, the sampler, decode buckets and graphs, warm-up and CPU threads."""

@@ -1,0 +1,1 @@
+"""Ascend NPU kernels through torch_npu, with the reference kernels' signatures."""

@@ -1,0 +1,1 @@
+"""Kernels for NVIDIA GPUs beyond the portable Triton ones."""

@@ -1,0 +1,1 @@
+"""Moore Threads GPU kernels through torch_musa (and MATE)."""

@@ -1,0 +1,1 @@
+"""Pure-torch reference kernels: the definition every other implementation is probed against."""

@@ -1,0 +1,1 @@
+"""The HTTP APIs over one shared generation pipeline: prompt -> route -> worker -> generation -> stream. One folder per API shape (OpenAI, Responses, Anthropic, SGLang's worker endpoints, tokenize)."""

@@ -1,0 +1,1 @@
+"""The worker endpoints SGLang's model gateway (sglang-router) probes."""

@@ -1,0 +1,1 @@
+"""The xinserve command and its tools: serve, bench, doctor, plan."""

@@ -1,0 +1,5 @@
+"""``python -m xinserve.server.cli`` is the ``xinserve`` command."""
+
+from xinserve.server.cli.main import run
+
+run()

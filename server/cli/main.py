@@ -1,0 +1,205 @@
+"""The ``xinserve`` command: ``serve``, ``bench``, ``doctor`` and ``plan``.
+
+``xinserve serve`` with no arguments serves the embedded tiny model from ``config/default.yaml``;
+``--config FILE`` serves a YAML config; ``--model PATH --device SPEC`` serves one model from flags.
+Engine flags (``--max-model-len``, ...) given next to a config apply to every model in it.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from xinserve.engines.config import COMPILE_ENV_VAR, COMPILE_MODES
+from xinserve.engines.worker.process_exit import leave_quickly
+from xinserve.server.cli.bad_input import BadInput
+from xinserve.server.config import AppConfig, ConfigError, default_config_path, load_config, parse_config
+from xinserve.server.model_settings import ModelSettings
+
+# Model settings that are also flags (those with help text): given next to a config, each applies to
+# every model in it.
+MODEL_FLAGS = tuple(name for name, info in ModelSettings.model_fields.items() if info.description)
+# Flag -> distributed config key (tensor-parallel groups over several machines)
+DISTRIBUTED_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port")
+EMBEDDED_DEFAULT = {"models": [{"name": "xinserve-tiny", "path": "embedded:xinserve-tiny", "workers": ["cpu"]}]}
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (examples in config/, keys in docs/configuration.md)")
+    p.add_argument("--model", help="Hugging Face model directory, or embedded:<name>")
+    p.add_argument("--device", action="append",
+                   help="worker device: cpu, cuda:N, npu:N, musa:N; repeat or comma-separate for several")
+    p.add_argument("--served-model-name", help="the name clients send as 'model' (default: directory name)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--api-key", action="append", help="accepted API key (repeatable; also XINSERVE_API_KEY)")
+    p.add_argument("--request-timeout", type=float, help="seconds before a request is aborted")
+    p.add_argument("--trust-request-chat-template", action="store_const", const=True, default=None,
+                   help="let requests replace the chat template (chat_template_kwargs.chat_template)")
+    _add_model_flags(p)
+    p.add_argument("--nnodes", type=int, help="machines the tensor-parallel groups span (docs/parallelism.md)")
+    p.add_argument("--node-rank", type=int, help="this machine's index; 0 serves HTTP, the others only run ranks")
+    p.add_argument("--master-addr", help="node 0's address, reachable from every node")
+    p.add_argument("--master-port", type=int, help="first rendezvous port on node 0 (one per group from it)")
+    p.add_argument("--metric-prefix", help="the engine metrics' prefix: xinserve (default), or vllm as vLLM's")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """A flag per model setting in MODEL_FLAGS, typed and explained by its field: every engine setting
+    (``xinserve.engines.EngineConfig``) and the server's per-model ones. Not given, it is None."""
+    for name in MODEL_FLAGS:
+        info = ModelSettings.model_fields[name]
+        kind = next((a for a in get_args(info.annotation) if a is not type(None)), info.annotation)
+        flag, options = "--" + name.replace("_", "-"), {"help": info.description}
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, **options)
+        elif get_origin(kind) is Literal:
+            p.add_argument(flag, choices=get_args(kind), **options)
+        elif get_origin(kind) is dict and get_args(kind)[1] is str:
+            p.add_argument(flag, type=_op_impl_pairs, metavar="OP=IMPL,...", **options)
+        elif get_origin(kind) is dict:  # a structured setting (speculative_config): JSON, as vLLM takes it
+            p.add_argument(flag, type=_json_object, metavar="JSON", **options)
+        else:
+            p.add_argument(flag, type=kind, **options)
+
+
+def _op_impl_pairs(text: str) -> dict[str, str]:
+    """``"op=impl,op=impl"`` -> {op: impl}; the names are checked by each worker's kernel registry."""
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    if not pairs or any(not sep or not op.strip() or not impl.strip() for op, sep, impl in pairs):
+        raise argparse.ArgumentTypeError(f"expected op=impl[,op=impl...], got {text!r}")
+    return {op.strip(): impl.strip() for op, _, impl in pairs}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag value; its keys are checked with the rest of the config."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) -> AppConfig:
+    """The config that ``serve`` runs: file or flags or the embedded default, then flag overrides."""
+    env = os.environ if env is None else env
+    if args.model and args.config:
+        raise ConfigError("give either --config or --model, not both")
+    if args.model:
+        devices = [d for spec in (args.device or ["cpu"]) for d in spec.split(",") if d]
+        name = args.served_model_name or Path(args.model.removeprefix("embedded:")).name or args.model
+        data: dict[str, Any] = {"models": [{"name": name, "path": args.model, "workers": devices}]}
+    else:
+        if args.device or args.served_model_name or args.tokenizer:
+            raise ConfigError("--device, --served-model-name and --tokenizer need --model")
+        if args.config:
+            data = load_config(args.config).model_dump()
+        else:
+            path = default_config_path()
+            data = load_config(path).model_dump() if path.is_file() else EMBEDDED_DEFAULT
+    data.setdefault("server", {})
+    for model in data["models"]:
+        for name in MODEL_FLAGS:
+            value = getattr(args, name)
+            if value is not None:
+                model[name] = value
+    distributed = data.setdefault("distributed", {}) or {}
+    data["distributed"] = distributed
+    for flag in DISTRIBUTED_FLAGS:
+        value = getattr(args, flag, None)
+        if value is not None:
+            distributed[flag] = value
+    server = data["server"]
+    if args.host is not None:
+        server["host"] = args.host
+    if args.port is not None:
+        server["port"] = args.port
+    if args.request_timeout is not None:
+        server["request_timeout_s"] = args.request_timeout
+    if args.trust_request_chat_template:
+        server["trust_request_chat_template"] = True
+    if args.metric_prefix is not None:
+        data["metrics"] = {**(data.get("metrics") or {}), "prefix": args.metric_prefix}
+    keys = list(server.get("api_keys") or []) + list(args.api_key or [])
+    if env.get("XINSERVE_API_KEY"):
+        keys.append(env["XINSERVE_API_KEY"])
+    server["api_keys"] = keys
+    compile_mode = env.get(COMPILE_ENV_VAR)
+    if compile_mode is not None and compile_mode.strip().lower() not in COMPILE_MODES:
+        # read by every worker's engine: refuse it here, not after each worker has loaded its model
+        raise ConfigError(f"{COMPILE_ENV_VAR} must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
+    return parse_config(data, args.config or "(flags)")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from xinserve.server.app import create_app
+    from xinserve.server.http.graceful import GracefulServer
+
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = build_config(args)
+    if config.distributed.node_rank > 0:
+        from xinserve.server.worker.node import run_node
+
+        return run_node(config, level)
+    names = ", ".join(f"{m.name} on {', '.join('+'.join(g) for g in m.groups)}" for m in config.models)
+    logging.getLogger("xinserve.server").info(
+        "serving %s at http://%s:%d/v1 (auth %s)", names, config.server.host, config.server.port,
+        "on" if config.server.api_keys else "off",
+    )
+    app = create_app(config, level)
+    # Drained requests are done before uvicorn stops; its own grace only bounds a hung connection.
+    uvicorn_config = uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                    log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
+    server = GracefulServer(uvicorn_config, app.state.drain, config.server.shutdown_timeout_s)
+
+    def stop(report: str) -> None:
+        app.state.fatal_error = report
+        server.should_exit = True
+
+    app.state.stop = stop
+    server.run()
+    if app.state.fatal_error:
+        print(f"xinserve: {app.state.fatal_error}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="xinserve", description="OpenAI-compatible LLM inference server")
+    sub = parser.add_subparsers(dest="command")
+    _add_serve_args(sub.add_parser("serve", help="run the server (no arguments: the embedded tiny model)"))
+    from xinserve.server.cli import bench, doctor, plan
+
+    bench.add_args(sub.add_parser("bench", help="load-test any OpenAI-compatible server"))
+    doctor.add_args(sub.add_parser("doctor", help="which devices and kernels this machine offers"))
+    plan.add_args(sub.add_parser("plan", help="whether a model fits N cards, from its config.json alone"))
+    args = parser.parse_args(argv)
+    if args.command is None:
+        # Bare "xinserve" behaves like "xinserve serve": the README's first command.
+        args = parser.parse_args(["serve"])
+    commands = {"serve": serve, "bench": bench.run, "plan": plan.run, "doctor": doctor.run}
+    try:
+        return commands[args.command](args)
+    except BadInput as exc:  # a file, path or field the user gave: one line naming it, as argparse's own errors
+        print(f"xinserve {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def run() -> None:
+    """The ``xinserve`` command (pyproject.toml's entry point): ``main``, then a quick exit."""
+    code = main()
+    leave_quickly()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

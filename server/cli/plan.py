@@ -1,0 +1,77 @@
+"""``xinserve plan``: will a model fit a set of cards, and how many sequences at full length?
+
+Reads only the model directory's config.json (engines/core/capacity.py does the arithmetic with the
+model's own classes on the meta device). Exit status: 0 when it fits, 1 when it does not, 2 for a
+bad argument or an unreadable model.
+"""
+
+import argparse
+import json
+
+from xinserve.engines.core.capacity import GIB, KV_CACHE_DTYPES, QUANTIZATION_SCHEMES, Layout, Plan, plan
+from xinserve.engines.model_loader import parse_dtype
+from xinserve.server.cli.bad_input import BadInput
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json is enough)")
+    p.add_argument("--devices", type=int, help="cards in all (default: one replica, tp x pp)")
+    p.add_argument("--device-memory", type=float, default=64.0, metavar="GIB", help="memory per card, GiB")
+    p.add_argument("--tensor-parallel-size", type=int, help="ranks per stage (default: devices / pp)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="stages, contiguous layer ranges")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="whole routed experts per rank (E / tp each) instead of a slice of every expert")
+    p.add_argument("--quantization", choices=QUANTIZATION_SCHEMES, default="none",
+                   help="linear weights' format; embeddings, LM head, norms and routers stay unquantized")
+    p.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                   help="auto: the model's dtype")
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                   help="unquantized weights and activations; auto: the checkpoint's dtype, as the engine loads it")
+    p.add_argument("--max-model-len", type=int, help="tokens per sequence (default: max_position_embeddings)")
+    p.add_argument("--block-size", type=int, default=128, help="tokens per KV block (128: Ascend's)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.7,
+                   help="share of the memory left after the weights given to KV blocks (the accelerators' default)")
+    p.add_argument("--mtp", action="store_true",
+                   help="count the checkpoint's MTP layer too (speculative method mtp: its weights and KV layer)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    pp = args.pipeline_parallel_size
+    tp = args.tensor_parallel_size or max(1, (args.devices or pp) // pp)
+    for flag, value in (("--devices", args.devices), ("--tensor-parallel-size", tp), ("--pipeline-parallel-size", pp),
+                        ("--max-model-len", args.max_model_len), ("--block-size", args.block_size)):
+        if value is not None and value < 1:
+            raise BadInput(f"{flag} must be at least 1, got {value}")
+    if args.device_memory <= 0 or not 0 < args.kv_cache_memory_fraction <= 1:
+        raise BadInput("--device-memory must be positive and --kv-cache-memory-fraction in (0, 1]")
+    try:
+        result = plan(args.model, devices=args.devices, device_memory_gib=args.device_memory,
+                      layout=Layout(tp, pp, args.enable_expert_parallel), quantization=args.quantization,
+                      kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                      dtype=parse_dtype(args.dtype), block_size=args.block_size,
+                      kv_cache_memory_fraction=args.kv_cache_memory_fraction, mtp=args.mtp)
+    except (OSError, ValueError) as exc:  # an unreadable model directory or config.json (read_config)
+        raise BadInput(str(exc)) from None
+    print(json.dumps(result.as_json(), indent=2) if args.json else table(result))
+    return 0 if result.fits else 1
+
+
+def table(result: Plan) -> str:
+    """The plan as aligned ``name  value`` lines."""
+    layout = result.layout
+    experts = "whole experts per rank" if layout.ep else "a slice of every expert per rank"
+    rows = [
+        ("model", result.model),
+        ("parameters", f"{result.parameters / 1e9:.1f} B ({result.parameters:,})"),
+        ("layout", f"{result.replicas} replica(s) of TP {layout.tp} x PP {layout.pp} ({experts})"),
+        ("device memory", f"{result.device_memory_bytes / GIB:g} GiB"),
+        ("quantization", f"{result.quantization}, KV cache {result.kv_cache_dtype}"),
+        ("weights per device", f"{result.weight_bytes_per_device / GIB:.2f} GiB ({result.weight_bytes_per_device:,} B)"),
+        ("KV per token per device", f"{result.kv_bytes_per_token_per_device:,} B"),
+        ("max model len", f"{result.max_model_len:,}"),
+        ("max sequences", f"{result.max_sequences:,}"),
+        ("fits", "yes" if result.fits else f"no: {result.reason}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -1,0 +1,34 @@
+"""Counts each generation request and its tokens against the API key that made it, once it has ended.
+
+A pure ASGI middleware, like the request log, and for the same reason: a stream has ended only when
+the app returns. It reads what the request left in its state: the key ``require_api_key`` matched,
+and the summary the handler wrote for the log line (model, prompt and completion tokens), which
+generation requests leave whatever their outcome and other requests do not.
+
+A request that fails once routed and started (its worker died, the engine failed, it timed out)
+counts its whole prompt, which was sent to the engine, and the tokens generated for it until then;
+one refused before it started (a 400, 404, 429 or 503 from validation or routing) counts nothing.
+"""
+
+from typing import Any
+
+from xinserve.server.http.metrics import KeyMetrics
+
+
+class KeyUsageMiddleware:
+    def __init__(self, app: Any, metrics: KeyMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            key, summary = state.get("api_key"), state.get("log")
+            if key is not None and summary:
+                self.metrics.observe(key.name, summary["model"], summary["prompt_tokens"],
+                                     summary["completion_tokens"])

@@ -1,0 +1,244 @@
+"""Prometheus metrics: vLLM's engine metric names under ``xinserve:`` (or another prefix, such as
+``vllm:`` for routers and autoscalers configured for vLLM), labelled model_name and worker.
+
+Engine gauges and counters are read at scrape time from each worker's last reported stats (a
+custom collector), so a slow or dead worker never blocks /metrics. Latency histograms and
+``request_success_total`` are observed here, in the HTTP process, as requests finish. HTTP
+metrics come from prometheus-fastapi-instrumentator, in the same per-app registry. Per-API-key
+counters are named ``api_key_*`` and labelled ``key_name``.
+
+``LimitedKeyView`` is what a scrape with a key limited to some models sees (when ``/metrics`` needs a
+key): the series of the other models, and the other keys' counters, are left out.
+"""
+
+import bisect
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from xinserve.server.api.generation import Generation
+
+DEFAULT_PREFIX = "xinserve"
+LABELS = ("model_name", "worker")
+
+# (metric name, EngineStats field, help); counters are exported with the "_total" suffix.
+ENGINE_GAUGES = (
+    ("num_requests_running", "num_running", "Requests in the running batch."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1)."),
+)
+ENGINE_COUNTERS = (
+    ("prompt_tokens", "prompt_tokens_total", "Prefill tokens processed."),
+    ("generation_tokens", "generation_tokens_total", "Tokens generated."),
+    ("num_preemptions", "num_preemptions_total", "Sequences preempted for lack of KV blocks."),
+    ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+    ("external_prefix_cache_queries", "external_prefix_cache_queries_total",
+     "Prompt tokens looked up in the external (host) KV tier."),
+    ("external_prefix_cache_hits", "external_prefix_cache_hits_total",
+     "Prompt tokens found in the external (host) KV tier."),
+)
+
+# vLLM's older names, still read by vLLM's production-stack router and dashboards (same values).
+LEGACY_GAUGES = (
+    ("gpu_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1), as vLLM 0.6."),
+)
+LEGACY_COUNTERS = (
+    ("gpu_prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up, as vLLM 0.6."),
+    ("gpu_prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the cache, as vLLM 0.6."),
+)
+# vLLM's LoRA info gauge: its labels name the adapters in use; xinserve serves none (max_lora 0).
+LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+SPEC_DECODE_COUNTERS = (
+    ("spec_decode_num_drafts", "num_drafts", "Sequence-steps that verified draft tokens."),
+    ("spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed and verified."),
+    ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0)
+
+
+class EngineStatsCollector:
+    """Yields the engine gauges and counters from the router's workers when scraped."""
+
+    def __init__(self, pools: dict[str, Any], prefix: str = DEFAULT_PREFIX) -> None:
+        self.pools = pools
+        self.prefix = prefix + ":"
+
+    def collect(self) -> Iterator[Metric]:
+        prefix = self.prefix
+        workers = [w for pool in self.pools.values() for w in pool.workers]
+        for name, field, doc in ENGINE_GAUGES + LEGACY_GAUGES:
+            family = GaugeMetricFamily(prefix + name, doc, labels=LABELS)
+            for w in workers:
+                # A worker that is not serving has no running or waiting requests.
+                value = getattr(w.stats, field) if w.ready and w.stats is not None else 0.0
+                family.add_metric([w.model_name, w.label], float(value))
+            yield family
+        for name, field, doc in ENGINE_COUNTERS + LEGACY_COUNTERS:
+            family = CounterMetricFamily(prefix + name, doc, labels=LABELS)
+            for w in workers:
+                family.add_metric([w.model_name, w.label], float(0.0 if w.stats is None else getattr(w.stats, field)))
+            yield family
+        hit_rate = GaugeMetricFamily(prefix + "gpu_prefix_cache_hit_rate", "Prefix-cache hits per prompt "
+                                     "token looked up since start (0 to 1), as vLLM 0.6.", labels=LABELS)
+        for w in workers:
+            queries = 0 if w.stats is None else w.stats.prefix_cache_queries_total
+            rate = w.stats.prefix_cache_hits_total / queries if queries else 0.0
+            hit_rate.add_metric([w.model_name, w.label], rate)
+        yield hit_rate
+        yield from self._spec_decode(workers, prefix)
+        ready = GaugeMetricFamily(prefix + "worker_ready", "1 when the worker serves requests.", labels=LABELS)
+        for w in workers:
+            ready.add_metric([w.model_name, w.label], 1.0 if w.ready else 0.0)
+        yield ready
+        compiled = GaugeMetricFamily(prefix + "decode_buckets_compiled", "Decode batch buckets running compiled "
+                                     "or graph-captured (the others run eagerly; engines/worker/warmup.py).", labels=LABELS)
+        for w in workers:
+            buckets = (w.info.get("decode_graphs") or {}).get("buckets") or {}
+            compiled.add_metric([w.model_name, w.label], sum(b["state"] == "compiled" for b in buckets.values()))
+        yield compiled
+        restarts = CounterMetricFamily(prefix + "worker_restarts", "Times the worker process was started again "
+                                       "after it died.", labels=LABELS)
+        for w in workers:
+            restarts.add_metric([w.model_name, w.label], float(w.restarts))
+        yield restarts
+        # Its value is when it was last updated (as vLLM's); the adapter labels are empty.
+        lora = GaugeMetricFamily(prefix + "lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=[*LABELS, *LORA_LABELS])
+        for w in workers:
+            lora.add_metric([w.model_name, w.label, "0", "", ""], time.time())
+        yield lora
+
+
+    @staticmethod
+    def _spec_decode(workers: list[Any], prefix: str) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters, for the workers that speculate."""
+        spec = [(w, w.stats.spec_decode) for w in workers if w.stats is not None and w.stats.spec_decode is not None]
+        if not spec:
+            return
+        for name, field, doc in SPEC_DECODE_COUNTERS:
+            family = CounterMetricFamily(prefix + name, doc, labels=LABELS)
+            for w, counters in spec:
+                family.add_metric([w.model_name, w.label], float(getattr(counters, field)))
+            yield family
+        per_pos = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by position in the draft.", labels=[*LABELS, "position"])
+        for w, counters in spec:
+            for position, value in enumerate(counters.accepted_per_position):
+                per_pos.add_metric([w.model_name, w.label, str(position)], float(value))
+        yield per_pos
+
+
+class RequestMetrics:
+    """Per-request histograms and the success counter, observed when a request ends."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str = DEFAULT_PREFIX) -> None:
+        self.success = Counter(
+            f"{prefix}:request_success", "Finished choices by finish reason.",
+            [*LABELS, "finished_reason"], registry=registry,
+        )
+        self.ttft = Histogram(
+            f"{prefix}:time_to_first_token_seconds", "Time to first token.", LABELS,
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.itl = Histogram(
+            f"{prefix}:inter_token_latency_seconds", "Time between successive outputs of a request.", LABELS,
+            buckets=_ITL_BUCKETS, registry=registry,
+        )
+        # vLLM's earlier name for the same observations, still read by its production stack's dashboards.
+        self.tpot = Histogram(
+            f"{prefix}:time_per_output_token_seconds", "Time per output token (as inter_token_latency_seconds).",
+            LABELS, buckets=_ITL_BUCKETS, registry=registry,
+        )
+        self.e2e = Histogram(
+            f"{prefix}:e2e_request_latency_seconds", "Request latency, arrival to last token.", LABELS,
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+        self.queue = Histogram(
+            f"{prefix}:request_queue_time_seconds", "Time a request waited in the engine before it ran.",
+            LABELS, buckets=_LATENCY_BUCKETS, registry=registry,
+        )
+
+    def observe(self, gen: Generation, end: float) -> None:
+        labels = (gen.worker.model_name, gen.worker.label)
+        if gen.first_token_at is not None:
+            self.ttft.labels(*labels).observe(gen.first_token_at - gen.arrival)
+        for histogram in (self.itl, self.tpot):
+            observe_many(histogram.labels(*labels), gen.inter_token_latencies)
+        if gen.queue_time is not None:
+            self.queue.labels(*labels).observe(gen.queue_time)
+        if gen.done:
+            self.e2e.labels(*labels).observe(end - gen.arrival)
+            for choice in gen.choices:
+                self.success.labels(*labels, choice.finish_reason).inc()
+
+
+def observe_many(histogram: Histogram, values: list[float]) -> None:
+    """``histogram.observe(v)`` for each of ``values`` (a labelled child), in one pass.
+
+    A request observes one inter-token latency per output token, twice (two names): one lock and one
+    bucket walk per value were ~10% of the HTTP process's CPU per streamed token
+    (benchmarks/server_path_cpu.py measures that CPU). Here each bucket gets one increment of its count. prometheus_client
+    has no public bulk observe; its per-bucket (non-cumulative) counts ``_buckets``, bounds
+    ``_upper_bounds`` and ``_sum`` are what ``observe`` updates (tests/server/http/test_metrics.py holds the
+    two to the same exposition)."""
+    if not values:
+        return
+    bounds = histogram._upper_bounds
+    counts = [0] * len(bounds)
+    for value in values:
+        counts[bisect.bisect_left(bounds, value)] += 1  # the first bucket with value <= bound, as observe
+    histogram._sum.inc(sum(values))
+    for bucket, count in zip(histogram._buckets, counts):
+        if count:
+            bucket.inc(count)
+
+
+class KeyMetrics:
+    """Generation requests and their tokens per API key, labelled by the key's name (never the key)."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str = DEFAULT_PREFIX) -> None:
+        labels = ("key_name", "model_name")
+        self.requests = Counter(f"{prefix}:api_key_requests", "Generation requests made with the key.", labels,
+                                registry=registry)
+        self.prompt_tokens = Counter(f"{prefix}:api_key_prompt_tokens", "Prompt tokens of the key's requests.",
+                                     labels, registry=registry)
+        self.generation_tokens = Counter(f"{prefix}:api_key_generation_tokens",
+                                         "Tokens generated for the key's requests.", labels, registry=registry)
+
+    def observe(self, key_name: str, model: str, prompt_tokens: int, generation_tokens: int) -> None:
+        self.requests.labels(key_name, model).inc()
+        self.prompt_tokens.labels(key_name, model).inc(prompt_tokens)
+        self.generation_tokens.labels(key_name, model).inc(generation_tokens)
+
+
+class LimitedKeyView:
+    """``registry`` as a key limited to some models sees it: without the samples labelled with a
+    ``model_name`` it may not use or with another key's ``key_name``; unlabelled series (the HTTP
+    metrics) stay. A collector, so ``generate_latest(LimitedKeyView(...))`` renders it."""
+
+    def __init__(self, registry: CollectorRegistry, models: list[str], key_name: str) -> None:
+        self.registry = registry
+        self.models = set(models)
+        self.key_name = key_name
+
+    def _visible(self, labels: dict[str, str]) -> bool:
+        model, key = labels.get("model_name"), labels.get("key_name")
+        return (model is None or model in self.models) and (key is None or key == self.key_name)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            kept = [s for s in family.samples if self._visible(s.labels)]
+            if len(kept) == len(family.samples):
+                yield family
+                continue
+            view = Metric(family.name, family.documentation, family.type, family.unit)
+            view.samples = kept
+            yield view

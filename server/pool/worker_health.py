@@ -1,0 +1,27 @@
+"""What /health shows of a worker's engine statistics (the latest ``Stats`` message it sent)."""
+
+from typing import Any
+
+from xinserve.engines.core.outputs import EngineStats
+
+
+def describe_stats(stats: EngineStats | None) -> dict[str, Any]:
+    """Queue depths, KV-cache use, host-tier hits and speculation; None each before the first stats."""
+    return {
+        "num_requests_running": None if stats is None else stats.num_running,
+        "num_requests_waiting": None if stats is None else stats.num_waiting,
+        "kv_cache_usage": None if stats is None else stats.kv_cache_usage,
+        "external_prefix_cache_hits_total": None if stats is None else stats.external_prefix_cache_hits_total,
+        "speculative_decoding": _describe_spec_decode(stats),
+    }
+
+
+def _describe_spec_decode(stats: EngineStats | None) -> dict[str, Any] | None:
+    """The speculative method and its running acceptance (None with speculation off)."""
+    spec = None if stats is None else stats.spec_decode
+    if spec is None:
+        return None
+    rate = spec.acceptance_rate
+    return {"method": spec.method, "acceptance_rate": None if rate is None else round(rate, 4),
+            "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens}

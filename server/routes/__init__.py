@@ -1,1 +1,0 @@
-"""HTTP endpoints, one module per endpoint family."""

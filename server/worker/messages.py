@@ -1,0 +1,131 @@
+"""The messages between the HTTP process and an engine worker: msgspec structs, msgpack over ZeroMQ.
+
+Each message is one struct, tagged by its kind and encoded as a positional array (``["out", [...],
+stats, {...}]``): at one token per request per step, field names would be most of the bytes. The
+engine's own records (``StepOutput``, ``EngineStats``, engines/core/outputs.py) travel as they are. The
+worker sends ONE ``Outputs`` message per engine step carrying every request's new tokens, so the
+per-token IPC cost shrinks as the batch grows.
+
+State per request lives in the HTTP process (``xinserve.server.pool.fanout``: which choices are done, the load);
+the worker keeps only what its engine holds. A request that fails is one ``Failed`` message with one
+``RequestError``, whichever side (engine, worker, supervisor) found the failure.
+"""
+
+from dataclasses import fields
+
+import msgspec
+
+from xinserve.engines.core.outputs import EngineStats, StepOutput
+from xinserve.engines.core.sampling_params import DETOKENIZER_FIELDS, SamplingParams
+
+
+class RequestError(msgspec.Struct, array_like=True, frozen=True):
+    """Why a request failed: the request's own fault (a 400) or ours (a 500; a 503 when the worker
+    is unavailable). ``retryable``: the worker went away without a verdict, it may run elsewhere."""
+
+    message: str
+    client_fault: bool = False
+    unavailable: bool = False
+    retryable: bool = False
+
+    @property
+    def status(self) -> int:
+        return 400 if self.client_fault else 503 if self.unavailable else 500
+
+
+# HTTP process -> worker
+
+
+class Add(msgspec.Struct, array_like=True, tag="add"):
+    """A new request. ``params``: the engine's fields of its ``SamplingParams`` (see ``engine_params``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: list
+
+
+class Abort(msgspec.Struct, array_like=True, tag="abort"):
+    """Stop requests: (request_id, choice index, or None for every choice); ``emitted``, when given, one
+    per target: the choice's output tokens its client got (a stop string ended it), or None."""
+
+    targets: list[tuple[str, int | None]]
+    emitted: list[int | None] = []
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
+    pass
+
+
+# worker -> HTTP process
+
+
+class Ready(msgspec.Struct, array_like=True, tag="ready"):
+    info: dict
+
+
+class LoadFailed(msgspec.Struct, array_like=True, tag="failed"):
+    """Loading failed; the worker exits."""
+
+    message: str
+
+
+class Outputs(msgspec.Struct, array_like=True, tag="out"):
+    """One engine step: every request's new tokens; stats now and then; each request's queue time
+    (seconds from its arrival in the worker to its first step) with its first output."""
+
+    outputs: list[StepOutput]
+    stats: EngineStats | None = None
+    queue_times: dict[str, float] = {}
+
+
+class Failed(msgspec.Struct, array_like=True, tag="error"):
+    """One request failed (every choice of it); the worker lives on."""
+
+    request_id: str
+    error: RequestError
+
+
+class Stats(msgspec.Struct, array_like=True, tag="stats"):
+    """The idle heartbeat; it also proves the worker is alive."""
+
+    stats: EngineStats
+
+
+class InfoUpdate(msgspec.Struct, array_like=True, tag="info"):
+    """Keys of ``Ready.info`` that changed after ready: the decode buckets' states and the kernels as
+    the background warm-up compiles and swaps them (engines/worker/warmup.py)."""
+
+    info: dict
+
+
+ToWorker = Add | Abort | Shutdown
+FromWorker = Ready | LoadFailed | Outputs | Failed | Stats | InfoUpdate
+
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+# Integer map keys (``logit_bias``'s token ids) are fine: both ends are our own processes.
+decode_to_worker = msgspec.msgpack.Decoder(ToWorker).decode
+decode_from_worker = msgspec.msgpack.Decoder(FromWorker).decode
+
+# The detokenizer's fields (stop strings, special tokens in the text) stay in the HTTP process.
+_ENGINE_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in DETOKENIZER_FIELDS)
+# The same fields as one positional record, typed as the dataclass types them: converting ``Add.params``
+# to it is the worker's structural check (count and types, in msgspec's C code).
+_EngineFields = msgspec.defstruct(
+    "EngineFields", [(f.name, f.type) for f in fields(SamplingParams) if f.name in _ENGINE_FIELDS], array_like=True
+)
+
+
+def add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Add:
+    return Add(request_id, prompt_token_ids, [getattr(params, name) for name in _ENGINE_FIELDS])
+
+
+def engine_params(message: Add) -> SamplingParams:
+    """The engine's ``SamplingParams`` of an ``Add``. Their values were validated once, where the
+    ``SamplingParams`` was made (the HTTP edge): here only their shape is checked, and a wrong count
+    or type of a field raises ValueError."""
+    try:
+        values = msgspec.convert(message.params, _EngineFields)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"malformed sampling fields: {exc}") from None
+    return SamplingParams.trusted(**msgspec.structs.asdict(values))

@@ -1,0 +1,297 @@
+"""Padded decode buckets compiled with torch.compile on the CPU (engines/worker/decode_buckets.py,
+engines/worker/graphs.py): compiled decode equals eager token for token across bucket boundaries with
+preemption and prefix caching; padded rows never touch a real sequence's KV or output; a compile
+failure falls back to eager with a log line; ``compile: off`` and ``enforce_eager`` never compile.
+
+Inductor compiles take seconds each, so one compiled engine (a one-layer model, three buckets) is
+shared by the module. Its buckets compile in the background thread (engines/worker/warmup.py), with real
+inductor beside the main thread; the tests wait for it (``compiled_engine``)."""
+
+import argparse
+import logging
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import xinserve.engines.worker.graphs
+import xinserve.engines.worker.step_inputs
+from xinserve.engines import LLM, EngineConfig, SamplingParams
+from xinserve.engines.core.scheduler import ScheduledSeq
+from xinserve.engines.core.sequence import Sequence
+from xinserve.engines.worker.decode_buckets import bucket_for, bucket_sizes
+from xinserve.server.cli.main import _add_serve_args, build_config
+from xinserve.server.config import ConfigError, parse_config
+
+BUCKETS = [1, 4, 9]  # batches 1, 3, 8, 9 land in 1, 4 (one padded row), 9 (one padded row), 9
+BS = 4
+OPTIONS = {"block_size": BS, "num_kv_blocks": 40, "max_num_seqs": 9, "max_model_len": 64}
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+COMPILE_TIMEOUT_S = 900
+
+
+def compiled_engine(*args, **kwargs) -> LLM:
+    """An ``LLM`` once its background warm-up (kernel builds, bucket compiles) is over."""
+    llm = LLM(*args, **kwargs)
+    assert llm.engine.warmup.done.wait(COMPILE_TIMEOUT_S)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models("llama", num_layers=1, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(xinserve.engines.worker.graphs, "bucket_sizes", lambda max_num_seqs: BUCKETS)
+        llm = compiled_engine(model, compile="on", **OPTIONS)
+    assert llm.engine.runner.decode_graphs is not None
+    return llm
+
+
+@pytest.fixture(scope="module")
+def eager(model):
+    return LLM(model, compile="off", **OPTIONS)
+
+
+def prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
+    """Prompts of 10-17 tokens sharing an 8-token prefix (two whole blocks)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab_size) for _ in range(8)]
+    return [prefix + [rng.randrange(3, vocab_size) for _ in range(rng.randint(2, 9))] for _ in range(count)]
+
+
+def test_bucket_sizes_and_choice():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(9) == [1, 2, 4, 8, 9]
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert [bucket_for(n, [1, 4, 9]) for n in (1, 2, 3, 4, 5, 9, 10)] == [1, 4, 4, 4, 9, 9, None]
+
+
+def test_compiled_decode_equals_eager_across_buckets_with_preemption_and_prefix_caching(compiled, eager):
+    graphs = compiled.engine.runner.decode_graphs
+    assert graphs.kind == "compiled" and sorted(graphs.steps) == BUCKETS
+    # what /health shows of each worker
+    done = {str(b): {"state": "compiled", "error": None} for b in BUCKETS}
+    assert compiled.engine.warmup.report() == {"mode": "on", "kind": "compiled", "settled": True, "buckets": done}
+    assert eager.engine.warmup.report() == {"mode": "off", "kind": "eager", "settled": True, "buckets": {}}
+    before, runs_before = graphs.steps_run, graphs.bucket_runs.copy()
+    vocab = compiled.engine.vocab_size
+    for seed, count in enumerate((1, 3, 8, 9)):
+        batch = prompts(vocab, count, seed)
+        got = [r.token_ids for r in compiled.generate(batch, GREEDY)]
+        want = [r.token_ids for r in eager.generate(batch, GREEDY)]
+        assert got == want, f"batch of {count}"
+    stats = compiled.engine.stats()
+    # 9 sequences of up to 27 tokens need 7 blocks each (2 shared) of the 40: the largest batches preempt.
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits_total > 0
+    assert stats == eager.engine.stats()  # the same schedule on both paths
+    assert graphs.steps_run - before >= 4 * 9  # every batch decoded compiled
+    assert set(graphs.bucket_runs - runs_before) == set(BUCKETS)  # in each of the three buckets
+
+
+def test_compiled_buckets_run_without_dynamo_equal_transformers_and_fall_back_to_dynamo(compiled, model,
+                                                                                        monkeypatch):
+    """Each bucket's graph is called directly (engines/worker/direct_call.py) and its greedy tokens equal
+    transformers'; a direct call that stops answering (its kernels were swapped) hands the bucket back to
+    dynamo's call, and the tokens stay the same."""
+    graphs = compiled.engine.runner.decode_graphs
+    assert sorted(graphs.direct) == BUCKETS
+    batch = prompts(compiled.engine.vocab_size, 3, seed=13)  # bucket 4
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False, top_p=None,
+                            top_k=None, temperature=None)[0, len(p):].tolist() for p in batch]
+    direct_runs, dynamo_runs = graphs.direct_runs[4], graphs.bucket_runs[4]
+    assert [r.token_ids for r in compiled.generate(batch, GREEDY)] == want
+    assert graphs.direct_runs[4] - direct_runs == graphs.bucket_runs[4] - dynamo_runs >= GREEDY.max_tokens - 1
+    monkeypatch.setattr(graphs, "direct", {**graphs.direct, 4: lambda: None})  # stale, as after a kernel swap
+    direct_runs, runs = graphs.direct_runs[4], graphs.bucket_runs[4]
+    assert [r.token_ids for r in compiled.generate(batch, GREEDY)] == want
+    assert graphs.bucket_runs[4] > runs and graphs.direct_runs[4] == direct_runs and 4 not in graphs.direct
+
+
+def test_async_steps_run_compiled_buckets_without_building_a_gather_plan(compiled, eager, monkeypatch):
+    """With async scheduling a step is prepared without the decode part's gather plan
+    (engines/worker/step_inputs.py): a compiled bucket does not read it, and only a step that runs eagerly builds
+    it, on the step thread. Greedy tokens equal the eager engine's, with preemption and prefix hits."""
+    engine = compiled.engine
+    batch = prompts(engine.vocab_size, 9, seed=21)
+    want = [r.token_ids for r in eager.generate(batch, GREEDY)]
+    built, forwards = [], []
+    build = xinserve.engines.worker.step_inputs.build_decode_gather
+    monkeypatch.setattr(xinserve.engines.worker.step_inputs, "build_decode_gather", lambda *a: built.append(a) or build(*a))
+    graphs, runner = engine.runner.decode_graphs, engine.runner
+    forward = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda batch: forwards.append(batch) or forward(batch))
+    preemptions, runs = engine.scheduler.num_preemptions, graphs.steps_run
+    stepper = engine.async_steps()
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"async-{i}", prompt, GREEDY)
+    got: dict[str, list[int]] = {}
+    while stepper.has_unfinished():
+        for out in stepper.step().outputs:
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    stepper.close()
+    assert [got[f"async-{i}"] for i in range(len(batch))] == want
+    assert stepper.overlapped > 0 and stepper.synchronous == 0
+    assert engine.scheduler.num_preemptions > preemptions
+    compiled_steps = graphs.steps_run - runs
+    assert compiled_steps >= GREEDY.max_tokens - 1
+    assert all(b.metadata.decode_gather is None for b in forwards[-3:])  # the last steps: compiled decodes
+    # A gather plan is built only for a step that ran eagerly (one with prefill rows), never for a compiled one.
+    assert len(built) <= len(forwards) - compiled_steps < len(forwards)
+
+
+def decode_step(vocab_size: int) -> list[ScheduledSeq]:
+    """Three sequences of 5, 9 and 14 tokens each decoding its last token, in blocks 0-7."""
+    rng = random.Random(7)
+    scheduled, block = [], 0
+    for length in (5, 9, 14):
+        seq = Sequence(100 + length, f"r{length}", [rng.randrange(3, vocab_size) for _ in range(length)],
+                       SamplingParams(temperature=0, max_tokens=4))
+        count = -(-length // BS)
+        seq.block_table = list(range(block, block + count))
+        block += count
+        seq.num_computed_tokens = length - 1
+        scheduled.append(ScheduledSeq(seq, 1))
+    return scheduled
+
+
+def test_padded_rows_never_change_real_kv_or_outputs(compiled, eager):
+    """A step of 3 in bucket 4: the padded row writes only the scratch block, and every real slot
+    and token equals an eager step from the same cache."""
+    runner, reference = compiled.engine.runner, eager.engine.runner
+    scratch = runner.scratch_block
+    assert scratch == runner.kv_cache.shape[2] - 1 == OPTIONS["num_kv_blocks"]
+    torch.manual_seed(0)
+    runner.kv_cache.copy_(torch.randn_like(runner.kv_cache))
+    reference.kv_cache.copy_(runner.kv_cache)
+    before = runner.kv_cache.clone()
+    steps = runner.decode_graphs.steps_run
+    scheduled = decode_step(compiled.engine.vocab_size)
+    got = [t.token_ids for t in runner.execute(scheduled)]
+    assert runner.decode_graphs.steps_run == steps + 1
+    want = [t.token_ids for t in reference.execute(scheduled)]
+    assert got == want
+    # [2, L, N + 1, BS, KVH, D] -> which (block, offset) slots changed
+    changed = (runner.kv_cache != before).flatten(4).any(-1).any(0).any(0).nonzero().tolist()
+    real = [[s.seq.block_table[(n - 1) // BS], (n - 1) % BS] for s, n in ((s, s.seq.num_tokens) for s in scheduled)]
+    assert [slot for slot in changed if slot[0] != scratch] == real
+    assert [scratch, 0] in changed  # the padded row's slot
+    torch.testing.assert_close(runner.kv_cache[:, :, :scratch], reference.kv_cache[:, :, :scratch], rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_auto_keeps_a_bucket_compiled_only_where_it_measures_faster(model, monkeypatch, caplog):
+    """The choice follows the timings (here set: compiled faster only in bucket 2)."""
+    monkeypatch.setattr(xinserve.engines.worker.graphs.torch, "compile", lambda function, dynamic, backend: lambda *a: function(*a))
+    timings = iter([1.0, 2.0, 2.0, 1.0, 1.0, 2.0])  # (eager, compiled) per bucket 1, 2, 4
+
+    monkeypatch.setattr(xinserve.engines.worker.graphs, "_median_seconds", lambda function, platform: next(timings))
+    with caplog.at_level(logging.INFO, logger="xinserve.engines.worker.graphs"):
+        llm = compiled_engine(model, compile="auto", block_size=BS, num_kv_blocks=8, max_num_seqs=4)
+    assert sorted(llm.engine.runner.decode_graphs.steps) == [2]
+    assert llm.engine.warmup.report()["buckets"]["1"] == {"state": "eager", "error": "eager measured faster"}
+    assert "decode bucket 1 compiled" in caplog.text and "-> eager" in caplog.text and "-> compiled" in caplog.text
+
+
+def test_a_compile_failure_falls_back_to_eager_with_a_log_line(model, eager, monkeypatch, caplog):
+    def failing_compile(function, dynamic, backend):
+        def compiled(*args):
+            raise RuntimeError("inductor: C++ compile error")  # where inductor fails: at the first call
+        return compiled
+
+    monkeypatch.setattr(xinserve.engines.worker.graphs.torch, "compile", failing_compile)
+    with caplog.at_level(logging.WARNING, logger="xinserve.engines.worker.warmup"):
+        llm = compiled_engine(model, compile="on", **OPTIONS)
+    assert not llm.engine.runner.decode_graphs.steps
+    assert {b["state"] for b in llm.engine.warmup.report()["buckets"].values()} == {"failed"}
+    assert ("torch.compile of the decode step for bucket 1 failed (RuntimeError: inductor: C++ compile error)"
+            in caplog.text)
+    batch = prompts(llm.engine.vocab_size, 3, seed=11)
+    assert [r.token_ids for r in llm.generate(batch, GREEDY)] == [r.token_ids for r in eager.generate(batch, GREEDY)]
+
+
+def test_a_failing_compiled_step_goes_eager_for_that_bucket(compiled, eager, monkeypatch, caplog):
+    graphs = compiled.engine.runner.decode_graphs
+    steps = dict(graphs.steps)
+
+    def broken():
+        raise RuntimeError("guard failure")
+
+    monkeypatch.setattr(graphs, "steps", {**steps, 1: broken})
+    monkeypatch.setattr(graphs, "direct", {**graphs.direct, 1: broken})  # the call without dynamo too
+    with caplog.at_level(logging.WARNING, logger="xinserve.engines.worker.graphs"):
+        got = compiled.generate(prompts(compiled.engine.vocab_size, 1, seed=12), GREEDY)
+    want = eager.generate(prompts(eager.engine.vocab_size, 1, seed=12), GREEDY)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert 1 not in graphs.steps and "compiled decode for bucket 1 failed" in caplog.text
+
+
+@pytest.mark.parametrize("options", [{"compile": "off"}, {"compile": "on", "enforce_eager": True}])
+def test_compile_off_and_enforce_eager_do_not_compile(model, monkeypatch, options):
+    calls = []
+    monkeypatch.setattr(xinserve.engines.worker.graphs.torch, "compile", lambda *a, **k: calls.append(a))
+    llm = LLM(model, block_size=BS, num_kv_blocks=8, **options)
+    assert llm.engine.runner.decode_graphs is None and calls == []
+
+
+def test_compile_config_validation(monkeypatch):
+    with pytest.raises(ValueError, match="compile must be one of auto, off, on, got 'fast'"):
+        EngineConfig(model="m", compile="fast")
+    assert xinserve.engines.worker.graphs.effective_mode("on", enforce_eager=True) == "off"
+    monkeypatch.setenv("XINSERVE_COMPILE", "sometimes")
+    with pytest.raises(ValueError, match="XINSERVE_COMPILE must be one of auto, off, on"):
+        xinserve.engines.worker.graphs.effective_mode(None, enforce_eager=False)
+    monkeypatch.setenv("XINSERVE_COMPILE", "on")
+    assert xinserve.engines.worker.graphs.effective_mode(None, enforce_eager=False) == "on"
+    assert xinserve.engines.worker.graphs.effective_mode("off", enforce_eager=False) == "off"
+    with pytest.raises(ConfigError, match="models.0.compile"):
+        parse_config({"models": [{"name": "m", "path": "p", "compile": "always"}]})
+    settings = parse_config({"models": [{"name": "m", "path": "p", "compile": "off"}]}).models[0]
+    assert settings.engine_kwargs()["compile"] == "off" and settings.engine_kwargs()["enforce_eager"] is False
+    parser = argparse.ArgumentParser()
+    _add_serve_args(parser)
+    flagged = build_config(parser.parse_args(["--model", "embedded:xinserve-tiny", "--enforce-eager"]), env={})
+    assert flagged.models[0].engine_kwargs()["enforce_eager"] is True
+    plain = build_config(parser.parse_args(["--model", "embedded:xinserve-tiny"]), env={})
+    assert plain.models[0].engine_kwargs()["enforce_eager"] is False
+    with pytest.raises(ConfigError, match="XINSERVE_COMPILE must be one of auto, off, on, got 'always'"):
+        build_config(parser.parse_args(["--model", "embedded:xinserve-tiny"]), env={"XINSERVE_COMPILE": "always"})
+
+
+def test_the_inductor_cache_lives_in_the_xinserve_cache_dir(compiled, monkeypatch, tmp_path):
+    assert xinserve.engines.worker.graphs.inductor_cache_dir().name == "inductor"
+    assert xinserve.engines.worker.graphs.os.environ["TORCHINDUCTOR_CACHE_DIR"]  # set before the first compile
+    monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert xinserve.engines.worker.graphs.use_inductor_cache() == str(tmp_path / "inductor")
+    assert xinserve.engines.worker.graphs.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # a user's own choice is kept
+    assert xinserve.engines.worker.graphs.use_inductor_cache() == "/elsewhere"
+
+
+def test_compiled_moe_decode_equals_eager_without_recompiling(tiny_models, monkeypatch):
+    """A mixture-of-experts model's decode compiles into one graph (fused_moe is an opaque op) that
+    serves every step: no graph break, no recompile as the routing changes, and greedy tokens equal
+    eager's. Before: each new routing recompiled fused_moe until dynamo's recompile limit."""
+    path = tiny_models("mixtral", num_layers=1, max_position_embeddings=64)
+    options = {**OPTIONS, "max_num_seqs": 2}
+    counters = torch._dynamo.utils.counters
+    graphs_before, breaks_before = counters["stats"]["unique_graphs"], counters["graph_break"].total()
+    monkeypatch.setattr(xinserve.engines.worker.graphs, "bucket_sizes", lambda max_num_seqs: [2])  # one bucket: compiles cost
+    llm = compiled_engine(path, compile="on", **options)
+    assert sorted(llm.engine.runner.decode_graphs.steps) == [2]
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1
+    eager = LLM(path, compile="off", **options)
+    for seed, count in enumerate((1, 2, 2)):
+        batch = prompts(llm.engine.vocab_size, count, seed)
+        want = [r.token_ids for r in eager.generate(batch, GREEDY)]
+        assert [r.token_ids for r in llm.generate(batch, GREEDY)] == want, f"batch of {count}"
+    assert llm.engine.runner.decode_graphs.steps_run >= 3 * (GREEDY.max_tokens - 1)
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1  # no step recompiled
+    assert counters["graph_break"].total() == breaks_before
