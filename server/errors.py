@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from xinserve.server.http.asgi import HTTPMiddleware
+
 logger = logging.getLogger("xinserve.server")
 
 # OpenAI's error types by status; the SDK maps the status, clients often switch on the type.
@@ -106,20 +108,14 @@ def bounded_traceback(exc: BaseException) -> str:
     return f"{text[:half]}\n... ({len(text) - 2 * half} characters cut) ...\n{text[-half:]}"
 
 
-class InternalErrorMiddleware:
+class InternalErrorMiddleware(HTTPMiddleware):
     """Pure ASGI: an exception nothing handled becomes a 500 in OpenAI's envelope, logged here once
     (``bounded_traceback``). It is not re-raised: the ASGI server would log it a second time and
     drop the kept-alive connection. After the response has started only the log is left to write
     (the server then ends the unfinished response). A failed write (the client gone) is not ours:
     it is re-raised, unlogged, for the ASGI server."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
         started = send_failed = False
 
         async def watched(message: dict) -> None:

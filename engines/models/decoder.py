@@ -256,13 +256,8 @@ class CausalLM(nn.Module):
         after materialising a model built on the meta device)."""
         self.cos_sin_cache = self._build_rope_cache().to(self.cos_sin_cache.device, self.cos_sin_cache.dtype)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] int64; kv_cache: ``kv_cache_shape(...)`` (dense: [2, L, N, BS, KVH, D]).
         Returns [T, hidden]."""
         return self.model(input_ids, positions, kv_cache, metadata, self.cos_sin_cache)

@@ -22,6 +22,15 @@ def tile(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def cache_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, ...]:
+    """The one layout of both paged caches ([N, BS, KVH, D] views of one KV tensor): the kernels address
+    a key and its value with the same offsets."""
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(f"key and value caches differ in layout: strides {key_cache.stride()} and "
+                         f"{value_cache.stride()}")
+    return key_cache.stride()
+
+
 def keys_tile(keys: int, dim_tile: int, cache: torch.Tensor) -> int:
     """Keys per inner step: ``keys``, fewer when a [keys, dim_tile] K/V tile of the cache dtype
     would pass 16 KB (D 128 in bf16). The kernels' software pipeline holds several such tiles in
@@ -32,22 +41,21 @@ def keys_tile(keys: int, dim_tile: int, cache: torch.Tensor) -> int:
 
 @triton.jit
 def load_kv_tile(
-    k_base, v_base, table_base, keys, key_mask, dims, dim_mask,
-    k_stride_n, k_stride_bs, k_stride_d, v_stride_n, v_stride_bs, v_stride_d, bt_stride_b,
+    key_cache_ptr, value_cache_ptr, kv_head, table_base, keys, key_mask, dims, dim_mask,
+    cache_stride_n, cache_stride_bs, cache_stride_h, cache_stride_d, bt_stride_b,
     BLOCK_SIZE: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     """The K and V tiles [len(keys), DIM_TILE] of positions ``keys`` (masked by key_mask and
-    dim_mask) of one sequence and KV head: k_base / v_base point at the caches' KV head, table_base
-    at the sequence's block table row; each key's block is looked up there."""
+    dim_mask) of one sequence and KV head ``kv_head`` of the caches; table_base points at the
+    sequence's block table row; each key's block is looked up there."""
     # [keys, 1] each key's block and offset in it; int64: block * stride can pass 2**31
     blocks = tl.load(table_base + (keys // BLOCK_SIZE) * bt_stride_b, mask=key_mask, other=0).to(tl.int64)[:, None]
     offsets = (keys % BLOCK_SIZE)[:, None]
     kv_mask = key_mask[:, None] & dim_mask[None, :]
-    k_ptrs = k_base + blocks * k_stride_n + offsets * k_stride_bs + dims[None, :] * k_stride_d
-    v_ptrs = v_base + blocks * v_stride_n + offsets * v_stride_bs + dims[None, :] * v_stride_d
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    within = blocks * cache_stride_n + offsets * cache_stride_bs + kv_head * cache_stride_h + dims[None, :] * cache_stride_d
+    k = tl.load(key_cache_ptr + within, mask=kv_mask, other=0.0)
+    v = tl.load(value_cache_ptr + within, mask=kv_mask, other=0.0)
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)

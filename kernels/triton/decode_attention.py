@@ -16,6 +16,7 @@ import torch
 
 import triton
 import triton.language as tl
+from xinserve.kernels.triton import common
 from xinserve.kernels.triton.common import interpreted, keys_tile, load_kv_tile, online_softmax_step, tile
 
 if TYPE_CHECKING:
@@ -32,19 +33,14 @@ def _split_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr,
     q_stride_s, q_stride_h, q_stride_d,
-    k_stride_n, k_stride_bs, k_stride_h, k_stride_d,
-    v_stride_n, v_stride_bs, v_stride_h, v_stride_d,
+    cache_stride_n, cache_stride_bs, cache_stride_h, cache_stride_d,
     bt_stride_s, bt_stride_b,
     out_stride_s, out_stride_h, out_stride_d,
     po_stride_s, po_stride_h, po_stride_p, po_stride_d,
     lse_stride_s, lse_stride_h, lse_stride_p,
     qk_scale, split_len, group, head_dim,
-    BLOCK_SIZE: tl.constexpr,
-    GROUP_TILE: tl.constexpr,
-    DIM_TILE: tl.constexpr,
-    TOKENS_TILE: tl.constexpr,
-    ONE_SPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, GROUP_TILE: tl.constexpr, DIM_TILE: tl.constexpr, TOKENS_TILE: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -69,14 +65,12 @@ def _split_attention_kernel(
     row_max = tl.full([GROUP_TILE], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_TILE], tl.float32)
     acc = tl.zeros([GROUP_TILE, DIM_TILE], tl.float32)
-    k_base, v_base = key_cache_ptr + kv_head * k_stride_h, value_cache_ptr + kv_head * v_stride_h
     for tile_start in range(start, end, TOKENS_TILE):
         tokens = tile_start + tl.arange(0, TOKENS_TILE)
         token_mask = tokens < end
         k, v = load_kv_tile(  # [TOKENS_TILE, DIM_TILE]
-            k_base, v_base, block_tables_ptr + seq * bt_stride_s, tokens, token_mask, dims, dim_mask,
-            k_stride_n, k_stride_bs, k_stride_d, v_stride_n, v_stride_bs, v_stride_d, bt_stride_b,
-            BLOCK_SIZE, DOT_F32,
+            key_cache_ptr, value_cache_ptr, kv_head, block_tables_ptr + seq * bt_stride_s, tokens, token_mask, dims,
+            dim_mask, cache_stride_n, cache_stride_bs, cache_stride_h, cache_stride_d, bt_stride_b, BLOCK_SIZE, DOT_F32,
         )
         # the first tile's first token is always in range
         row_max, row_sum, acc = online_softmax_step(q, k, v, token_mask[None, :], qk_scale, row_max, row_sum, acc)
@@ -101,8 +95,7 @@ def _combine_splits_kernel(
     lse_stride_s, lse_stride_h, lse_stride_p,
     out_stride_s, out_stride_h, out_stride_d,
     split_len, num_splits, head_dim,
-    SPLITS_TILE: tl.constexpr,
-    DIM_TILE: tl.constexpr,
+    SPLITS_TILE: tl.constexpr, DIM_TILE: tl.constexpr,
 ):
     seq, head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -166,7 +159,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     _split_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens,
         out, partial_out, partial_lse,
-        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
+        *query.stride(), *common.cache_strides(key_cache, value_cache), *block_tables.stride(),
         *out.stride(), *partial_out.stride(), *partial_lse.stride(),
         scale * math.log2(math.e), split_len, group, head_dim,
         BLOCK_SIZE=block_size,

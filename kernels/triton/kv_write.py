@@ -8,19 +8,16 @@ import torch
 
 import triton
 import triton.language as tl
+from xinserve.kernels.triton.common import cache_strides
 
 
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    k_stride_t, k_stride_h, k_stride_d,
-    v_stride_t, v_stride_h, v_stride_d,
-    kc_stride_n, kc_stride_bs, kc_stride_h, kc_stride_d,
-    vc_stride_n, vc_stride_bs, vc_stride_h, vc_stride_d,
+    k_stride_t, k_stride_h, k_stride_d, v_stride_t, v_stride_h, v_stride_d,
+    cache_stride_n, cache_stride_bs, cache_stride_h, cache_stride_d,
     num_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr,
-    HEADS_TILE: tl.constexpr,
-    DIM_TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEADS_TILE: tl.constexpr, DIM_TILE: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -30,13 +27,10 @@ def _write_kv_kernel(
     mask = (heads < num_kv_heads) & (dims < head_dim)
     k = tl.load(k_ptr + token * k_stride_t + heads * k_stride_h + dims * k_stride_d, mask=mask)
     v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + dims * v_stride_d, mask=mask)
-    kc_ptrs = k_cache_ptr + block * kc_stride_n + offset * kc_stride_bs
-    vc_ptrs = v_cache_ptr + block * vc_stride_n + offset * vc_stride_bs
-    kc_ptrs += heads * kc_stride_h + dims * kc_stride_d
-    vc_ptrs += heads * vc_stride_h + dims * vc_stride_d
+    within = block * cache_stride_n + offset * cache_stride_bs + heads * cache_stride_h + dims * cache_stride_d
     # .to: the reference casts the new keys/values to the cache dtype
-    tl.store(kc_ptrs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptrs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + within, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + within, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -49,7 +43,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     _write_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
+        *key.stride(), *value.stride(), *cache_strides(key_cache, value_cache),
         num_kv_heads, head_dim,
         BLOCK_SIZE=block_size,
         HEADS_TILE=triton.next_power_of_2(num_kv_heads),

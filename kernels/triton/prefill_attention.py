@@ -15,6 +15,7 @@ import torch
 
 import triton
 import triton.language as tl
+from xinserve.kernels.triton import common
 from xinserve.kernels.triton.common import interpreted, keys_tile, load_kv_tile, online_softmax_step, tile
 
 # (query, head) rows per program; keys per inner step (fewer when the tiles are wide: keys_tile)
@@ -25,15 +26,11 @@ ROWS_TILE, KEYS_TILE = 64, 64
 def _prefill_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, out_ptr,
     q_stride_t, q_stride_h, q_stride_d,
-    k_stride_n, k_stride_bs, k_stride_h, k_stride_d,
-    v_stride_n, v_stride_bs, v_stride_h, v_stride_d,
+    cache_stride_n, cache_stride_bs, cache_stride_h, cache_stride_d,
     bt_stride_s, bt_stride_b,
     out_stride_t, out_stride_h, out_stride_d,
     qk_scale, group, queries_per_tile, head_dim,
-    BLOCK_SIZE: tl.constexpr,
-    ROWS_TILE: tl.constexpr,
-    DIM_TILE: tl.constexpr,
-    KEYS_TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ROWS_TILE: tl.constexpr, DIM_TILE: tl.constexpr, KEYS_TILE: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     q_tile, kv_head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -63,14 +60,12 @@ def _prefill_kernel(
     row_max = tl.full([ROWS_TILE], float("-inf"), tl.float32)
     row_sum = tl.zeros([ROWS_TILE], tl.float32)
     acc = tl.zeros([ROWS_TILE, DIM_TILE], tl.float32)
-    k_base, v_base = key_cache_ptr + kv_head * k_stride_h, value_cache_ptr + kv_head * v_stride_h
     for key_start in range(0, key_end, KEYS_TILE):
         keys = key_start + tl.arange(0, KEYS_TILE)
         key_mask = keys < key_end
         k, v = load_kv_tile(  # [KEYS_TILE, DIM_TILE]
-            k_base, v_base, block_tables_ptr + seq * bt_stride_s, keys, key_mask, dims, dim_mask,
-            k_stride_n, k_stride_bs, k_stride_d, v_stride_n, v_stride_bs, v_stride_d, bt_stride_b,
-            BLOCK_SIZE, DOT_F32,
+            key_cache_ptr, value_cache_ptr, kv_head, block_tables_ptr + seq * bt_stride_s, keys, key_mask, dims,
+            dim_mask, cache_stride_n, cache_stride_bs, cache_stride_h, cache_stride_d, bt_stride_b, BLOCK_SIZE, DOT_F32,
         )
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])  # the first tile holds key 0
         row_max, row_sum, acc = online_softmax_step(q, k, v, visible, qk_scale, row_max, row_sum, acc)
@@ -100,7 +95,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     lengths = torch.tensor([*query_start_loc, *seq_lens], dtype=torch.int32, device=query.device)
     _prefill_kernel[(triton.cdiv(max_q_len, queries_per_tile), num_kv_heads, num_seqs)](
         query, key_cache, value_cache, block_tables, lengths, lengths[num_seqs + 1 :], out,
-        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
+        *query.stride(), *common.cache_strides(key_cache, value_cache), *block_tables.stride(), *out.stride(),
         scale * math.log2(math.e), group, queries_per_tile, head_dim,
         BLOCK_SIZE=block_size,
         ROWS_TILE=rows_tile,

@@ -12,18 +12,16 @@ Unicode text) before any handler parses it: a 400 for every endpoint from this o
 from typing import Any
 
 from xinserve.server.errors import APIError, error_response
+from xinserve.server.http.asgi import HTTPMiddleware
 from xinserve.server.http.json_body import check_json_body
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HTTPMiddleware):
     def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             await self._refuse(scope, receive, send, declared)

@@ -12,18 +12,16 @@ one refused before it started (a 400, 404, 429 or 503 from validation or routing
 
 from typing import Any
 
+from xinserve.server.http.asgi import HTTPMiddleware
 from xinserve.server.http.metrics import KeyMetrics
 
 
-class KeyUsageMiddleware:
+class KeyUsageMiddleware(HTTPMiddleware):
     def __init__(self, app: Any, metrics: KeyMetrics) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
         state = scope.setdefault("state", {})
         try:
             await self.app(scope, receive, send)

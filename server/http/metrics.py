@@ -140,31 +140,23 @@ class RequestMetrics:
     """Per-request histograms and the success counter, observed when a request ends."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str = DEFAULT_PREFIX) -> None:
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"{prefix}:{name}", documentation, LABELS, buckets=buckets, registry=registry)
+
         self.success = Counter(
             f"{prefix}:request_success", "Finished choices by finish reason.",
             [*LABELS, "finished_reason"], registry=registry,
         )
-        self.ttft = Histogram(
-            f"{prefix}:time_to_first_token_seconds", "Time to first token.", LABELS,
-            buckets=_LATENCY_BUCKETS, registry=registry,
-        )
-        self.itl = Histogram(
-            f"{prefix}:inter_token_latency_seconds", "Time between successive outputs of a request.", LABELS,
-            buckets=_ITL_BUCKETS, registry=registry,
-        )
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between successive outputs of a request.",
+                             _ITL_BUCKETS)
         # vLLM's earlier name for the same observations, still read by its production stack's dashboards.
-        self.tpot = Histogram(
-            f"{prefix}:time_per_output_token_seconds", "Time per output token (as inter_token_latency_seconds).",
-            LABELS, buckets=_ITL_BUCKETS, registry=registry,
-        )
-        self.e2e = Histogram(
-            f"{prefix}:e2e_request_latency_seconds", "Request latency, arrival to last token.", LABELS,
-            buckets=_LATENCY_BUCKETS, registry=registry,
-        )
-        self.queue = Histogram(
-            f"{prefix}:request_queue_time_seconds", "Time a request waited in the engine before it ran.",
-            LABELS, buckets=_LATENCY_BUCKETS, registry=registry,
-        )
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Time per output token (as inter_token_latency_seconds).", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             _LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Time a request waited in the engine before it ran.",
+                               _LATENCY_BUCKETS)
 
     def observe(self, gen: Generation, end: float) -> None:
         labels = (gen.worker.model_name, gen.worker.label)

@@ -12,6 +12,8 @@ import time
 import uuid
 from typing import Any
 
+from xinserve.server.http.asgi import HTTPMiddleware
+
 logger = logging.getLogger("xinserve.request")
 
 # Probes and scrapers would drown the log at INFO.
@@ -19,14 +21,8 @@ QUIET_PATHS = ("/health", "/health/live", "/metrics")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
-class RequestLogMiddleware:
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class RequestLogMiddleware(HTTPMiddleware):
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
         state = scope.setdefault("state", {})
         incoming = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
         request_id = incoming if _SAFE_ID.match(incoming) else uuid.uuid4().hex
