@@ -108,3 +108,30 @@ def test_every_import_of_our_folders_names_the_xinserve_namespace():
             bare += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names
                      if name.split(".")[0] in (*PACKAGES, "config")]
     assert bare == []
+
+
+# A folder that grows past this is split by role (docs/architecture.md); models/ holds one file per
+# architecture and is the one exception.
+MAX_FOLDER_ENTRIES = 20
+ONE_FILE_PER_ARCHITECTURE = ("engines/models",)
+
+
+def test_no_source_folder_holds_more_than_about_twenty_entries():
+    crowded = []
+    for package in PACKAGES:
+        for folder in [ROOT / package, *(p for p in (ROOT / package).rglob("*") if p.is_dir())]:
+            entries = [p for p in folder.iterdir() if p.name != "__pycache__"]
+            name = str(folder.relative_to(ROOT))
+            if "__pycache__" not in folder.parts and name not in ONE_FILE_PER_ARCHITECTURE \
+                    and len(entries) > MAX_FOLDER_ENTRIES:
+                crowded.append(f"{name}: {len(entries)} entries")
+    assert crowded == []
+
+
+def test_models_do_not_import_quantization():
+    """Quantization swaps layers of the models (it imports them); loading a checkpoint, which needs both,
+    lives beside them (engines/model_loader.py), so the two packages never import each other."""
+    back = sorted(f"{source} imports {target}" for source, targets in import_graph().items()
+                  if source.startswith("xinserve.engines.models")
+                  for target in targets if target.startswith("xinserve.engines.quantization"))
+    assert back == []
