@@ -2,7 +2,7 @@
 model, a dict for ``LLM``), parsed once into a ``SpeculativeConfig``. No torch.
 
 Methods: ``ngram`` (prompt lookup, no extra model) and ``mtp`` (the checkpoint's own multi-token-prediction
-layer, engines/speculative/mtp.py; vLLM's aliases ``deepseek_mtp`` and ``glm4_moe_mtp`` read as ``mtp``). A
+layer, engines/models/mtp.py; vLLM's aliases ``deepseek_mtp`` and ``glm4_moe_mtp`` read as ``mtp``). A
 separate draft model (``"model": PATH``) and EAGLE heads are named here so that a config asking for them is
 refused clearly until they are built.
 """

@@ -2,7 +2,7 @@
 
 Strict about types and about which content blocks a role may send (this server serves text-only
 models: ``text`` everywhere, ``tool_use`` in assistant turns, ``tool_result`` in user turns); fields we
-do not know (``cache_control``, ``thinking``, ``service_tier``, ...) are ignored, as in ``server/protocol``.
+do not know (``cache_control``, ``thinking``, ``service_tier``, ...) are ignored, as in ``server/api/openai/protocol.py``.
 """
 
 from typing import Annotated, Any, Literal
