@@ -1,6 +1,6 @@
 """The HTTP process's heavy imports, taken after its workers are spawned and one thread at a time.
 
-``import server.app`` stays free of torch, transformers and xgrammar (they were ~8 of its 9.6 CPU s;
+``import xinserve.server.app`` stays free of torch, transformers and xgrammar (they were ~8 of its 9.6 CPU s;
 tests/server/http/test_light_imports.py pins it): a server spawns its workers first and imports them beside
 the workers' start, in the threads that load a tokenizer, build the embedded model or check a first
 JSON schema. (The tokenizer's load imports nearly all of them: this moves their cost, not saves it.)

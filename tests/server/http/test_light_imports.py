@@ -40,7 +40,7 @@ def test_load_imports_under_the_lock_and_returns_the_module():
 def test_loading_a_tokenizer_imports_xgrammar_too(stories_dir):
     # The first response_format request checks its schema on the event loop: xgrammar must be imported by
     # then, in the thread that loads the tokenizer while the workers start (server/pool/model_pool.py).
-    code = ("import json, sys; from server.pool import load_tokenizer; "
+    code = ("import json, sys; from xinserve.server.pool.model_pool import load_tokenizer; "
             f"tok = load_tokenizer({str(stories_dir)!r}); "
             "print(json.dumps([type(tok).__name__, 'xgrammar' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
