@@ -16,7 +16,7 @@ def test_a_process_started_by_the_suite_leaves_its_modules_compiled():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     dont_write, cached = json.loads(out.stdout.splitlines()[-1])
     assert dont_write is False
-    assert cached == importlib.util.cache_from_source(str(REPO_ROOT / "server" / "heavy_imports.py"))
+    assert cached == importlib.util.cache_from_source(str(REPO_ROOT / "server" / "http" / "heavy_imports.py"))
     assert importlib.util.find_spec("xinserve.server.http.heavy_imports").cached == cached
     with open(cached, "rb") as f:
         assert f.read(4) == importlib.util.MAGIC_NUMBER

@@ -48,15 +48,16 @@ def fresh_import(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
     # Setting then deleting records the original entry and attribute, which teardown puts back.
     monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(sys.modules[parent], child, None, raising=False)
-    monkeypatch.delattr(sys.modules[parent], child)
+    package = importlib.import_module(parent)
+    monkeypatch.setattr(package, child, None, raising=False)
+    monkeypatch.delattr(package, child)
     return importlib.import_module(name)
 
 
 def install_fakes(monkeypatch: pytest.MonkeyPatch, with_mate: bool) -> ModuleType:
     """The fakes in place of torch_musa (also as ``torch.musa``) and, optionally, mate (else its
     import fails); the registry's musa candidates limited to ours and the reference, so these
-    tests do not depend on the Triton kernels. Returns kernels.musa imported against them."""
+    tests do not depend on the Triton kernels. Returns kernels/musa/ops.py imported against them."""
     torch_musa = load_fake("torch_musa")
     monkeypatch.setitem(sys.modules, "torch_musa", torch_musa)
     monkeypatch.setattr(torch, "musa", torch_musa, raising=False)
