@@ -1,7 +1,7 @@
 """Engine options: the keyword arguments of ``LLM``, and the one definition of every engine setting.
 
 Each field's metadata (``setting``) holds its help text and its bounds or choices. The server's
-per-model YAML keys (``server/engine_settings.py``), the ``serve`` flags (``server/cli/main.py``) and the
+per-model YAML keys (``server/engine_settings.py``), the ``serve`` flags (``server/cli/setting_flags.py``) and the
 checks below are all derived from these fields, so they cannot drift apart.
 """
 
@@ -75,8 +75,10 @@ class EngineConfig:
         "bucket: auto keeps a CPU bucket compiled only where it measures faster, on keeps every bucket that "
         "compiles, off runs eagerly (engines/worker/graphs.py); default: $XINSERVE_COMPILE, else auto",
         choices=COMPILE_MODES))
+    # vLLM's alias, kept so its flag and ``LLM(enforce_eager=True)`` work: ``__post_init__`` maps it onto
+    # ``compile``, the one setting the engine reads.
     enforce_eager: bool = field(default=False, metadata=setting(
-        "never compile or graph-capture decode steps (vLLM's name for compile off; wins over it)"))
+        "never compile or graph-capture decode steps: vLLM's alias for compile off (wins over compile)"))
     warm_up_in_background: bool = field(default=True, metadata=setting(
         "report ready once the model is loaded and the eager path warmed, then compile the CPU decode buckets "
         "and build C++ kernels not built yet in a background thread, swapping each in between steps "
@@ -117,6 +119,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             check_setting(f.name, getattr(self, f.name), f.metadata)
+        if self.enforce_eager:
+            self.compile = "off"
         if self.kv_events_config is not None:
             KVEventsConfig.parse(self.kv_events_config)
         if self.kv_offloading_size is not None and self.tensor_parallel_size > 1:

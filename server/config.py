@@ -62,18 +62,23 @@ KeyEntry = Annotated[
 
 
 class ServerSettings(_Section):
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=0, le=65535)
+    """The HTTP server. A field with a description is also a ``serve`` flag (server/cli/setting_flags.py)."""
+
+    host: str = Field("0.0.0.0", description="address to listen on (default: 0.0.0.0, every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (default: 8000)")
     # Plain strings (also --api-key and XINSERVE_API_KEY, appended after the file's) are keys for every
     # model, named by their position in this list: "key-1", "key-2", ...
-    api_keys: list[KeyEntry] = Field(default_factory=list)
-    request_timeout_s: float = Field(600, gt=0)
+    api_keys: list[KeyEntry] = Field(default_factory=list, json_schema_extra={"flag": "api-key"},
+                                     description="accepted API key (repeatable; also XINSERVE_API_KEY)")
+    request_timeout_s: float = Field(600, gt=0, json_schema_extra={"flag": "request-timeout"},
+                                     description="seconds before a request is aborted")
     # Paths reachable without a key even when api_keys is set (probes and Prometheus scrapers).
     auth_exempt_paths: list[str] = Field(default_factory=lambda: ["/health", "/metrics"])
     log_requests: bool = True
     # Whether a chat request may replace the model's chat template (``chat_template_kwargs.chat_template``,
     # vLLM's --trust-request-chat-template): a template is code that runs on the server; off by default.
-    trust_request_chat_template: bool = False
+    trust_request_chat_template: bool = Field(
+        False, description="let requests replace the chat template (chat_template_kwargs.chat_template)")
     # After SIGTERM/SIGINT: seconds running requests get to finish (the rest then end with an
     # error), then seconds workers get to leave before they are killed.
     shutdown_timeout_s: float = Field(10, gt=0)
@@ -104,10 +109,11 @@ class DistributedSettings(_Section):
     config; node 0 serves HTTP and hosts each group's rendezvous at ``master_addr``, at
     ``master_port`` + the group's index over all models' groups in config order."""
 
-    nnodes: int = Field(1, ge=1)
-    node_rank: int = Field(0, ge=0)
-    master_addr: str = "127.0.0.1"
-    master_port: int = Field(0, ge=0, le=65535)  # 0: any free port (one node only)
+    nnodes: int = Field(1, ge=1, description="machines the tensor-parallel groups span (docs/parallelism.md)")
+    node_rank: int = Field(0, ge=0, description="this machine's index; 0 serves HTTP, the others only run ranks")
+    master_addr: str = Field("127.0.0.1", description="node 0's address, reachable from every node")
+    master_port: int = Field(0, ge=0, le=65535,  # 0: any free port (one node only)
+                             description="first rendezvous port on node 0 (one per group from it)")
     rendezvous_timeout_s: float = Field(120, gt=0)
 
     @model_validator(mode="after")
@@ -126,7 +132,8 @@ class MonitoringSettings(_Section):
 class MetricsSettings(_Section):
     # The engine metrics' namespace: "vllm" names them as vLLM does (vllm:num_requests_waiting ...), so
     # routers, autoscalers and dashboards configured for vLLM read them unchanged.
-    prefix: str = Field("xinserve", pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+    prefix: str = Field("xinserve", pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$", json_schema_extra={"flag": "metric-prefix"},
+                        description="the engine metrics' prefix: xinserve (default), or vllm as vLLM's")
 
 
 class LimitsSettings(_Section):

@@ -13,7 +13,7 @@ _DEVICE = re.compile(r"^(cpu|(cuda|npu|musa)(:\d+)?)$")
 
 class ModelSettings(EngineSettings):
     """One served model: every engine setting (``server/engine_settings.py``, from ``EngineConfig``) and
-    the server's own keys. A field with a description is also a ``serve`` flag (server/cli/main.py)."""
+    the server's own keys. A field with a description is also a ``serve`` flag (server/cli/setting_flags.py)."""
 
     name: str = Field(min_length=1)
     # A Hugging Face directory, or "embedded:<name>" for the built-in tiny model.

@@ -10,6 +10,8 @@ GREEDY_BELOW = 1e-5
 # near 0 or past float32's range gives inf and NaN, and the sampler would then pick garbage.
 MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# Integers a worker receives must fit msgpack's 64 bits; a larger one would fail the send.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Applied where the text is made (the HTTP process, or ``LLM``), never by the engine's step.
 DETOKENIZER_FIELDS = ("stop", "include_stop_str_in_output", "skip_special_tokens")
 
@@ -88,7 +90,8 @@ class SamplingParams:
         _check(0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "top_k", f"top_k must be 0 (disabled) or positive, got {self.top_k}")
+        _check(0 <= self.top_k <= INT64_MAX, "top_k",
+               f"top_k must be 0 (disabled) or positive (64-bit), got {self.top_k}")
         _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty",
                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
@@ -99,14 +102,17 @@ class SamplingParams:
                f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
                f"max_tokens must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        _check(0 <= self.min_tokens <= INT64_MAX, "min_tokens",
+               f"min_tokens must be non-negative (64-bit), got {self.min_tokens}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"logprobs must be in [0, 20], got {self.logprobs}")
-        _check(self.seed is None or -(2**63) <= self.seed < 2**63, "seed",
+        _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed",
                f"seed must be a 64-bit signed integer, got {self.seed}")
         _check(all(self.stop), "stop", "stop strings must be non-empty")
+        _check(all(0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
+               "stop_token_ids must be token ids (non-negative 64-bit integers)")
         _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         _check(self.json_schema is None or isinstance(self.json_schema, str), "json_schema",

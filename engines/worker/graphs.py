@@ -51,11 +51,10 @@ GRAPH_CLASSES = {"cuda": "CUDAGraph", "npu": "NPUGraph", "musa": "MUSAGraph"}
 TIMING_ITERATIONS = 5
 
 
-def effective_mode(compile_mode: str | None, enforce_eager: bool) -> str:
-    """"auto" | "on" | "off": ``enforce_eager`` means "off"; an unset mode is $XINSERVE_COMPILE's
-    (the test suite sets "off", so only the tests about compiling pay for it), else "auto"."""
-    if enforce_eager:
-        return "off"
+def effective_mode(compile_mode: str | None) -> str:
+    """"auto" | "on" | "off": ``EngineConfig.compile`` (``enforce_eager`` is already mapped onto it); an
+    unset mode is $XINSERVE_COMPILE's (the test suite sets "off", so only the tests about compiling pay
+    for it), else "auto"."""
     if compile_mode is not None:
         return compile_mode
     mode = os.environ.get(COMPILE_ENV_VAR, "auto").strip().lower()

@@ -69,7 +69,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.kv_cache = torch.empty(0)
         # Pure-decode steps in padded buckets, compiled or graph-captured (engines/worker/graphs.py).
-        self.compile_mode = effective_mode(config.compile, config.enforce_eager)
+        self.compile_mode = effective_mode(config.compile)
         if (group is not None or pipeline is not None) and self.compile_mode != "off":
             # Compiling or capturing across the group's collectives is not built or tested yet.
             logger.info("tensor parallel: decode steps run eagerly (compile %r is ignored)", self.compile_mode)

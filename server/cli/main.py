@@ -6,84 +6,47 @@ Engine flags (``--max-model-len``, ...) given next to a config apply to every mo
 """
 
 import argparse
-import json
+import copy
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any
 
 from xinserve.engines.config import COMPILE_ENV_VAR, COMPILE_MODES
 from xinserve.engines.worker.process_exit import leave_quickly
 from xinserve.server.cli.bad_input import BadInput
-from xinserve.server.config import AppConfig, ConfigError, default_config_path, load_config, parse_config
+from xinserve.server.cli.setting_flags import add_flags, apply_flags, flag_fields
+from xinserve.server.config import (
+    AppConfig,
+    ConfigError,
+    DistributedSettings,
+    MetricsSettings,
+    ServerSettings,
+    default_config_path,
+    load_config,
+    parse_config,
+)
 from xinserve.server.model_settings import ModelSettings
 
 # Model settings that are also flags (those with help text): given next to a config, each applies to
 # every model in it.
-MODEL_FLAGS = tuple(name for name, info in ModelSettings.model_fields.items() if info.description)
-# Flag -> distributed config key (tensor-parallel groups over several machines)
-DISTRIBUTED_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port")
+MODEL_FLAGS = tuple(flag_fields(ModelSettings))
+# Config section -> its settings; a field with help text is also a flag (server/cli/setting_flags.py).
+SECTION_FLAGS = {"server": ServerSettings, "distributed": DistributedSettings, "metrics": MetricsSettings}
 EMBEDDED_DEFAULT = {"models": [{"name": "xinserve-tiny", "path": "embedded:xinserve-tiny", "workers": ["cpu"]}]}
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    # Flags that pick the config, rather than set one of its keys.
     p.add_argument("--config", help="YAML config file (examples in config/, keys in docs/configuration.md)")
     p.add_argument("--model", help="Hugging Face model directory, or embedded:<name>")
     p.add_argument("--device", action="append",
                    help="worker device: cpu, cuda:N, npu:N, musa:N; repeat or comma-separate for several")
     p.add_argument("--served-model-name", help="the name clients send as 'model' (default: directory name)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--api-key", action="append", help="accepted API key (repeatable; also XINSERVE_API_KEY)")
-    p.add_argument("--request-timeout", type=float, help="seconds before a request is aborted")
-    p.add_argument("--trust-request-chat-template", action="store_const", const=True, default=None,
-                   help="let requests replace the chat template (chat_template_kwargs.chat_template)")
-    _add_model_flags(p)
-    p.add_argument("--nnodes", type=int, help="machines the tensor-parallel groups span (docs/parallelism.md)")
-    p.add_argument("--node-rank", type=int, help="this machine's index; 0 serves HTTP, the others only run ranks")
-    p.add_argument("--master-addr", help="node 0's address, reachable from every node")
-    p.add_argument("--master-port", type=int, help="first rendezvous port on node 0 (one per group from it)")
-    p.add_argument("--metric-prefix", help="the engine metrics' prefix: xinserve (default), or vllm as vLLM's")
+    for settings in (ServerSettings, ModelSettings, DistributedSettings, MetricsSettings):
+        add_flags(p, settings)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    """A flag per model setting in MODEL_FLAGS, typed and explained by its field: every engine setting
-    (``xinserve.engines.EngineConfig``) and the server's per-model ones. Not given, it is None."""
-    for name in MODEL_FLAGS:
-        info = ModelSettings.model_fields[name]
-        kind = next((a for a in get_args(info.annotation) if a is not type(None)), info.annotation)
-        flag, options = "--" + name.replace("_", "-"), {"help": info.description}
-        if kind is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, **options)
-        elif get_origin(kind) is Literal:
-            p.add_argument(flag, choices=get_args(kind), **options)
-        elif get_origin(kind) is dict and get_args(kind)[1] is str:
-            p.add_argument(flag, type=_op_impl_pairs, metavar="OP=IMPL,...", **options)
-        elif get_origin(kind) is dict:  # a structured setting (speculative_config): JSON, as vLLM takes it
-            p.add_argument(flag, type=_json_object, metavar="JSON", **options)
-        else:
-            p.add_argument(flag, type=kind, **options)
-
-
-def _op_impl_pairs(text: str) -> dict[str, str]:
-    """``"op=impl,op=impl"`` -> {op: impl}; the names are checked by each worker's kernel registry."""
-    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
-    if not pairs or any(not sep or not op.strip() or not impl.strip() for op, sep, impl in pairs):
-        raise argparse.ArgumentTypeError(f"expected op=impl[,op=impl...], got {text!r}")
-    return {op.strip(): impl.strip() for op, _, impl in pairs}
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """A JSON object flag value; its keys are checked with the rest of the config."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
 
 
 def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) -> AppConfig:
@@ -102,34 +65,14 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
             data = load_config(args.config).model_dump()
         else:
             path = default_config_path()
-            data = load_config(path).model_dump() if path.is_file() else EMBEDDED_DEFAULT
-    data.setdefault("server", {})
+            data = load_config(path).model_dump() if path.is_file() else copy.deepcopy(EMBEDDED_DEFAULT)
     for model in data["models"]:
-        for name in MODEL_FLAGS:
-            value = getattr(args, name)
-            if value is not None:
-                model[name] = value
-    distributed = data.setdefault("distributed", {}) or {}
-    data["distributed"] = distributed
-    for flag in DISTRIBUTED_FLAGS:
-        value = getattr(args, flag, None)
-        if value is not None:
-            distributed[flag] = value
-    server = data["server"]
-    if args.host is not None:
-        server["host"] = args.host
-    if args.port is not None:
-        server["port"] = args.port
-    if args.request_timeout is not None:
-        server["request_timeout_s"] = args.request_timeout
-    if args.trust_request_chat_template:
-        server["trust_request_chat_template"] = True
-    if args.metric_prefix is not None:
-        data["metrics"] = {**(data.get("metrics") or {}), "prefix": args.metric_prefix}
-    keys = list(server.get("api_keys") or []) + list(args.api_key or [])
-    if env.get("XINSERVE_API_KEY"):
-        keys.append(env["XINSERVE_API_KEY"])
-    server["api_keys"] = keys
+        apply_flags(args, ModelSettings, model)
+    for name, settings in SECTION_FLAGS.items():
+        data[name] = data.get(name) or {}
+        apply_flags(args, settings, data[name])
+    if env.get("XINSERVE_API_KEY"):  # after the file's keys and --api-key's
+        data["server"]["api_keys"] = [*(data["server"].get("api_keys") or []), env["XINSERVE_API_KEY"]]
     compile_mode = env.get(COMPILE_ENV_VAR)
     if compile_mode is not None and compile_mode.strip().lower() not in COMPILE_MODES:
         # read by every worker's engine: refuse it here, not after each worker has loaded its model

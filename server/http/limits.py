@@ -18,8 +18,7 @@ def check_chat(body: ChatCompletionRequest, limits: LimitsSettings) -> None:
         )
     chars = sum(m.prompt_chars() for m in body.messages)
     _check_prompt_chars(chars, limits, "messages")
-    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    _check_sampling(body, body.requested_max_tokens, param, limits)
+    _check_sampling(body, body.requested_max_tokens, body.max_tokens_param, limits)
 
 
 def check_completion(body: CompletionRequest, limits: LimitsSettings) -> None:

@@ -41,3 +41,14 @@ def test_kv_cache_dtype_choices_are_the_kernels_dtypes():
     assert KV_CACHE_DTYPE_NAMES == tuple(KV_CACHE_DTYPES)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(model="m", kv_cache_memory_fraction=0.5, kv_cache_dtype="fp16")
+
+
+@pytest.mark.parametrize(("options", "mode"), [
+    ({"enforce_eager": True}, "off"),
+    ({"compile": "on", "enforce_eager": True}, "off"),  # the alias wins, as vLLM's flag does
+    ({"compile": "on"}, "on"),
+    ({}, None),  # unset: $XINSERVE_COMPILE, else auto (engines/worker/graphs.py)
+])
+def test_enforce_eager_is_vllms_alias_mapped_onto_compile(options, mode):
+    # ``compile`` is the one setting the engine reads; ``enforce_eager`` only sets it.
+    assert EngineConfig(model="m", **options).compile == mode

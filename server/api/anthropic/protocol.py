@@ -151,10 +151,11 @@ class CountTokensRequest(_Strict):
 class MessagesRequest(CountTokensRequest):
     """The body of ``/v1/messages``: a prompt plus how to sample its answer."""
 
+    # Anthropic's documented ranges only; the engine's are checked on the chat path (SamplingParams.validate).
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(None, ge=0, le=1)  # Anthropic's range
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     metadata: Metadata | None = None
     stream: bool = False

@@ -66,7 +66,7 @@ async def start_chat(request: Request, body: ChatCompletionRequest, request_id: 
     body.check_vocab(int(worker.info["vocab_size"]))
     max_tokens = cap_max_tokens(max_tokens_for(
         len(prompt_ids), body.requested_max_tokens, int(worker.info["max_model_len"]), prompt_param="messages",
-        param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+        param=body.max_tokens_param,
     ), state.config.limits)
     reasoning = reasoning_for(pool.settings.reasoning_parser, pool.tokenizer, prompt_ids, body.chat_template_kwargs)
     # The grammar applies to the answer, after the reasoning, as vLLM applies it.

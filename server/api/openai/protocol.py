@@ -1,12 +1,16 @@
 """OpenAI request bodies as pydantic models, with vLLM's extra sampling fields.
 
-Validation is strict about types (a string temperature is a 400, not silently coerced) and about
-OpenAI's value ranges; fields we do not know are ignored, as the SDK adds new optional ones often.
-Responses are built as plain dicts in ``server/api/openai/view.py`` (cheaper per stream chunk).
+Validation is strict about types (a string temperature is a 400, not silently coerced) and checks
+only the value ranges OpenAI documents (its schema: temperature 0..2, top_p 0..1, n 1..128, ...).
+Every other range (vLLM's extras, max_tokens >= 1, seed and token ids within 64 bits, non-empty stop
+strings) is the engine's, checked once by ``SamplingParams.validate`` when ``sampling_params`` builds
+the engine's record, and raised as the same 400 naming the field. Fields we do not know are ignored,
+as the SDK adds new optional ones often. Responses are built as plain dicts in
+``server/api/openai/view.py`` (cheaper per stream chunk).
 """
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -20,8 +24,6 @@ MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20  # chat ``top_logprobs``
 MAX_COMPLETION_LOGPROBS = 5  # completions ``logprobs``
 MAX_LOGIT_BIAS = 300
-# Integers sent to the worker must fit msgpack's 64 bits; a larger one would fail the send (a 500).
-INT64_MAX = 2**63 - 1
 
 
 class _Strict(BaseModel):
@@ -132,14 +134,15 @@ def checked_schema(schema: dict[str, Any], param: str) -> str:
 
 
 class _SamplingFields(_Strict):
-    """Fields shared by chat and completions, in OpenAI's ranges, plus vLLM's extras."""
+    """Fields shared by chat and completions, in OpenAI's documented ranges, plus vLLM's extras (whose
+    ranges are the engine's alone: ``SamplingParams.validate``)."""
 
     model: str
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # OpenAI's seed is an int64
+    seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     user: str | None = None
@@ -147,12 +150,12 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extensions.
-    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    top_k: int | None = None  # -1 (vLLM's "disabled") is the engine's 0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -164,8 +167,6 @@ class _SamplingFields(_Strict):
         stops = [value] if isinstance(value, str) else value
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stops)}")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
         return stops
 
     @field_validator("logit_bias")
@@ -203,21 +204,24 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def max_tokens_param(self) -> str:
+        """The field the client's token budget came from (chat's newer name overrides it)."""
+        return "max_tokens"
+
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, json_schema: str | None = None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
-        """The engine's ``SamplingParams``, built here so a bad value is a 400 before any round trip
-        to a worker (which receives the same record). ``max_tokens``: the budget in effect (asked for,
-        or what the context leaves), which ``min_tokens`` may not exceed (as in vLLM)."""
-        if self.min_tokens > max_tokens:
-            raise APIError(400, f"min_tokens must be at most max_tokens ({max_tokens}), got {self.min_tokens}",
-                           param="min_tokens")
+        """The engine's ``SamplingParams``, built here so a value out of the engine's ranges is a 400
+        naming its field before any round trip to a worker (which receives the same record).
+        ``max_tokens``: the budget in effect (asked for, or what the context leaves), which
+        ``min_tokens`` may not exceed (as in vLLM)."""
         try:
             return SamplingParams(
                 n=self.n,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=max(self.top_k or 0, 0),  # vLLM uses -1 for "disabled", the engine 0
+                top_k=0 if self.top_k in (None, -1) else self.top_k,  # vLLM's -1 for "disabled" is the engine's 0
                 min_p=self.min_p or 0.0,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
@@ -237,14 +241,17 @@ class _SamplingFields(_Strict):
                 prompt_logprobs=prompt_logprobs,
             )
         except InvalidSamplingParam as exc:
-            raise APIError(400, f"Invalid value for '{exc.field}': {exc}", param=exc.field,
+            param, message = exc.field, str(exc)
+            if param == "max_tokens":  # named as the client sent it (max_completion_tokens, ...)
+                param, message = self.max_tokens_param, message.replace("max_tokens", self.max_tokens_param)
+            raise APIError(400, f"Invalid value for '{param}': {message}", param=param,
                            code="invalid_value") from None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
@@ -295,7 +302,11 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         # ``max_completion_tokens`` is the newer name and wins when both are given.
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     @property
     def num_logprobs(self) -> int | None:
@@ -304,10 +315,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = None  # served only equal to n (``check``)
     suffix: str | None = None
 
     def check(self) -> None:

@@ -44,9 +44,10 @@ class ResponsesRequest(_Lenient):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    # OpenAI's documented ranges only; the engine's (max_output_tokens >= 1, ...) are checked on the chat path.
+    max_output_tokens: int | None = None
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
     tools: list[FunctionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True

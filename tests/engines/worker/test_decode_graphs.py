@@ -243,13 +243,13 @@ def test_compile_off_and_enforce_eager_do_not_compile(model, monkeypatch, option
 def test_compile_config_validation(monkeypatch):
     with pytest.raises(ValueError, match="compile must be one of auto, off, on, got 'fast'"):
         EngineConfig(model="m", compile="fast")
-    assert xinserve.engines.worker.graphs.effective_mode("on", enforce_eager=True) == "off"
+    assert xinserve.engines.worker.graphs.effective_mode(EngineConfig(model="m", compile="on", enforce_eager=True).compile) == "off"
     monkeypatch.setenv("XINSERVE_COMPILE", "sometimes")
     with pytest.raises(ValueError, match="XINSERVE_COMPILE must be one of auto, off, on"):
-        xinserve.engines.worker.graphs.effective_mode(None, enforce_eager=False)
+        xinserve.engines.worker.graphs.effective_mode(None)
     monkeypatch.setenv("XINSERVE_COMPILE", "on")
-    assert xinserve.engines.worker.graphs.effective_mode(None, enforce_eager=False) == "on"
-    assert xinserve.engines.worker.graphs.effective_mode("off", enforce_eager=False) == "off"
+    assert xinserve.engines.worker.graphs.effective_mode(None) == "on"
+    assert xinserve.engines.worker.graphs.effective_mode("off") == "off"
     with pytest.raises(ConfigError, match="models.0.compile"):
         parse_config({"models": [{"name": "m", "path": "p", "compile": "always"}]})
     settings = parse_config({"models": [{"name": "m", "path": "p", "compile": "off"}]}).models[0]

@@ -23,13 +23,26 @@ def bad_loc(**kw) -> tuple:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("temperature", 2.01), ("temperature", -1), ("top_p", 0), ("top_p", 1.01), ("n", 0), ("max_tokens", 0),
-    ("max_tokens", -1), ("max_completion_tokens", 0), ("presence_penalty", 2.5), ("frequency_penalty", -3),
-    ("top_logprobs", 21), ("min_p", 1.5), ("repetition_penalty", 0), ("top_k", -2), ("seed", 2**63),
-    ("seed", -(2**63) - 1),
+    ("temperature", 2.01), ("temperature", -1), ("top_p", 1.01), ("top_p", -0.1), ("n", 0), ("n", 129),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("top_logprobs", 21),
 ])
-def test_out_of_range_values_are_rejected(field, value):
+def test_values_outside_openais_documented_ranges_are_rejected(field, value):
     assert bad_loc(**{field: value})[0] == field
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("top_p", 0), ("max_tokens", 0), ("max_tokens", -1), ("max_completion_tokens", 0), ("min_p", 1.5),
+    ("repetition_penalty", 0), ("top_k", -2), ("top_k", 2**63), ("seed", 2**63), ("seed", -(2**63) - 1),
+    ("min_tokens", -1), ("stop_token_ids", [-1]), ("stop_token_ids", [2**63]), ("stop", [""]),
+])
+def test_values_outside_the_engines_ranges_are_a_400_naming_the_field(field, value):
+    # Shapes pass the request model; the range is the engine's (SamplingParams.validate), checked once.
+    req = chat(**{field: value})
+    budget = 4 if req.requested_max_tokens is None else req.requested_max_tokens
+    with pytest.raises(APIError) as info:
+        req.sampling_params(max_tokens=budget, logprobs=None)
+    assert (info.value.status, info.value.param, info.value.code) == (400, field, "invalid_value")
+    assert info.value.message.startswith(f"Invalid value for '{field}': {field}")
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -57,7 +70,9 @@ def test_stop_forms():
     assert chat(stop=["a", "b", "c", "d"]).stop_list == ["a", "b", "c", "d"]
     assert chat().stop_list == []
     assert bad_loc(stop=["a", "b", "c", "d", "e"]) == ("stop",)
-    assert bad_loc(stop=[""]) == ("stop",)
+    with pytest.raises(APIError) as info:  # an empty stop string: the engine's rule
+        chat(stop=[""]).sampling_params(max_tokens=1, logprobs=None)
+    assert info.value.param == "stop"
 
 
 def test_logit_bias_within_openais_limits_reaches_the_engine():
@@ -100,6 +115,9 @@ def test_cross_field_checks_name_the_param():
 def test_max_tokens_precedence_and_logprobs():
     assert chat(max_tokens=5, max_completion_tokens=7).requested_max_tokens == 7
     assert chat(max_tokens=5).requested_max_tokens == 5
+    assert chat(max_tokens=5, max_completion_tokens=0).requested_max_tokens == 0  # refused by the engine
+    assert (chat(max_tokens=5).max_tokens_param, chat(max_completion_tokens=7).max_tokens_param) == (
+        "max_tokens", "max_completion_tokens")
     assert chat().requested_max_tokens is None
     assert chat().num_logprobs is None
     assert chat(logprobs=True).num_logprobs == 0

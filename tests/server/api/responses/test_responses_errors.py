@@ -55,6 +55,8 @@ def test_a_worker_lost_mid_stream_ends_with_error_and_response_failed_events(tin
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"max_output_tokens": 5000}, "max_output_tokens"),  # more than the context leaves
+    ({"max_output_tokens": 0}, "max_output_tokens"),  # the engine's range (SamplingParams.validate)
+    ({"top_p": 0}, "top_p"),  # OpenAI documents 0..1, the engine samples from (0, 1]
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": "x" * 1_000_001}]}, "input"),  # limits.max_prompt_chars
     ({"text": {"format": {"type": "json_object"}}, "tool_choice": "required",
