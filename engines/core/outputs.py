@@ -79,6 +79,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for, one per prompt token
     error: str | None = None  # why the request failed (its choices then end with "abort")
+    kv_transfer_params: dict[str, Any] | None = None  # what a decode instance needs to read its KV
 
     @property
     def token_ids(self) -> list[int]:
