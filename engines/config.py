@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from xinserve.engines.kv.events import KVEventsConfig
+from xinserve.engines.kv.transfer_config import parse_kv_transfer_config
 from xinserve.engines.parallel.parallel_config import ParallelConfig
 from xinserve.engines.speculative.config import parse_speculative_config, uses_mtp
 
@@ -105,6 +106,11 @@ class EngineConfig:
     kv_offloading_size: float | None = field(default=None, metadata=setting(
         "GiB of host memory that keeps the prefix-cache blocks the device pool evicts, reloaded on a later "
         "hit instead of recomputed (engines/kv/host_tier.py)", gt=0, le=1 << 20))
+    kv_transfer_config: dict[str, Any] | None = field(default=None, metadata=setting(
+        "prefill/decode disaggregation, vLLM's JSON: kv_connector (MooncakeConnector), kv_role (kv_producer, "
+        "kv_consumer, kv_both), engine_id, kv_ip, kv_port (the side channel), kv_buffer_device, "
+        "kv_load_failure_policy (recompute, fail), kv_connector_extra_config (protocol, device_name, "
+        "hold_timeout_s, handshake_timeout_s); docs/disaggregation.md", check=parse_kv_transfer_config))
     # Which replica of its model this engine is (the worker's index in the pool; KV events carry it).
     data_parallel_rank: int = field(default=0, metadata=setting("this replica's index among its model's", ge=0))
     quantization: str | None = field(default=None, metadata=setting(
@@ -126,6 +132,11 @@ class EngineConfig:
         if self.kv_offloading_size is not None and self.tensor_parallel_size > 1:
             raise ValueError("kv_offloading_size is not supported with tensor_parallel_size > 1 yet "
                              "(each rank holds a shard of the KV cache)")
+        if self.kv_transfer_config is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("kv_transfer_config is not supported with several ranks per replica yet "
+                             "(each rank holds a shard of the KV cache)")
+        if self.kv_transfer_config is not None and self.kv_offloading_size is not None:
+            raise ValueError("kv_transfer_config and kv_offloading_size cannot be combined yet (one KV connector)")
         if self.kv_offloading_size is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching: the tier is keyed by its block hashes")
 

@@ -74,6 +74,8 @@ class LLM:
                 choice = results[out.request_id].outputs[out.index]
                 if out.prompt_logprobs is not None:
                     results[out.request_id].prompt_logprobs = out.prompt_logprobs
+                if out.kv_transfer_params is not None:
+                    results[out.request_id].kv_transfer_params = out.kv_transfer_params
                 detok = detokenizers[out.request_id, out.index]
                 # The engine's own "stop" is always a stop token (EOS or stop_token_ids). A stop string
                 # ends the output at its token, even inside a step's accepted drafts.

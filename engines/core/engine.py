@@ -23,6 +23,7 @@ from xinserve.engines.core.sequence import Sequence, SequenceStatus
 from xinserve.engines.kv.event_publisher import make_publisher
 from xinserve.engines.kv.events import EventBatch
 from xinserve.engines.kv.host_tier import make_host_tier
+from xinserve.engines.kv.mooncake_connector import make_remote_connector
 from xinserve.engines.parallel.tp_runner import make_runner
 from xinserve.engines.platforms import get_platform
 from xinserve.engines.speculative.config import parse_speculative_config
@@ -54,14 +55,20 @@ class LLMEngine:
         self.thread_choice = thread_split.for_engine(config, self.platform, self.runner, self.max_model_len)
         # Deferred C++ kernel builds, then the CPU decode buckets: after ready unless asked otherwise.
         self.warmup = Warmup(self.runner, config.warm_up_in_background)
-        # A host tier below the pool (kv_offloading_size) and KV events for routers (kv_events_config).
+        # A KV connector (engines/kv/connector.py): the host tier below the pool (kv_offloading_size) or
+        # another instance's pool (kv_transfer_config); and KV events for routers (kv_events_config).
         self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size, self.platform.kind)
+        self.kv_connector = self.kv_tier or make_remote_connector(
+            config.kv_transfer_config, self.runner, block_size, config.data_parallel_rank)
         self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching,
                                           record_events=self.kv_events is not None, external=self.kv_tier,
                                           match_next_token=config.uses_mtp)
+        if self.kv_connector is not None:
+            self.kv_connector.bind_block_manager(self.block_manager)
+            self.kv_connector.register_kv_caches(self.runner.kv_cache)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.eos_token_ids, self.max_model_len)
+                                   self.eos_token_ids, self.max_model_len, self.kv_connector)
         self.speculative = None if config.speculative_config is None else parse_speculative_config(
             config.speculative_config)
         self.proposer = None if self.speculative is None else make_proposer(self.speculative)
@@ -125,12 +132,14 @@ class LLMEngine:
         self.runner.close()
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, in the pool and in the host tier (vLLM's reset_prefix_cache)."""
         self.block_manager.reset_prefix_cache()
-        if self.kv_tier is not None:
-            self.kv_tier.clear()
+        if self.kv_connector is not None:
+            self.kv_connector.clear()
         self._publish_kv_events()
 
     def _publish_kv_events(self) -> None:
@@ -145,7 +154,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ValueError when it could never run (the server answers 400)."""
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.scheduler.held_blocks:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -168,6 +177,8 @@ class LLMEngine:
         after = params.json_schema_after_token
         if after is not None and not 0 <= after < self.vocab_size:
             raise ValueError(f"json_schema_after_token must be in [0, {self.vocab_size})")
+        if params.kv_transfer_params is not None:
+            self._check_kv_transfer(params)
         now = time.monotonic()
         first = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, now)
         seqs = [first] + [
@@ -186,6 +197,21 @@ class LLMEngine:
             self.sampling_requests.add(request_id)
         self.prompt_tokens_total += len(prompt_token_ids)
 
+    def _check_kv_transfer(self, params: SamplingParams) -> None:
+        """A request that hands its KV to another instance, or takes it from one (vLLM's kv_transfer_params)."""
+        if self.kv_tier is not None or self.kv_connector is None:
+            raise ValueError("kv_transfer_params needs an engine started with kv_transfer_config "
+                             "(--kv-transfer-config)")
+        if params.n != 1:
+            raise ValueError(f"kv_transfer_params needs n 1, got {params.n}")
+        self.kv_connector.check_request(params.kv_transfer_params)
+
+    def release_sent_kv(self) -> None:
+        """Free the blocks another instance finished reading (or whose hold expired); the worker calls it
+        when idle too, since no step runs then."""
+        if self.kv_connector is not None and self.scheduler.held_blocks:
+            self.scheduler.release_sent_blocks()
+
     def abort_request(self, request_id: str, index: int | None = None, emitted: int | None = None) -> None:
         """Stop a request (or one choice of it) now and free its KV blocks. Unknown ids are ignored.
         ``emitted`` (with ``index``): the choice's output tokens its client got (a stop string ended it);
@@ -201,7 +227,7 @@ class LLMEngine:
     def async_steps(self) -> "AsyncScheduling | None":
         """A stepper that schedules step N+1 while step N runs (engines/core/async_scheduling.py), or None where
         this engine cannot: speculative decoding, a host KV tier, several ranks, a device other than the CPU."""
-        if (self.proposer is not None or self.kv_tier is not None or self.platform.kind != "cpu"
+        if (self.proposer is not None or self.kv_connector is not None or self.platform.kind != "cpu"
                 or self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1):
             return None
         return AsyncScheduling(self)
@@ -213,10 +239,12 @@ class LLMEngine:
         failures = self._admit_compiled() if self._compiling else []
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
+        self.release_sent_kv()
         scheduled = self.scheduler.schedule()
-        if self.kv_tier is not None:
-            # Before the forward: evicted blocks out of the pool, then tier hits into it.
-            self.kv_tier.transfer(*self.block_manager.take_transfers(), self.runner.kv_cache)
+        if self.kv_connector is not None:
+            # Before the forward: the connector's transfers (the host tier's evictions out of the pool,
+            # then tier hits or another instance's blocks into it).
+            scheduled = self._load_kv(scheduled, failures)
         if not scheduled:
             return StepResult([], failures)
         sampled, scheduled, failed = self._execute(scheduled)
@@ -238,6 +266,32 @@ class LLMEngine:
         except Exception:
             logger.exception("step of %d sequences failed; running them one by one", len(scheduled))
             return self._execute_one_by_one(scheduled)
+
+    def _load_kv(self, scheduled: list[ScheduledSeq], failures: list[RequestFailure]) -> list[ScheduledSeq]:
+        """Run the step's KV transfers; a sequence whose blocks were not filled leaves the step and, as
+        ``kv_load_failure_policy`` says, recomputes from its first unfilled block in later steps
+        (``recompute``) or fails (``fail``, a 500 added to ``failures``). Returns the step's sequences."""
+        connector = self.kv_connector
+        connector.start_load_kv(connector.build_connector_meta())
+        unfilled = connector.get_block_ids_with_load_errors()
+        if not unfilled:
+            return scheduled
+        kept = []
+        for s in scheduled:
+            seq = s.seq
+            first_bad = next((i for i, block_id in enumerate(seq.block_table) if block_id in unfilled), None)
+            if first_bad is None:
+                kept.append(s)
+            elif connector.load_failure_policy == "fail":
+                logger.warning("request %s: its KV could not be loaded; failing it", seq.request_id)
+                self.abort_request(seq.request_id)
+                failures.append(RequestFailure(
+                    seq.request_id, "the KV cache could not be loaded from the prefill instance "
+                                    "(kv_load_failure_policy fail)"))
+            else:
+                logger.warning("request %s: its KV could not be loaded; recomputing it", seq.request_id)
+                seq.num_computed_tokens = min(seq.num_computed_tokens, first_bad * self.block_manager.block_size)
+        return kept
 
     def _admit_compiled(self) -> list[RequestFailure]:
         """Hand requests whose grammar is compiled to the scheduler, each sequence with its own matcher.
@@ -333,4 +387,5 @@ class LLMEngine:
                 self.speculative.method, self.scheduler.spec_stats),
             external_prefix_cache_queries_total=bm.external_queries,
             external_prefix_cache_hits_total=bm.external_hits,
+            prompt_tokens_computed_total=self.scheduler.prompt_tokens_computed,
         )

@@ -75,6 +75,7 @@ class BlockManager:
         self.evicted: list[tuple[int, int, tuple[int, ...]]] = []
         self.loads: list[tuple[int, int]] = []
         self.external_queries = 0  # prompt tokens looked up in the external tier
+        self.counts_external = False  # a KV connector other than the tier is looked up (engines/kv/connector.py)
         self.external_hits = 0  # of those, tokens it held past the pool's own hits
 
     @property
@@ -168,14 +169,16 @@ class BlockManager:
         seq.num_computed_tokens += num_cached * self.block_size
         return True
 
-    def record_prefix_lookup(self, seq: Sequence, computed: list[int], external: Seq[int] = ()) -> None:
-        """Count a lookup once its sequence is admitted (a failed admission retries later)."""
+    def record_prefix_lookup(self, seq: Sequence, computed: list[int], external: Seq[int] = (),
+                             external_tokens: int = 0) -> None:
+        """Count a lookup once its sequence is admitted (a failed admission retries later). The external
+        hits: the ``external`` tier's blocks, or ``external_tokens`` a KV connector loads."""
         if self.enable_prefix_caching and seq.parent is None:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += len(computed) * self.block_size
-            if self.external is not None:
+            if self.external is not None or self.counts_external:
                 self.external_queries += seq.num_tokens
-                self.external_hits += len(external) * self.block_size
+                self.external_hits += len(external) * self.block_size + external_tokens
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV events recorded since the last call (none when not recording)."""
@@ -262,10 +265,22 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so the tail is evicted before the prefix."""
-        for block_id in reversed(seq.block_table):
+        self.release(seq.block_table)
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0
+
+    def detach(self, seq: Sequence) -> list[int]:
+        """Take the sequence's blocks from it without freeing them (a KV connector holds them until
+        another instance has read them); ``release`` frees them later."""
+        block_ids = list(seq.block_table)
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0
+        return block_ids
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block, tail first (``free``'s order)."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
-        seq.block_table.clear()
-        seq.num_computed_tokens = 0

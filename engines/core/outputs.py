@@ -6,7 +6,7 @@ field order (no field names on the wire).
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -36,6 +36,8 @@ class StepOutput(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprob] | None = None
     # With the first token of a request that asked for them: one entry per prompt token, None first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With the last output of a request whose KV another instance reads (vLLM's field; engines/kv/connector.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for, one per prompt token
     error: str | None = None  # why the request failed (its choices then end with "abort")
+    kv_transfer_params: dict[str, Any] | None = None  # what a decode instance needs to read its KV
 
     @property
     def token_ids(self) -> list[int]:
@@ -124,3 +127,4 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_decode: SpecDecodeCounters | None = None  # with speculative decoding on
     external_prefix_cache_queries_total: int = 0  # prompt tokens looked up in the host KV tier
     external_prefix_cache_hits_total: int = 0  # of those, tokens it held past the pool's own hits
+    prompt_tokens_computed_total: int = 0  # prompt tokens run through the model: not cached, not loaded

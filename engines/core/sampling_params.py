@@ -66,6 +66,9 @@ class SamplingParams:
     json_schema_after_token: int | None = None
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    # vLLM's field for prefill/decode disaggregation: what a KV connector hands over or reads
+    # (engines/kv/mooncake_connector.py); checked by the engine, which knows its connector.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -119,6 +122,8 @@ class SamplingParams:
                "json_schema must be a JSON Schema (its JSON text or a dict)")
         _check(all(-100 <= v <= 100 for v in (self.logit_bias or {}).values()), "logit_bias",
                "logit_bias values must be in [-100, 100]")
+        _check(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict), "kv_transfer_params",
+               "kv_transfer_params must be an object")
 
     @classmethod
     def trusted(cls, **values: Any) -> Self:

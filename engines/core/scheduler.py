@@ -20,6 +20,7 @@ import logging
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from xinserve.engines.core.kv_cache import BlockManager
 from xinserve.engines.core.outputs import FinishReason, RequestFailure, StepOutput, StepResult, TokenLogprob
@@ -52,7 +53,7 @@ class SampledTokens:
 class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-        eos_token_ids: Collection[int] = (), max_model_len: int | None = None,
+        eos_token_ids: Collection[int] = (), max_model_len: int | None = None, kv_connector: Any = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -63,6 +64,13 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        self.prompt_tokens_computed = 0  # prompt tokens run through the model (not cached, not loaded)
+        # A KV connector (engines/kv/connector.py): tokens it loads at admission, blocks it holds after a
+        # request ends (request id -> block ids, until ``release_sent_blocks``), the params it gives back.
+        self.kv_connector = kv_connector
+        block_manager.counts_external = kv_connector is not None  # its loads are the external prefix hits
+        self.held_blocks: dict[str, list[int]] = {}
+        self.kv_transfer_params: dict[str, dict[str, Any]] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -137,15 +145,19 @@ class Scheduler:
                 break
             # A prompt whose log-probs are asked for is computed whole: a prefix-cache hit has no logits.
             computed: list[int] = []
-            external: list[int] = []  # past the pool's own hits, blocks an external tier holds (loaded)
+            num_external = 0  # past the pool's own hits, tokens the KV connector loads
             if not needs_prompt_logits(seq):
                 computed = self.block_manager.computed_blocks(seq)
-                external = self.block_manager.external_blocks(seq, computed)
-            cached_tokens = (len(computed) + len(external)) * self.block_manager.block_size
+                if self.kv_connector is not None:
+                    num_external = self.kv_connector.get_num_new_matched_tokens(seq, computed)
+            cached_tokens = len(computed) * self.block_manager.block_size + num_external
             num_new = min(seq.num_tokens - seq.num_computed_tokens - cached_tokens, budget)
-            if not self.block_manager.allocate_slots(seq, num_new, computed, external):
+            if not self.block_manager.allocate_slots(seq, num_external + num_new, computed):
                 break
-            self.block_manager.record_prefix_lookup(seq, computed, external)
+            if num_external:
+                seq.num_computed_tokens += num_external
+                self.kv_connector.update_state_after_alloc(seq, seq.block_table[len(computed):], num_external)
+            self.block_manager.record_prefix_lookup(seq, computed, external_tokens=num_external)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -175,6 +187,7 @@ class Scheduler:
         stopped one is finished. Returns one output per sampled sequence, or a failure for a sequence
         whose token broke its grammar (that sequence ends with "abort")."""
         for s in scheduled:
+            self._count_prompt_tokens(s)
             # Drafts count as computed once accepted (``_append``): not before their tokens are the sequence's.
             s.seq.num_computed_tokens += s.num_new_tokens - len(s.draft_token_ids)
             self.block_manager.cache_full_blocks(s.seq)
@@ -183,6 +196,13 @@ class Scheduler:
         for s in sampled:
             self._append(s, result, drafted.get(id(s.seq), 0))
         return result
+
+    def _count_prompt_tokens(self, s: ScheduledSeq) -> None:
+        """Count the prompt tokens among ``s``'s rows (before they are counted as computed)."""
+        seq = s.seq
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            self.prompt_tokens_computed += min(seq.num_prompt_tokens, seq.num_computed_tokens + s.num_new_tokens) \
+                - seq.num_computed_tokens
 
     def _append(self, sampled: SampledTokens, result: StepResult, num_drafts: int = 0) -> None:
         """``sampled.token_ids``: the accepted drafts (of ``num_drafts``) and one token after them."""
@@ -220,6 +240,7 @@ class Scheduler:
             finish_reason=reason,
             logprobs=None if sampled.logprobs is None else sampled.logprobs[:accepted],
             prompt_logprobs=sampled.prompt_logprobs,
+            kv_transfer_params=self.kv_transfer_params.pop(seq.request_id, None) if self.kv_transfer_params else None,
         ))
 
     def commit(self, scheduled: list[ScheduledSeq], sampled: list[Sequence]) -> list[int]:
@@ -227,6 +248,7 @@ class Scheduler:
         computed, and each sequence it samples gets a ``PLACEHOLDER`` token (the next step's input, taken
         from this step's sampled tensor on the device). Returns each one's placeholder index."""
         for s in scheduled:
+            self._count_prompt_tokens(s)
             s.seq.num_computed_tokens += s.num_new_tokens
         slots = [len(seq.token_ids) for seq in sampled]
         for seq in sampled:
@@ -278,10 +300,24 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        hold, params = (False, None) if self.kv_connector is None else self.kv_connector.request_finished(seq, reason)
+        if params is not None:
+            self.kv_transfer_params[seq.request_id] = params
+        if hold:
+            self.held_blocks[seq.request_id] = self.block_manager.detach(seq)
+        else:
+            self.block_manager.free(seq)
         del seq.token_ids[len(seq.token_ids) - num_pending(seq):]  # the rows past its end are dropped
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+    def release_sent_blocks(self) -> None:
+        """Free the held blocks the KV connector says were read by another instance (or expired)."""
+        for request_id in self.kv_connector.finished_sending():
+            block_ids = self.held_blocks.pop(request_id, None)
+            if block_ids is not None:
+                self.block_manager.release(block_ids)
 
 
 def num_pending(seq: Sequence) -> int:

@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from xinserve.engines.core.sequence import Sequence
+from xinserve.engines.kv.connector import KVConnectorBase
+
 GIB = 1 << 30
 
 
@@ -37,7 +40,11 @@ def copy_blocks(dst: list[torch.Tensor], dst_ids: list[int], src: list[torch.Ten
             d[i].copy_(s[j], non_blocking=True)
 
 
-class HostKVConnector:
+class HostKVConnector(KVConnectorBase):
+    """The host tier as a connector (engines/kv/connector.py): its scheduler side is the block manager's
+    lookup of the blocks past its own hits (``external_blocks``, which asks ``contains``) and its
+    record of the pool blocks it evicts; its worker side is ``transfer``."""
+
     def __init__(self, model: Any, block_size: int, bytes_per_block: int, size_gib: float, dtype: torch.dtype,
                  pin_memory: bool) -> None:
         self.capacity = int(size_gib * GIB) // bytes_per_block
@@ -53,6 +60,30 @@ class HostKVConnector:
         self.free_slots = list(range(self.capacity - 1, -1, -1))
         self.stored_blocks = 0
         self.loaded_blocks = 0
+        self._matched: dict[int, list[int]] = {}  # seq id -> the hashes of its blocks found here, until allocated
+
+    def get_num_new_matched_tokens(self, seq: Sequence, computed: list[int]) -> int:
+        hashes = self.block_manager.external_blocks(seq, computed)
+        if not hashes:
+            self._matched.pop(seq.seq_id, None)
+            return 0
+        self._matched[seq.seq_id] = hashes
+        return len(hashes) * self.block_manager.block_size
+
+    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
+        hashes = self._matched.pop(seq.seq_id, [])
+        self.block_manager.loads.extend(zip(hashes, block_ids))
+
+    def request_finished(self, seq: Sequence, reason: str) -> tuple[bool, dict[str, Any] | None]:
+        self._matched.pop(seq.seq_id, None)  # matched, then never allocated (aborted while waiting)
+        return False, None
+
+    def build_connector_meta(self) -> tuple[list[tuple[int, int, tuple[int, ...]]], list[tuple[int, int]]]:
+        """(evicted pool blocks to store, tier blocks to load) of the step."""
+        return self.block_manager.take_transfers()
+
+    def start_load_kv(self, meta: tuple[list[tuple[int, int, tuple[int, ...]]], list[tuple[int, int]]]) -> None:
+        self.transfer(*meta, self.kv_cache)
 
     def contains(self, block_hash: int, token_ids: tuple[int, ...]) -> bool:
         """Whether the tier holds this block (its tokens re-checked, as the pool does); a hit is used."""

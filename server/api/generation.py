@@ -77,6 +77,7 @@ class Generation:
         ]
         self._unfinished = params.n  # choices without a finish reason (``done`` is read several times a token)
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for (echo with logprobs)
+        self.kv_transfer_params: dict[str, Any] | None = None  # a prefill's answer to the decode instance
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -195,6 +196,8 @@ class Generation:
         assert isinstance(item, StepOutput)
         if item.prompt_logprobs is not None:
             self.prompt_logprobs = item.prompt_logprobs
+        if item.kv_transfer_params is not None:
+            self.kv_transfer_params = item.kv_transfer_params
         choice = self.choices[item.index]
         if choice.finish_reason is not None:
             return  # stopped by a stop string; the worker's abort is in flight

@@ -32,6 +32,8 @@ ENGINE_GAUGES = (
 )
 ENGINE_COUNTERS = (
     ("prompt_tokens", "prompt_tokens_total", "Prefill tokens processed."),
+    ("prompt_tokens_computed", "prompt_tokens_computed_total",
+     "Prompt tokens run through the model (neither prefix-cache hits nor loaded by a KV connector)."),
     ("generation_tokens", "generation_tokens_total", "Tokens generated."),
     ("num_preemptions", "num_preemptions_total", "Sequences preempted for lack of KV blocks."),
     ("prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),

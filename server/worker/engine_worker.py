@@ -229,6 +229,9 @@ class WorkerLoop:
             if self._has_work():
                 self._step()
             else:
+                release_sent_kv = getattr(self.engine, "release_sent_kv", None)  # None: a test's engine double
+                if release_sent_kv is not None:  # blocks held for a decode instance that read them, or expired
+                    release_sent_kv()
                 # The idle heartbeat, or fresh KV usage right after aborts freed blocks.
                 self._emit(Stats(self._stats_if_due(force=True)))
 
@@ -257,6 +260,7 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
             {"rank": 0, "device": spec.device, "pid": os.getpid(), "node": 0, "role": RankRole(0).as_dict()}])(),
         "decode_graphs": engine.warmup.report(),
         "kv_offloading": engine.kv_tier.report() if engine.kv_tier is not None else None,
+        "kv_transfer": engine.kv_connector.report() if engine.config.kv_transfer_config is not None else None,
         "kv_events": None if engine.kv_events is None else {
             "endpoint": engine.kv_events.endpoint, "replay_endpoint": engine.kv_events.replay_endpoint,
             "data_parallel_rank": engine.kv_events.data_parallel_rank},

@@ -28,6 +28,7 @@ def _kind(name: str) -> Any:
 JSON_SETTINGS = {
     "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5599"},
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+    "kv_transfer_config": {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer", "kv_port": 15000},
 }
 
 

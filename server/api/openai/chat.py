@@ -21,6 +21,7 @@ from xinserve.server.api.openai.view import TokenTexts
 from xinserve.server.api.prompt import route_encoded
 from xinserve.server.api.reasoning import ThinkSplitter, end_token_id, reasoning_for
 from xinserve.server.api.tool_calls.stream import PlainText
+from xinserve.server.disagg.transfer_params import with_transfer_params
 from xinserve.server.http.auth import check_model_access, may_use
 from xinserve.server.http.limits import cap_max_tokens, check_chat
 
@@ -107,7 +108,8 @@ class _ChatView:
             choices.append(responses.chat_choice(
                 i, content, _finish_reason(c.finish_reason, bool(tool_calls)), logprobs, tool_calls, reasoning))
         usage = responses.usage(group.prompt_tokens, group.completion_tokens)
-        return responses.chat_completion(group.request_id, self.created, self.model, choices, usage)
+        return with_transfer_params(responses.chat_completion(group.request_id, self.created, self.model, choices,
+                                                              usage), gen)
 
     async def frames(
         self, group: GenerationGroup, firsts: list[list[Delta]]

@@ -17,6 +17,7 @@ from xinserve.server.api.openai.protocol import CompletionRequest
 from xinserve.server.api.openai.view import TokenTexts
 from xinserve.server.api.prompt import route_encoded
 from xinserve.server.api.tokenize.prompt_tokens import encode_prompt
+from xinserve.server.disagg.transfer_params import with_transfer_params
 from xinserve.server.errors import APIError
 from xinserve.server.http.auth import check_model_access, may_use
 from xinserve.server.http.limits import cap_max_tokens, check_completion
@@ -93,7 +94,8 @@ class _CompletionView:
                     c.token_ids, c.logprobs, self.texts, len(echo)))
                 choices.append(responses.completion_choice(k * self.n + i, echo + c.text, c.finish_reason, logprobs))
         usage = responses.usage(group.prompt_tokens, group.completion_tokens)
-        return responses.completion(self.request_id, self.created, self.model, choices, usage)
+        return with_transfer_params(responses.completion(self.request_id, self.created, self.model, choices, usage),
+                                    group.gens[0])
 
     async def frames(self, group: GenerationGroup, firsts: list[list[Delta]]) -> AsyncIterator[list[dict[str, Any]]]:
         """Bursts of chunks, each burst what one batch of deltas gave (sent as one write)."""

@@ -158,6 +158,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's prefill/decode disaggregation protocol (docs/disaggregation.md); the engine checks its content.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -239,6 +241,7 @@ class _SamplingFields(_Strict):
                 json_schema=json_schema,
                 logit_bias={int(t): v for t, v in self.logit_bias.items()} if self.logit_bias else None,
                 prompt_logprobs=prompt_logprobs,
+                kv_transfer_params=self.kv_transfer_params,
             )
         except InvalidSamplingParam as exc:
             param, message = exc.field, str(exc)
@@ -332,6 +335,8 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "best_of different from n is not supported by this server", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", param="suffix")
+        if self.kv_transfer_params is not None and len(self.prompts()) != 1:
+            raise APIError(400, "kv_transfer_params needs a single prompt", param="kv_transfer_params")
 
     @property
     def prompt_logprobs(self) -> int | None:
