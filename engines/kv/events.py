@@ -47,12 +47,6 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-class KVEventBatch(EventBatch):
-    """The batch as a subscriber decodes it: its events typed by their tags."""
-
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
 @dataclass(slots=True, frozen=True)
 class KVEventsConfig:
     """vLLM's ``--kv-events-config`` JSON, same keys and defaults (``publisher`` "null" publishes nothing;

@@ -15,7 +15,6 @@ sockets, so the others' pending collective fails at once instead of waiting for 
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -61,14 +60,6 @@ class GroupFailure(BaseException):
     A BaseException, so that the engine's per-request error handling (``except Exception``) does not
     treat it as one request's failure: the process must end and its supervisor restart the group.
     """
-
-
-@dataclass(frozen=True, slots=True)
-class RankInfo:
-    rank: int
-    device: str
-    pid: int
-    node: int
 
 
 class ParallelGroup:

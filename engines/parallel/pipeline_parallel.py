@@ -1,7 +1,7 @@
 """Pipeline parallelism: contiguous layer ranges per stage, activations passed point-to-point.
 
 A replica of ``tp * pp`` ranks: global rank ``stage * tp + tp_rank``, so with one stage per node a
-node holds whole stages. Every rank receives rank 0's step message (engines/parallel/step_message.py) and
+node holds whole stages. Every rank receives rank 0's step message (engines/parallel/rank_messages.py) and
 cuts the same micro-batches from it (engines/parallel/micro_batch.py). Stage 0 embeds micro-batch 1 while
 stage 1 runs micro-batch 0: two micro-batches are in flight. Each stage sends its (hidden,
 residual) ``[2, t, hidden]`` to the same tp rank of the next stage; the last stage applies the final

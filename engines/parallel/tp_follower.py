@@ -21,10 +21,9 @@ import torch
 from xinserve.engines.config import EngineConfig
 from xinserve.engines.parallel.distributed import GroupFailure, ParallelGroup, open_store
 from xinserve.engines.parallel.pipeline_parallel import stage_collectives
-from xinserve.engines.parallel.step_message import ALLOCATE, PROFILE, STEP, STOP, decode_header, decode_step
+from xinserve.engines.parallel.rank_messages import Allocate, CatchUp, Chain, Profile, Step, Stop, unpack
 from xinserve.engines.parallel.tp_runner import parallel_config
 from xinserve.engines.platforms import get_platform
-from xinserve.engines.speculative.mtp_messages import KINDS as MTP_KINDS
 from xinserve.engines.speculative.mtp_runner import MTPModelRunner
 from xinserve.engines.worker.process_exit import leave_quickly
 from xinserve.engines.worker.runner import ModelRunner, StepBatch
@@ -57,26 +56,28 @@ def run_rank(config: EngineConfig, rank: int, master_port: int, threads: int | N
 def follow(runner: ModelRunner, group: ParallelGroup) -> None:
     """Serve rank 0's messages until STOP."""
     while True:
-        message = group.broadcast_message(None)
-        kind, value = decode_header(message)
-        if kind == STEP:
-            batch, prompt_rows = decode_step(message, runner.device, runner.block_size)
-            if not runner.computes_logits:  # a later pipeline stage: its layers only
-                runner.model(batch.input_ids, batch.positions, runner.kv_cache, batch.metadata)
-            elif prompt_rows is None:
-                runner.forward(batch)
-            else:
-                _prompt_logprobs_step(runner, batch, prompt_rows)
-        elif kind == ALLOCATE:
-            runner.allocate_kv_cache(value)
-        elif kind == PROFILE:
-            group.min_over_ranks(runner.blocks_that_fit(value / 1e9))
-        elif kind == STOP:
-            return
-        elif kind in MTP_KINDS and isinstance(runner, MTPModelRunner):
-            runner.follow(message)
-        else:
-            raise GroupFailure(f"rank {group.rank}: unknown message kind {kind}")
+        try:
+            message = unpack(group.broadcast_message(None), runner.device, runner.block_size)
+        except ValueError as exc:
+            raise GroupFailure(f"rank {group.rank}: {exc}") from None
+        match message:
+            case Step(batch, prompt_rows):
+                if not runner.computes_logits:  # a later pipeline stage: its layers only
+                    runner.model(batch.input_ids, batch.positions, runner.kv_cache, batch.metadata)
+                elif prompt_rows is None:
+                    runner.forward(batch)
+                else:
+                    _prompt_logprobs_step(runner, batch, prompt_rows)
+            case Allocate(num_blocks):
+                runner.allocate_kv_cache(num_blocks)
+            case Profile(fraction):
+                group.min_over_ranks(runner.blocks_that_fit(fraction))
+            case Stop():
+                return
+            case Chain() | CatchUp() if isinstance(runner, MTPModelRunner):
+                runner.follow(message)
+            case _:
+                raise GroupFailure(f"rank {group.rank}: unexpected message {type(message).__name__}")
 
 
 def _prompt_logprobs_step(runner: ModelRunner, batch: StepBatch, prompt_rows: list[tuple[int, int]]) -> None:

@@ -1,5 +1,5 @@
 """Rank 0 of a tensor-parallel replica: starts the other ranks of its node, forms the group, and
-runs the ``ModelRunner`` with one broadcast of the step's inputs (engines/parallel/step_message.py) before
+runs the ``ModelRunner`` with one broadcast of the step's inputs (engines/parallel/rank_messages.py) before
 every forward (its ``broadcast`` hook). The other ranks (engines/parallel/tp_follower.py) rebuild the same
 ``StepBatch`` and run the same ``forward``; rank 0 alone samples. Commands (KV allocation, the KV pool's sizing, stop) travel
 as messages of the same broadcast, so the ranks stay in lock-step.
@@ -23,7 +23,16 @@ from xinserve.engines.models.tensor_parallel import check_model_splits
 from xinserve.engines.parallel.distributed import GroupFailure, ParallelGroup, open_store
 from xinserve.engines.parallel.parallel_config import ParallelConfig
 from xinserve.engines.parallel.pipeline_parallel import check_pipeline, rank_role, stage_collectives
-from xinserve.engines.parallel.step_message import ALLOCATE, PROFILE, STOP, encode_command, encode_step
+from xinserve.engines.parallel.rank_messages import (
+    Allocate,
+    CatchUp,
+    Chain,
+    Profile,
+    RankMessage,
+    Step,
+    Stop,
+    pack,
+)
 from xinserve.engines.platforms import Platform
 from xinserve.engines.speculative.mtp_runner import MTPModelRunner
 from xinserve.engines.worker.runner import ModelRunner, StepBatch
@@ -138,10 +147,10 @@ class TensorParallelRunner(ModelRunner):
                 for rank, device in enumerate(self.parallel.devices)]
 
     def broadcast(self, batch: StepBatch) -> None:
-        self._send(encode_step(batch, prompt_logit_rows(batch) if batch.needs_prompt_logits else None))
+        self._send(Step(batch, prompt_logit_rows(batch) if batch.needs_prompt_logits else None))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._send(encode_command(ALLOCATE, num_blocks))
+        self._send(Allocate(num_blocks))
         super().allocate_kv_cache(num_blocks)
 
     def profile_num_blocks(
@@ -149,15 +158,15 @@ class TensorParallelRunner(ModelRunner):
     ) -> int:
         """Every rank sizes its pool from its own free memory; the group uses the smallest."""
         num_blocks = super().profile_num_blocks(max_num_batched_tokens, max_num_seqs, max_model_len, fraction)
-        self._send(encode_command(PROFILE, round(fraction * 1e9)))
+        self._send(Profile(fraction))
         return self.group.min_over_ranks(num_blocks)
 
-    def _send(self, message: torch.Tensor) -> None:
+    def _send(self, message: RankMessage) -> None:
         for rank, proc in self.followers.items():
             if proc.poll() is not None:
                 raise GroupFailure(f"rank {rank} (pid {proc.pid}) of the tensor-parallel group exited "
                                    f"with code {proc.returncode}")
-        self.group.broadcast_message(message)
+        self.group.broadcast_message(pack(message))
 
     def close(self) -> None:
         """Stop the other ranks (a STOP message, then a kill after a grace) and leave the group."""
@@ -167,8 +176,8 @@ class TensorParallelRunner(ModelRunner):
 class TensorParallelMTPRunner(TensorParallelRunner, MTPModelRunner):
     """Rank 0 with speculative method ``mtp``: its MTP work is shared before it runs (engines/speculative/)."""
 
-    def share(self, message: torch.Tensor) -> None:
-        self._send(message)
+    def share(self, work: Chain | CatchUp) -> None:
+        self._send(work)
 
 
 def prompt_logit_rows(batch: StepBatch) -> list[tuple[int, int]]:
@@ -189,7 +198,7 @@ def _release_group(group: ParallelGroup, followers: dict[int, subprocess.Popen],
     tensor-parallel engine can start in this process."""
     try:
         if all(proc.poll() is None for proc in followers.values()):
-            group.broadcast_message(encode_command(STOP))
+            group.broadcast_message(pack(Stop()))
     except GroupFailure:
         logger.warning("a rank was already gone when the group stopped")
     _stop(followers, STOP_WAIT_S)

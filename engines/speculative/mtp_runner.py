@@ -24,7 +24,7 @@ the MTP layer's KV layer and head) and double the warm-up's compiles, for one de
 work per draft.
 
 Under tensor / expert parallel every rank runs the same MTP forwards (each holds collectives) from what
-rank 0 shares before each one (``share``: engines/speculative/mtp_messages.py): the chain's sequences and
+rank 0 shares before each one (``share``: engines/parallel/rank_messages.py): the chain's sequences and
 block tables, then the catch-up's next tokens and seeded rows. The draft logits are gathered on every
 rank (engines/models/tensor_parallel.py), so every rank drafts, and verifies, the same tokens.
 """
@@ -37,7 +37,7 @@ import torch
 from xinserve.engines.core.scheduler import SampledTokens, ScheduledSeq
 from xinserve.engines.core.sequence import Sequence
 from xinserve.engines.models.mtp import mtp_layer_caches
-from xinserve.engines.speculative.mtp_messages import CatchUp, Chain, decode, encode_catch_up, encode_chain
+from xinserve.engines.parallel.rank_messages import CatchUp, Chain
 from xinserve.engines.worker.runner import ModelRunner, StepBatch
 from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
 
@@ -63,12 +63,11 @@ class MTPModelRunner(ModelRunner):
     def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
         self._step = (args[1], args[3], output)  # forward(input_ids, positions, kv_cache, metadata)
 
-    def share(self, message: torch.Tensor) -> None:
-        """Hand an MTP message to the group's other ranks (engines/parallel/tp_runner.py); one device has none."""
+    def share(self, work: Chain | CatchUp) -> None:
+        """Hand MTP work to the group's other ranks (engines/parallel/tp_runner.py); one device has none."""
 
-    def follow(self, message: torch.Tensor) -> None:
-        """A rank > 0: run what rank 0's MTP message says, as rank 0 runs it."""
-        work = decode(message)
+    def follow(self, work: Chain | CatchUp) -> None:
+        """A rank > 0: run the MTP work rank 0 shared, as rank 0 runs it."""
         if isinstance(work, Chain):
             self._run_chain(work)
         else:
@@ -130,7 +129,7 @@ class MTPModelRunner(ModelRunner):
                 seeded.append(seq)
         work = CatchUp(next_ids, np.array(last_rows, dtype=np.int64),
                        np.array([seq.seq_id for seq in seeded], dtype=np.int64), np.array(self.released, dtype=np.int64))
-        self.share(encode_catch_up(work))
+        self.share(work)
         self.released.clear()
         self._run_catch_up(work)
         for seq in seeded:
@@ -168,7 +167,7 @@ class MTPModelRunner(ModelRunner):
                      np.array([len(s.draft_token_ids) for s in chained], dtype=np.int64),
                      np.array([seq.num_tokens for seq in seqs], dtype=np.int64),
                      np.array([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs], dtype=np.int32))
-        self.share(encode_chain(work))
+        self.share(work)
         for s, drafts in zip(chained, self._run_chain(work)):
             s.draft_token_ids[:] = drafts
 

@@ -46,7 +46,6 @@ from xinserve.kernels.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 
-BUCKET_STATES = ("eager", "compiling", "compiled", "failed")
 GRAPH_CLASSES = {"cuda": "CUDAGraph", "npu": "NPUGraph", "musa": "MUSAGraph"}
 TIMING_ITERATIONS = 5
 

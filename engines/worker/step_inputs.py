@@ -24,7 +24,7 @@ from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_
 @dataclass(slots=True)
 class HostInputs:
     """The host arrays a step's device inputs were copied from: a tensor-parallel rank 0 sends these
-    to its other ranks (engines/parallel/step_message.py) without copying anything back from the device."""
+    to its other ranks (engines/parallel/rank_messages.py) without copying anything back from the device."""
 
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64

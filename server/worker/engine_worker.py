@@ -4,7 +4,7 @@ Loop: drain control messages (add / abort / shutdown) -> one ``engine.step()`` -
 message with every request's new tokens. When idle it blocks on the socket and sends a ``Stats``
 heartbeat every ``heartbeat_s``. Both come from the loop itself, never from a side thread: the
 server takes their absence for a stuck loop (server/pool/heartbeat.py). A bad request (``ValueError``
-from ``add_request``) or a failing step is reported per request as one ``Failed`` message; the
+from ``add_request``, or an ``Add`` whose fields do not fit their types) or a failing step is reported per request as one ``Failed`` message; the
 loop itself only ends on ``Shutdown`` or when the parent process is gone. The worker keeps no
 request state of its own beyond a request's arrival time until its first step: the engine holds
 the requests, the HTTP process their choices (server/worker/messages.py).
@@ -193,6 +193,8 @@ class WorkerLoop:
                 return
             try:
                 self._handle(messages.decode_to_worker(frame))
+            except messages.MalformedAdd as exc:
+                self._emit(Failed(exc.request_id, RequestError(str(exc), client_fault=True)))
             except Exception:
                 logger.exception("%s: bad control message ignored", self.label)
 

@@ -35,13 +35,20 @@ class RequestError(msgspec.Struct, array_like=True, frozen=True):
 
 # HTTP process -> worker
 
+# The detokenizer's fields (stop strings, special tokens in the text) stay in the HTTP process.
+_ENGINE_FIELDS = [f for f in fields(SamplingParams) if f.name not in DETOKENIZER_FIELDS]
+# ``SamplingParams``' engine fields as one positional record, typed as the dataclass types them (generated
+# from it, so the two never drift): decoding an ``Add`` is the worker's structural check (count and types,
+# in msgspec's C code), its values were validated once where the ``SamplingParams`` was made.
+EngineSampling = msgspec.defstruct("EngineSampling", [(f.name, f.type) for f in _ENGINE_FIELDS], array_like=True)
+
 
 class Add(msgspec.Struct, array_like=True, tag="add"):
     """A new request. ``params``: the engine's fields of its ``SamplingParams`` (see ``engine_params``)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    params: list
+    params: EngineSampling
 
 
 class Abort(msgspec.Struct, array_like=True, tag="abort"):
@@ -104,28 +111,35 @@ FromWorker = Ready | LoadFailed | Outputs | Failed | Stats | InfoUpdate
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
 # Integer map keys (``logit_bias``'s token ids) are fine: both ends are our own processes.
-decode_to_worker = msgspec.msgpack.Decoder(ToWorker).decode
+_decode_to_worker = msgspec.msgpack.Decoder(ToWorker).decode
 decode_from_worker = msgspec.msgpack.Decoder(FromWorker).decode
 
-# The detokenizer's fields (stop strings, special tokens in the text) stay in the HTTP process.
-_ENGINE_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name not in DETOKENIZER_FIELDS)
-# The same fields as one positional record, typed as the dataclass types them: converting ``Add.params``
-# to it is the worker's structural check (count and types, in msgspec's C code).
-_EngineFields = msgspec.defstruct(
-    "EngineFields", [(f.name, f.type) for f in fields(SamplingParams) if f.name in _ENGINE_FIELDS], array_like=True
-)
+
+class MalformedAdd(msgspec.ValidationError):
+    """An ``Add`` whose request id reads but whose other fields do not fit their types: that request
+    fails (a 400), the worker lives on."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def decode_to_worker(frame: bytes) -> ToWorker:
+    """The message of ``frame``; a frame of the wrong shape raises ``msgspec.ValidationError``
+    (``MalformedAdd`` when it is an ``Add`` whose request id reads)."""
+    try:
+        return _decode_to_worker(frame)
+    except msgspec.ValidationError as exc:
+        raw = msgspec.msgpack.decode(frame)
+        if isinstance(raw, list) and len(raw) > 1 and raw[0] == "add" and isinstance(raw[1], str):
+            raise MalformedAdd(raw[1], f"malformed request fields: {exc}") from None
+        raise
 
 
 def add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Add:
-    return Add(request_id, prompt_token_ids, [getattr(params, name) for name in _ENGINE_FIELDS])
+    return Add(request_id, prompt_token_ids, EngineSampling(*(getattr(params, f.name) for f in _ENGINE_FIELDS)))
 
 
 def engine_params(message: Add) -> SamplingParams:
-    """The engine's ``SamplingParams`` of an ``Add``. Their values were validated once, where the
-    ``SamplingParams`` was made (the HTTP edge): here only their shape is checked, and a wrong count
-    or type of a field raises ValueError."""
-    try:
-        values = msgspec.convert(message.params, _EngineFields)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"malformed sampling fields: {exc}") from None
-    return SamplingParams.trusted(**msgspec.structs.asdict(values))
+    """The engine's ``SamplingParams`` of an ``Add``, not validated again (the HTTP edge did)."""
+    return SamplingParams.trusted(**msgspec.structs.asdict(message.params))

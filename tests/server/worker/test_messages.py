@@ -1,10 +1,12 @@
 """The messages between the HTTP process and a worker: typed both ways, compact on the wire."""
 
+from dataclasses import fields
+
 import msgspec
 import pytest
 
 from xinserve.engines.core.outputs import EngineStats, StepOutput, TokenLogprob
-from xinserve.engines.core.sampling_params import SamplingParams
+from xinserve.engines.core.sampling_params import DETOKENIZER_FIELDS, SamplingParams
 from xinserve.server.worker import messages
 from xinserve.server.worker.messages import (
     Abort,
@@ -56,13 +58,32 @@ def test_the_detokenizer_fields_stay_in_the_http_process():
 
 def test_the_worker_checks_the_fields_shape_not_their_values_again(monkeypatch):
     """Validated once where they were made (the HTTP edge); the worker only checks count and types."""
-    add = messages.decode_to_worker(messages.encode(messages.add_request("r", [1], SamplingParams(n=2, seed=7))))
+    frame = messages.encode(messages.add_request("r", [1], SamplingParams(n=2, seed=7)))
+    add = messages.decode_to_worker(frame)
     monkeypatch.setattr(SamplingParams, "validate", lambda self: pytest.fail("validated again in the worker"))
     sent = messages.engine_params(add)
     assert (sent.n, sent.seed, sent.temperature, sent.stop) == (2, 7, 1.0, [])
-    for bad in (["two"] + add.params[1:], add.params[:-1]):
-        with pytest.raises(ValueError, match="malformed sampling fields"):
-            messages.engine_params(messages.Add("r", [1], bad))
+    kind, request_id, prompt, params = msgspec.msgpack.decode(frame)
+    for bad in (["two"] + params[1:], params[:-1]):
+        with pytest.raises(messages.MalformedAdd, match="malformed request fields") as refused:
+            messages.decode_to_worker(msgspec.msgpack.encode([kind, request_id, prompt, bad]))
+        assert refused.value.request_id == "r"  # the worker fails that request alone
+
+
+def test_an_add_carries_every_engine_field_of_sampling_params_by_position():
+    """``Add.params`` mirrors ``SamplingParams`` less the detokenizer's fields, in its order, without names."""
+    engine_fields = [f.name for f in fields(SamplingParams) if f.name not in DETOKENIZER_FIELDS]
+    assert list(messages.EngineSampling.__struct_fields__) == engine_fields
+    params = SamplingParams(n=3, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=0.2,
+                            frequency_penalty=0.3, repetition_penalty=1.1, seed=4, max_tokens=9, min_tokens=1,
+                            stop_token_ids=[7], ignore_eos=True, logprobs=2, json_schema={"type": "object"},
+                            json_schema_after_token=8, logit_bias={3: -1.0}, prompt_logprobs=1)
+    frame = messages.encode(messages.add_request("r", [1, 2], params))
+    _, _, _, positional = msgspec.msgpack.decode(frame)
+    assert positional == [getattr(params, name) for name in engine_fields]
+    sent = messages.engine_params(messages.decode_to_worker(frame))
+    assert all(getattr(sent, name) == getattr(params, name) for name in engine_fields)
+    assert len(messages.encode(messages.add_request("r", [1, 2], SamplingParams()))) < 90  # the names: 250 more
 
 
 def test_an_error_is_the_clients_or_ours():

@@ -139,7 +139,7 @@ def test_bad_request_is_an_error_and_the_loop_lives_on(loop_io):
     err = until(failed)[-1]
     assert (err.request_id, err.error.status) == ("bad", 400) and "empty" in err.error.message
     bad = add("bad-params", [1])
-    bad.params[0] = "two"  # n, the first field, of the wrong type: what a client of the wire format could send
+    bad.params.n = "two"  # of the wrong type: what a client of the wire format could send
     post(bad)
     err = until(failed)[-1]
     assert (err.request_id, err.error.status) == ("bad-params", 400)
