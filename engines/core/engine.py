@@ -55,7 +55,8 @@ class LLMEngine:
         # Deferred C++ kernel builds, then the CPU decode buckets: after ready unless asked otherwise.
         self.warmup = Warmup(self.runner, config.warm_up_in_background)
         # A host tier below the pool (kv_offloading_size) and KV events for routers (kv_events_config).
-        self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size, self.platform.kind)
+        self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size,
+                                      self.platform.pins_host_memory)
         self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching,
                                           record_events=self.kv_events is not None, external=self.kv_tier,
@@ -201,7 +202,7 @@ class LLMEngine:
     def async_steps(self) -> "AsyncScheduling | None":
         """A stepper that schedules step N+1 while step N runs (engines/core/async_scheduling.py), or None where
         this engine cannot: speculative decoding, a host KV tier, several ranks, a device other than the CPU."""
-        if (self.proposer is not None or self.kv_tier is not None or self.platform.kind != "cpu"
+        if (self.proposer is not None or self.kv_tier is not None or not self.platform.schedules_ahead
                 or self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1):
             return None
         return AsyncScheduling(self)
