@@ -46,12 +46,13 @@ def load_fake(name: str) -> ModuleType:
 
 def fresh_import(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
     """Import ``name`` anew (it binds its vendor imports at import time) and forget it after the test."""
-    parent, _, child = name.rpartition(".")
+    parent_name, _, child = name.rpartition(".")
+    parent = importlib.import_module(parent_name)  # the vendor's package (kernels/musa/) may not be imported yet
     # Setting then deleting records the original entry and attribute, which teardown puts back.
     monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(sys.modules[parent], child, None, raising=False)
-    monkeypatch.delattr(sys.modules[parent], child)
+    monkeypatch.setattr(parent, child, None, raising=False)
+    monkeypatch.delattr(parent, child)
     return importlib.import_module(name)
 
 
