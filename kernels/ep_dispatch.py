@@ -1,11 +1,12 @@
 """Which token exchange expert parallel uses: a fused vendor dispatch / combine where the platform has
-one and the model's shapes fit its documented limits, else the ``all_to_all`` reference
-(engines/models/expert_parallel.py). Like the registry's choices it keeps every rejection's reason
+one (its ``ep_dispatch_preference``, owned by its module in engines/platforms/) and the model's shapes
+fit its documented limits, else the ``all_to_all`` reference (engines/models/expert_parallel.py). Like the registry's choices it keeps every rejection's reason
 for the start-up log, ``/health`` and ``xinserve doctor``. The candidates are not probed: a probe
 would need the whole group; the two-rank test against the fake checks them against the reference."""
 
 import importlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -18,8 +19,6 @@ logger = logging.getLogger(__name__)
 REFERENCE = "all_to_all"
 # implementation name -> module exposing ``unsupported`` and ``dispatch_combine``
 MODULES = {"npu_moe_dispatch": "xinserve.kernels.ascend.moe_dispatch"}
-# Candidates per platform, most preferred first; the reference closes every list.
-PREFERENCE = {"npu": ("npu_moe_dispatch", REFERENCE)}
 
 
 @dataclass(slots=True)
@@ -37,14 +36,14 @@ class EpDispatchChoice:
         return self.chosen
 
 
-def choose_ep_dispatch(platform: str, world_size: int, shapes: ModelShapes, dtype: torch.dtype,
+def choose_ep_dispatch(preference: Sequence[str], world_size: int, shapes: ModelShapes, dtype: torch.dtype,
                        max_num_batched_tokens: int) -> EpDispatchChoice:
-    """The exchange for ``world_size`` expert-parallel ranks on ``platform`` (the first candidate that
-    imports and accepts the shapes)."""
+    """The exchange for ``world_size`` expert-parallel ranks: the first candidate of ``preference`` (names
+    in MODULES, most preferred first, the reference last) that imports and accepts the shapes."""
     rejected = []
     top_k = shapes.moe_routing.top_k if shapes.moe_routing is not None else 0
     per_rank = -(-max_num_batched_tokens // world_size)  # a rank's chunk of the largest step
-    for name in PREFERENCE.get(platform, (REFERENCE,)):
+    for name in preference:
         if name == REFERENCE:
             break
         try:

@@ -1,4 +1,5 @@
-"""Which implementation of each op a worker uses: among its platform's candidates that import,
+"""Which implementation of each op a worker uses: among its platform's candidates (the preference
+list its platform module in engines/platforms/ owns, passed in by the runner) that import,
 accept the model's shapes, run on the device and agree with the reference, the fastest at the
 model's shapes where the op is timed (kernels/probes/timing.py), else the first in preference order.
 
@@ -19,7 +20,7 @@ caller builds it and selects again later (engines/worker/warmup.py, in a backgro
 
 import importlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -47,13 +48,6 @@ MODULES = {
 # implementation name -> module that builds it: ``built()`` (on disk already?), ``build()``, and
 # ``BUILDS_OPS``, the ops it provides once built
 BUILT_FROM_SOURCE = {"cpp": "xinserve.kernels.cpu.cpp_build"}
-# Candidates per platform, most preferred first; "reference" always comes last.
-PREFERENCE = {
-    "cpu": ("cpp", "sdpa", "int8mm", "dequant", "reference"),
-    "cuda": ("triton", "grouped_mm", "int8mm", "dequant", "reference"),
-    "npu": ("npu", "npu_kv", "dequant", "reference"),
-    "musa": ("musa", "triton", "dequant", "reference"),
-}
 ENV_VAR = "XINSERVE_KERNELS"
 # "off": choose by preference order without timing (fake devices in tests, or a start-up in a hurry)
 TIMING_ENV_VAR = "XINSERVE_KERNEL_TIMING"
@@ -123,7 +117,7 @@ def parse_forced(text: str | None) -> dict[str, str]:
 
 
 def select(
-    platform: str,
+    preference: Sequence[str],
     device: torch.device,
     dtype: torch.dtype,
     shapes: ModelShapes,
@@ -131,21 +125,21 @@ def select(
     defer_builds: bool = False,
     time_candidates: bool = True,
 ) -> KernelSelection:
-    """Probe the platform's candidates for every op and return the selection.
+    """Probe the candidates in ``preference`` (names in MODULES, most preferred first, "reference"
+    last: a platform's ``kernel_preference``) for every op and return the selection.
 
     ``forced`` (a model's ``kernels:`` config) wins over ``XINSERVE_KERNELS``, which wins over the
     platform's preference. Raises KernelSelectionError when a forced choice cannot be used.
     ``defer_builds``: skip unforced candidates that are not built yet (see the module's docstring).
     ``time_candidates`` False: the preference order decides, as with ``XINSERVE_KERNEL_TIMING=off``.
     """
-    if platform not in PREFERENCE:
-        raise KernelSelectionError(f"unknown platform {platform!r}; expected one of {', '.join(PREFERENCE)}")
+    check_preference(preference)
     forced = {**parse_forced(os.environ.get(ENV_VAR)), **(forced or {})}
     selection = KernelSelection(chosen={})
     functions: dict[str, Callable] = {}
     timings = TimingCache()
     for op in OPS:
-        names = (forced[op],) if op in forced else PREFERENCE[platform]
+        names = (forced[op],) if op in forced else tuple(preference)
         correct: dict[str, dict[str, Callable]] = {}
         reason = None
         for name in names:
@@ -164,7 +158,7 @@ def select(
             if op in forced:
                 raise KernelSelectionError(f"kernel {op}={forced[op]} was forced but cannot be used on "
                                            f"{device} in {dtype}: {reason}")
-            raise KernelSelectionError(f"no implementation of {op} on {platform}")  # reference is last
+            raise KernelSelectionError(f"no implementation of {op} on {device}")  # reference is last
         name = next(iter(correct))
         if len(correct) > 1 and op in WORKLOADS and time_candidates and timing_enabled():
             measured = {n: _timed(timings, op, n, f, shapes, device, dtype) for n, f in correct.items()}
@@ -176,6 +170,14 @@ def select(
             _note_capture(selection, op, name, correct[name].values())
     selection.ops = KernelOps.from_functions(functions)
     return selection
+
+
+def check_preference(preference: Sequence[str]) -> None:
+    """A preference list names implementations in MODULES and ends with the reference (which always serves)."""
+    unknown = [name for name in preference if name not in MODULES]
+    if unknown or not preference or preference[-1] != "reference":
+        raise KernelSelectionError(f"bad kernel preference {tuple(preference)}: expected names in "
+                                   f"{', '.join(MODULES)}, ending with reference")
 
 
 def _unbuilt(name: str) -> bool:

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, SecretStr, Tag, model_validator
 from pydantic_core import ValidationError
 
+from xinserve.engines.platforms import ranks_share_the_device
 from xinserve.server.cli.bad_input import BadInput, read_text
 from xinserve.server.model_settings import ModelSettings
 
@@ -192,7 +193,8 @@ class AppConfig(_Section):
                 parallel = ParallelConfig(devices=group, nnodes=nnodes, master_port=1)
                 parallel.check(model.name)
                 for node in range(nnodes):
-                    for device in {group[r] for r in parallel.node_ranks(node)} - {"cpu"}:
+                    cards = {group[r] for r in parallel.node_ranks(node) if not ranks_share_the_device(group[r])}
+                    for device in cards:
                         if (node, device) in used:
                             raise ValueError(f"model {model.name}: device {device} is listed twice "
                                              f"(in two tensor-parallel groups)")

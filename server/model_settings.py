@@ -1,14 +1,13 @@
 """A served model's settings: the engine's (generated from ``EngineConfig``) and the server's own."""
 
-import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from xinserve.engines.platforms import normal_device, ranks_share_the_device
 from xinserve.server.engine_settings import EngineSettings
 
 EMBEDDED_PREFIX = "embedded:"
-_DEVICE = re.compile(r"^(cpu|(cuda|npu|musa)(:\d+)?)$")
 
 
 class ModelSettings(EngineSettings):
@@ -42,9 +41,9 @@ class ModelSettings(EngineSettings):
             if isinstance(entry, list):
                 if not entry:
                     raise ValueError("a tensor-parallel group of workers lists no device")
-                out.append([_normal_device(spec) for spec in entry])
+                out.append([normal_device(spec) for spec in entry])
             else:
-                out.append(_normal_device(entry))
+                out.append(normal_device(entry))
         return out
 
     @model_validator(mode="after")
@@ -57,7 +56,7 @@ class ModelSettings(EngineSettings):
             raise ValueError(f"model {self.name}: {sizes} but a group of workers lists "
                              f"a different number of devices")
         plain = [w for w in self.workers if isinstance(w, str)]
-        if tp > 1 and plain and plain != ["cpu"] and len(plain) % tp:
+        if tp > 1 and plain and not _one_shared_device(plain) and len(plain) % tp:
             raise ValueError(f"model {self.name}: {len(plain)} worker devices do not form groups of {sizes}")
         return self
 
@@ -67,8 +66,8 @@ class ModelSettings(EngineSettings):
         groups of ``tensor_parallel_size`` x ``pipeline_parallel_size``."""
         tp = self.ranks_per_replica
         plain = [w for w in self.workers if isinstance(w, str)]
-        if tp > 1 and plain == ["cpu"]:
-            plain = ["cpu"] * tp
+        if tp > 1 and _one_shared_device(plain):
+            plain = plain * tp
         return [list(w) for w in self.workers if isinstance(w, list)] + [
             plain[i : i + tp] for i in range(0, len(plain), tp)
         ]
@@ -82,9 +81,7 @@ class ModelSettings(EngineSettings):
         return self.path.startswith(EMBEDDED_PREFIX)
 
 
-def _normal_device(spec: str) -> str:
-    spec = spec.strip().lower()
-    if not _DEVICE.match(spec):
-        raise ValueError(f"worker device must be cpu, cuda:N, npu:N or musa:N, got {spec!r}")
-    # "npu" means the first card, as torch's own device strings do.
-    return spec if spec == "cpu" or ":" in spec else f"{spec}:0"
+def _one_shared_device(plain: list[str]) -> bool:
+    """Whether the plain workers are one device that ranks share (``[cpu]``): with tensor parallel it
+    stands for a whole group on it."""
+    return len(plain) == 1 and ranks_share_the_device(plain[0])

@@ -57,7 +57,8 @@ class LLMEngine:
         self.warmup = Warmup(self.runner, config.warm_up_in_background)
         # A KV connector (engines/kv/connector.py): the host tier below the pool (kv_offloading_size) or
         # another instance's pool (kv_transfer_config); and KV events for routers (kv_events_config).
-        self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size, self.platform.kind)
+        self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size,
+                                      self.platform.pins_host_memory)
         self.kv_connector = self.kv_tier or make_remote_connector(
             config.kv_transfer_config, self.runner, block_size, config.data_parallel_rank)
         self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
@@ -227,7 +228,7 @@ class LLMEngine:
     def async_steps(self) -> "AsyncScheduling | None":
         """A stepper that schedules step N+1 while step N runs (engines/core/async_scheduling.py), or None where
         this engine cannot: speculative decoding, a host KV tier, several ranks, a device other than the CPU."""
-        if (self.proposer is not None or self.kv_connector is not None or self.platform.kind != "cpu"
+        if (self.proposer is not None or self.kv_connector is not None or not self.platform.schedules_ahead
                 or self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1):
             return None
         return AsyncScheduling(self)

@@ -136,10 +136,11 @@ class HostKVConnector(KVConnectorBase):
                 "pinned": self.pinned}
 
 
-def make_host_tier(size_gib: float | None, runner: Any, block_size: int, device_kind: str) -> HostKVConnector | None:
+def make_host_tier(size_gib: float | None, runner: Any, block_size: int,
+                   pin_memory: bool) -> HostKVConnector | None:
     """The engine's host tier (None without ``kv_offloading_size``), laid out like ``runner``'s KV pool;
-    pinned unless the device is the CPU itself."""
+    pinned where the platform says so (``Platform.pins_host_memory``: not when the device is the CPU itself)."""
     if size_gib is None:
         return None
     return HostKVConnector(runner.model, block_size, runner.bytes_per_block(), size_gib, runner.kv_cache.dtype,
-                           pin_memory=device_kind != "cpu")
+                           pin_memory=pin_memory)

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from xinserve.engines.platforms import ranks_share_the_device
+
 
 @dataclass(slots=True)
 class ParallelConfig:
@@ -37,7 +39,7 @@ class ParallelConfig:
             raise ValueError(f"model {model}: a group over {self.nnodes} nodes needs an explicit master port")
         for node in range(self.nnodes):
             local = [self.devices[r] for r in self.node_ranks(node)]
-            twice = sorted({d for d in local if d != "cpu" and local.count(d) > 1})
+            twice = sorted({d for d in local if not ranks_share_the_device(d) and local.count(d) > 1})
             if twice:
                 raise ValueError(f"model {model}: device {', '.join(twice)} is listed twice in one "
                                  f"tensor-parallel group (node {node}); each rank needs its own device")

@@ -36,7 +36,7 @@ PARENT_POLL_S = 0.5  # where no pidfd exists: how often the parent is looked for
 def run_rank(config: EngineConfig, rank: int, master_port: int, threads: int | None) -> None:
     parallel = parallel_config(config)
     platform = get_platform(parallel.devices[rank])
-    if threads and platform.kind == "cpu":
+    if threads and platform.splits_host_threads:
         torch.set_num_threads(threads)
     store = open_store(rank, parallel.world_size, parallel.master_addr, master_port, parallel.rendezvous_timeout_s)
     group = ParallelGroup(rank, parallel.world_size, platform.dist_backend, platform.device, store,

@@ -33,7 +33,7 @@ from xinserve.engines.parallel.rank_messages import (
     Stop,
     pack,
 )
-from xinserve.engines.platforms import Platform
+from xinserve.engines.platforms import Platform, ranks_share_the_device
 from xinserve.engines.speculative.mtp_runner import MTPModelRunner
 from xinserve.engines.worker.runner import ModelRunner, StepBatch
 
@@ -56,9 +56,9 @@ def parallel_config(config: EngineConfig) -> ParallelConfig:
 
 
 def default_devices(device: str, tp: int) -> list[str]:
+    if ranks_share_the_device(device):
+        return [device] * tp
     kind, _, index = device.partition(":")
-    if kind == "cpu":
-        return ["cpu"] * tp
     first = int(index or 0)
     return [f"{kind}:{first + rank}" for rank in range(tp)]
 
@@ -96,7 +96,7 @@ def make_runner(config: EngineConfig, platform: Platform, block_size: int, eos_t
     store = open_store(0, parallel.world_size, parallel.master_addr, parallel.master_port,
                        parallel.rendezvous_timeout_s)
     previous_threads = torch.get_num_threads()
-    threads = cpu_threads_per_rank(parallel, 0) if platform.kind == "cpu" else None
+    threads = cpu_threads_per_rank(parallel, 0) if platform.splits_host_threads else None
     # The followers read the config with the port fixed, so that all find the same store.
     config = replace(config, parallel=replace(parallel, master_port=store.port))
     followers = {rank: spawn_rank(config, rank, store.port, threads) for rank in parallel.node_ranks(0)[1:]}

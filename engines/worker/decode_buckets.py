@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from xinserve.engines.config import EngineConfig
+from xinserve.engines.platforms import is_host
 from xinserve.engines.speculative.config import parse_speculative_config
 from xinserve.kernels.attention_metadata import AttentionMetadata, DecodeGather
 
@@ -78,7 +79,7 @@ class DecodeBuffers:
         self.metadata = {size: self._metadata(size) for size in sizes}
         # What ``fill`` writes through: on the CPU numpy views of the same memory (a numpy slice
         # assignment costs ~1 us where a torch op on a small tensor costs ~3-5 us), else the tensors.
-        self._xp = np if self.input_ids.device.type == "cpu" else torch
+        self._xp = np if is_host(self.input_ids.device) else torch
         names = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "block_ids", "mask", "_arange")
         self._views = {name: _host_view(getattr(self, name), self._xp) for name in names}
         self._host_seq_lens = self.host_seq_lens.numpy()  # on the host on every device

@@ -46,7 +46,6 @@ from xinserve.kernels.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 
-GRAPH_CLASSES = {"cuda": "CUDAGraph", "npu": "NPUGraph", "musa": "MUSAGraph"}
 TIMING_ITERATIONS = 5
 
 
@@ -208,7 +207,7 @@ def build_decode_graphs(
     sizes = sizes or bucket_sizes(max_rows)
     buffers = DecodeBuffers(sizes, max_model_len, block_size, scratch_block, platform.device)
     forward = decode_forward(model, kv_cache)
-    if platform.kind == "cpu":
+    if not platform.captures_graphs:
         copy = DecodeBuffers(sizes, max_model_len, block_size, scratch_block, platform.device)
         return DecodeGraphs(buffers, {}, "compiled", BucketCompiler(forward, copy, mode, platform, model))
     steps = _capture(forward, buffers, platform, capture_hooks)
@@ -278,7 +277,7 @@ class BucketCompiler:
 
 def _capture(forward: Callable, buffers: DecodeBuffers, platform: Platform, hooks: Sequence[Callable]) -> dict:
     api = getattr(torch, platform.kind, None)
-    graph_class = getattr(api, GRAPH_CLASSES.get(platform.kind, ""), None)
+    graph_class = getattr(api, platform.graph_class, None)
     if graph_class is None:
         logger.info("torch.%s exposes no graph capture here; decode runs eagerly", platform.kind)
         return {}
@@ -341,7 +340,7 @@ def capture_memory_probe(model: torch.nn.Module, kv_cache: torch.Tensor, platfor
     """The largest bucket captured on the warm-up cache, to be held while the free memory is read,
     so the KV pool leaves room for the graphs' memory pool (which the smaller buckets share).
     None on the CPU (compiled code takes no device memory) or when graphs are off."""
-    if mode == "off" or platform.kind == "cpu":
+    if mode == "off" or not platform.captures_graphs:
         return None
     return build_decode_graphs(model, kv_cache, platform, mode, max_rows, max_model_len, block_size,
                                scratch_block, sizes=[bucket_sizes(max_rows)[-1]], capture_hooks=capture_hooks)

@@ -48,8 +48,10 @@ class ModelRunner:
         self.platform = platform
         self.device = platform.device
         self.block_size = block_size
-        # A C++ kernel not built yet is built after the engine is ready (engines/worker/warmup.py), on one CPU device.
-        self.defer_builds = config.warm_up_in_background and platform.kind == "cpu" and not (group or pipeline)
+        # A C++ kernel not built yet is built after the engine is ready (engines/worker/warmup.py), on one
+        # device that builds in the background (the CPU).
+        self.defer_builds = (config.warm_up_in_background and platform.builds_kernels_in_background
+                             and not (group or pipeline))
         self.step_lock = threading.Lock()  # held by a step: the warm-up swaps kernels and buckets in between
         self.model, self.hf_config = load_model(
             config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config),
@@ -74,7 +76,7 @@ class ModelRunner:
             # Compiling or capturing across the group's collectives is not built or tested yet.
             logger.info("tensor parallel: decode steps run eagerly (compile %r is ignored)", self.compile_mode)
             self.compile_mode = "off"
-        if self.compile_mode != "off" and platform.kind != "cpu" and self.kernels.uncapturable:
+        if self.compile_mode != "off" and platform.captures_graphs and self.kernels.uncapturable:
             logger.info("%s decodes eagerly on %s: its kernels cannot be graph-captured yet (%s)",
                         type(self.model).__name__, self.device,
                         ", ".join(f"{op}={name}" for op, name in self.kernels.uncapturable.items()))
@@ -92,13 +94,13 @@ class ModelRunner:
         self.kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)  # the KV pool's (kernels/kv_quant.py)
         shapes = replace(shapes, block_size=self.block_size, kv_cache_dtype=self.kv_dtype)
         self.kernel_request = (shapes, dtype, config.kernels)  # the warm-up selects again once its builds are done
-        self.kernels: KernelSelection = select(self.platform.kind, self.device, dtype, shapes, config.kernels, self.defer_builds)
+        self.kernels: KernelSelection = select(self.platform.kernel_preference, self.device, dtype, shapes, config.kernels, self.defer_builds)
         logger.info("kernels on %s (%s):\n%s", self.device, str(dtype).removeprefix("torch."), self.kernels.table())
         return self.kernels.ops
 
     def _choose_ep_exchange(self, config: EngineConfig, shapes: ModelShapes, dtype: torch.dtype) -> str:
         """Expert parallel's token exchange (kernels/ep_dispatch.py), reported as the op ``ep_dispatch``."""
-        return choose_ep_dispatch(self.platform.kind, config.tensor_parallel_size, shapes, dtype,
+        return choose_ep_dispatch(self.platform.ep_dispatch_preference, config.tensor_parallel_size, shapes, dtype,
                                   config.max_num_batched_tokens).record(self.kernels)
 
     def bytes_per_block(self) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from xinserve.engines.core.scheduler import ScheduledSeq
 from xinserve.engines.core.sequence import Sequence, needs_prompt_logits
+from xinserve.engines.platforms import is_host
 from xinserve.engines.speculative.verify import draft_logits_indices
 from xinserve.engines.worker.decode_rows import decode_rows
 from xinserve.kernels.attention_metadata import AttentionMetadata, build_decode_gather
@@ -72,7 +73,7 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """``array`` as a tensor on ``device``; on the CPU a view of it (``Tensor.to`` would return the same
     tensor, after parsing its arguments: a few microseconds per input per step)."""
     tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+    return tensor if is_host(device) else tensor.to(device, non_blocking=True)
 
 
 class BlockTables:

@@ -139,7 +139,7 @@ def for_engine(config, platform, runner, max_model_len: int) -> ThreadChoice | N
     """A CPU engine's thread count (None on other devices): chosen by timing when ``max_cpu_threads``
     is set and the engine is a single rank (tensor- and pipeline-parallel ranks get theirs from
     engines/parallel/tp_runner.py)."""
-    if platform.kind != "cpu":
+    if not platform.splits_host_threads:
         return None
     single = config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1
     most = config.max_cpu_threads if single else None

@@ -93,7 +93,7 @@ class Warmup:
         # C++ decode attention 2.08 ms vs the reference 1.59 ms here, 0.57 vs 0.68 ms in the foreground),
         # and a reference chosen that way pads compiled decode buckets to max_model_len (TPOT 297 ms at
         # c=32). The platform's preference order puts a built kernel first.
-        new = select(self.runner.platform.kind, self.runner.device, dtype, shapes, forced, time_candidates=False)
+        new = select(self.runner.platform.kernel_preference, self.runner.device, dtype, shapes, forced, time_candidates=False)
         swapped = [op for op, name in new.chosen.items() if name in old.deferred and old.chosen.get(op) != name]
         functions = {f: getattr(new.ops, f) for op in swapped for f in OP_FUNCTIONS[op]}
         merged = replace(new, chosen={op: new.chosen[op] if op in swapped else name for op, name in old.chosen.items()},

@@ -1,7 +1,8 @@
 """``xinserve doctor``: which devices this machine offers, their memory, and why one is missing.
 
 Each probe imports only what its device needs (torch_npu for Ascend, torch_musa for Moore Threads)
-and turns every failure into a one-line reason instead of a traceback.
+and turns every failure into a one-line reason instead of a traceback. What to install for each device
+is its platform module's (engines/platforms/), as a worker that fails to start says it.
 """
 
 import argparse
@@ -11,7 +12,10 @@ import os
 import platform
 from collections.abc import Mapping
 from importlib import metadata
+from types import ModuleType
 from typing import Any
+
+from xinserve.engines.platforms import ACCELERATORS
 
 GIB = 1024**3
 
@@ -71,12 +75,14 @@ def probe_cpu() -> dict[str, Any]:
     return info
 
 
-def _accelerator(kind: str, module_name: str | None, install_hint: str) -> dict[str, Any]:
-    """Probe ``torch.<kind>`` after importing its extension module (if it has one)."""
+def _accelerator(vendor: ModuleType) -> dict[str, Any]:
+    """Probe ``torch.<kind>`` for the platform module ``vendor`` (engines/platforms/) after importing its
+    extension module (if it has one); a reason names what to install, in the platform's words."""
     try:
         import torch
     except ImportError:
         return {"available": False, "reason": "torch is not installed"}
+    kind, module_name, install_hint = vendor.KIND, vendor.VENDOR_MODULE, f"install {vendor.INSTALL_HINT}"
     if module_name is not None:
         try:
             importlib.import_module(module_name)
@@ -87,8 +93,9 @@ def _accelerator(kind: str, module_name: str | None, install_hint: str) -> dict[
     backend = getattr(torch, kind, None)
     if backend is None:
         return {"available": False, "reason": f"torch has no '{kind}' backend; {install_hint}"}
-    if kind == "cuda" and torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        return {"available": False, "reason": f"this torch ({torch.__version__}) is a CPU-only build"}
+    build_problem = getattr(vendor, "torch_build_problem", lambda: None)()
+    if build_problem is not None:
+        return {"available": False, "reason": build_problem}
     try:
         count = backend.device_count() if backend.is_available() else 0
     except Exception as exc:  # noqa: BLE001  a driver error is a finding, not a crash
@@ -114,20 +121,18 @@ TYPICAL_SHAPES = {"num_heads": 28, "num_kv_heads": 4, "head_dim": 128, "rotary_d
                   "hidden_size": 3584, "intermediate_size": 18944, "vocab_size": 152064}
 
 
-def probe_kernels(kind: str, device: str) -> dict[str, Any]:
+def probe_kernels(device: str) -> dict[str, Any]:
     """The kernel registry's choice on ``device`` for a typical model, in its usual dtype, with the
     rejected candidates and why (what a worker would log at start-up)."""
     try:
-        import torch
-
-        from xinserve.engines.platforms import get_platform
+        from xinserve.engines.platforms import get_platform  # opens the device: imports torch
         from xinserve.kernels.model_shapes import ModelShapes
         from xinserve.kernels.registry import select
 
         platform = get_platform(device)
-        dtype = torch.float32 if kind == "cpu" else torch.bfloat16
+        dtype = platform.typical_dtype
         shapes = ModelShapes(**TYPICAL_SHAPES, block_size=platform.default_block_size)
-        selection = select(kind, platform.device, dtype, shapes)
+        selection = select(platform.kernel_preference, platform.device, dtype, shapes)
     except Exception as exc:  # noqa: BLE001  a broken device or driver is a finding, not a crash
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"dtype": str(dtype).removeprefix("torch."), "ops": selection.report()}
@@ -184,16 +189,11 @@ def versions() -> dict[str, str | None]:
 
 
 def collect() -> dict[str, Any]:
-    report = {
-        "cpu": probe_cpu(),
-        "cuda": _accelerator("cuda", None, "install a CUDA build of torch"),
-        "npu": _accelerator("npu", "torch_npu", "pip install torch-npu (needs Ascend's CANN toolkit)"),
-        "musa": _accelerator("musa", "torch_musa", "use Moore Threads' MUSA image (torch_musa is not on PyPI)"),
-    }
-    devices = {"cpu": "cpu"} | {kind: report[kind]["devices"][0]["device"] for kind in ("cuda", "npu", "musa")
+    report = {"cpu": probe_cpu()} | {kind: _accelerator(vendor) for kind, vendor in ACCELERATORS.items()}
+    devices = {"cpu": "cpu"} | {kind: report[kind]["devices"][0]["device"] for kind in ACCELERATORS
                                 if report[kind]["available"]}
     report["versions"] = versions()
-    report["kernels"] = {kind: probe_kernels(kind, device) for kind, device in devices.items()}
+    report["kernels"] = {kind: probe_kernels(device) for kind, device in devices.items()}
     return report
 
 
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"cpu   : {cpu.get('cores_usable')} usable cores ({cpu.get('machine')}), "
           f"{cpu.get('memory_available_gib')} / {cpu.get('memory_total_gib')} GiB free, "
           f"avx512={cpu.get('avx512')} amx_bf16={cpu.get('amx_bf16')}, torch {cpu.get('torch', '-')}")
-    for kind in ("cuda", "npu", "musa"):
+    for kind in ACCELERATORS:
         found = report[kind]
         if not found["available"]:
             print(f"{kind:<6}: not available: {found['reason']}")
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             memory = f"{d.get('memory_free_gib')} / {d.get('memory_total_gib')} GiB free"
             print(f"{kind:<6}: {d['device']} {d.get('name', '?')}, {d.get('error', memory)}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v is not None))
-    usable = ["cpu"] + [d["device"] for k in ("cuda", "npu", "musa") if report[k]["available"]
+    usable = ["cpu"] + [d["device"] for k in ACCELERATORS if report[k]["available"]
                         for d in report[k]["devices"]]
     print(f"workers you can configure: {', '.join(usable)}")
     _print_kernels(report["kernels"])

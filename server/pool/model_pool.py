@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from xinserve.engines.parallel.parallel_config import ParallelConfig
+from xinserve.engines.platforms import splits_host_threads
 from xinserve.server.api.openai.view import TokenTexts
 from xinserve.server.config import DistributedSettings, ModelSettings
 from xinserve.server.embedded_model.hub import local_path
@@ -41,9 +42,9 @@ def group_engine_kwargs(
 def local_cpu_ranks(group: list[str], distributed: DistributedSettings) -> int:
     """CPU ranks of ``group`` on this node (the group's ranks split evenly over the nodes)."""
     if len(group) == 1:
-        return int(group[0] == "cpu" and distributed.node_rank == 0)
+        return int(splits_host_threads(group[0]) and distributed.node_rank == 0)
     per_node = len(group) // distributed.nnodes
-    return group[distributed.node_rank * per_node : (distributed.node_rank + 1) * per_node].count("cpu")
+    return sum(map(splits_host_threads, group[distributed.node_rank * per_node : (distributed.node_rank + 1) * per_node]))
 
 
 def available_cores() -> int:
@@ -166,7 +167,7 @@ class ModelPool:
 
     def _spec(self, worker: WorkerClient, path: str, tokenizer_path: str, ipc_dir: str) -> WorkerSpec:
         slug = f"{self.name}-{worker.label}".replace("/", "_").replace(":", "_").replace("#", "_").replace("+", "_")
-        threads = (self.settings.cpu_threads or self.cpu_threads) if worker.device == "cpu" else None
+        threads = (self.settings.cpu_threads or self.cpu_threads) if splits_host_threads(worker.device) else None
         engine_kwargs = {**self.settings.engine_kwargs(), "tokenizer": tokenizer_path,
                          "data_parallel_rank": self.workers.index(worker)}
         group = self.groups[worker.label]

@@ -14,6 +14,7 @@ import subprocess
 import time
 
 from xinserve.engines.config import EngineConfig
+from xinserve.engines.platforms import splits_host_threads
 from xinserve.server.config import AppConfig
 from xinserve.server.embedded_model.resolve import resolve_model_path
 from xinserve.server.pool.model_pool import default_cpu_threads, group_engine_kwargs, local_cpu_ranks
@@ -34,7 +35,7 @@ def node_ranks(config: AppConfig) -> list[tuple[EngineConfig, int]]:
         for group in model.groups:
             if len(group) > 1:
                 # a model's cpu_threads wins, as on node 0 (server/pool/model_pool.py)
-                kwargs = group_engine_kwargs(group, dist, index, (model.cpu_threads or threads) if group[0] == "cpu" else None,
+                kwargs = group_engine_kwargs(group, dist, index, (model.cpu_threads or threads) if splits_host_threads(group[0]) else None,
                                              model.pipeline_parallel_size)
                 engine = EngineConfig(model=path, device=group[0], **model.engine_kwargs(), **kwargs)
                 ranks.extend((engine, rank) for rank in kwargs["parallel"].node_ranks(dist.node_rank))

@@ -25,6 +25,7 @@ import triton
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's packages
 
+from xinserve.engines.platforms.cuda import KERNEL_PREFERENCE as CUDA_KERNELS
 from xinserve.kernels import triton as triton_ops
 from xinserve.kernels.attention_metadata import build_decode_gather
 from xinserve.kernels.probes.checks import TOLERANCE  # the registry's, so a pass here is a pass there
@@ -173,7 +174,7 @@ def probe_registry(device: torch.device) -> dict:
     shapes = ModelShapes(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rotary_dim=HEAD_DIM,
                          rope_is_neox=True, hidden_size=8192, intermediate_size=28672, vocab_size=128256,
                          block_size=BLOCK_SIZE)
-    return select("cuda", device, torch.bfloat16, shapes).report()
+    return select(CUDA_KERNELS, device, torch.bfloat16, shapes).report()
 
 
 def greedy_vs_transformers(device: torch.device) -> dict:

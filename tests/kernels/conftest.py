@@ -5,6 +5,7 @@ here unless a test turns timing on itself (tests/kernels/test_registry.py does).
 import importlib
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
@@ -13,7 +14,7 @@ import torch
 
 import xinserve.engines.core.engine
 from xinserve import kernels
-from xinserve.engines.platforms import Platform
+from xinserve.engines.platforms import npu as ascend
 from xinserve.kernels.registry import ENV_VAR, TIMING_ENV_VAR
 
 FAKES_DIR = Path(__file__).resolve().parents[1] / "fakes"
@@ -58,8 +59,8 @@ def npu_platform(npu, no_forced_kernels, monkeypatch: pytest.MonkeyPatch) -> Non
     Ascend's paged kernels want), so the runner chooses kernels for "npu" while every tensor stays on
     the host."""
     cpu = torch.device("cpu")
-    platform = Platform(kind="npu", device=cpu, default_block_size=128, default_kv_cache_memory_fraction=0.1,
-                        free_memory=lambda: 2**30, synchronize=lambda: None)
+    platform = replace(ascend.record(cpu), default_kv_cache_memory_fraction=0.1, free_memory=lambda: 2**30,
+                       synchronize=lambda: None, dist_backend="gloo")
     real = xinserve.engines.core.engine.get_platform
     monkeypatch.setattr(xinserve.engines.core.engine, "get_platform",
                         lambda device: platform if device.startswith("npu") else real(device))

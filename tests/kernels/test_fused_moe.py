@@ -11,7 +11,8 @@ import torch
 
 import xinserve.engines.core.engine
 from xinserve.engines import LLM, SamplingParams
-from xinserve.engines.platforms import Platform
+from xinserve.engines.platforms import npu as ascend
+from xinserve.engines.platforms.npu import KERNEL_PREFERENCE as NPU_KERNELS
 from xinserve.kernels import registry
 from xinserve.kernels.cuda import grouped_mm
 from xinserve.kernels.model_shapes import ModelShapes
@@ -188,27 +189,27 @@ def no_forced_kernels(monkeypatch) -> None:
 
 @pytest.mark.parametrize("routing", [SOFTMAX, GROUPED_SIGMOID], ids=["softmax", "grouped-sigmoid"])
 def test_the_registry_chooses_the_ascend_moe_path(npu, no_forced_kernels, routing):
-    selection = registry.select("npu", CPU, torch.bfloat16, moe_shapes(routing))
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, moe_shapes(routing))
     assert selection.chosen["fused_moe"] == "npu", selection.rejected
     assert selection.ops.fused_moe is npu.fused_moe and selection.ops.select_experts is npu.select_experts
 
 
 def test_the_registry_keeps_the_reference_where_ascend_declines(npu, no_forced_kernels):
     unnormalised = replace(GROUPED_SIGMOID, renormalize=False)
-    selection = registry.select("npu", CPU, torch.bfloat16, moe_shapes(unnormalised))
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, moe_shapes(unnormalised))
     assert selection.chosen["fused_moe"] == "reference"
     assert selection.rejected["fused_moe"] == [
         ("npu", "sigmoid scores without renormalisation unsupported (MoeGatingTopK always renormalises them)")]
-    selection = registry.select("npu", CPU, torch.bfloat16, moe_shapes(MoeRouting(top_k=2), num_experts=4096))
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, moe_shapes(MoeRouting(top_k=2), num_experts=4096))
     assert "4096 experts in 1 groups unsupported" in dict(selection.rejected["fused_moe"])["npu"]
 
 
 def test_a_dense_model_never_probes_fused_moe(no_forced_kernels, monkeypatch):
-    monkeypatch.setitem(registry.PREFERENCE, "cpu", ("grouped_mm", "reference"))
+    grouped_mm_first = ("grouped_mm", "reference")
     dense = replace(moe_shapes(SOFTMAX), num_experts=0, moe_intermediate_size=0, moe_routing=None)
-    selection = registry.select("cpu", CPU, torch.float32, dense)
+    selection = registry.select(grouped_mm_first, CPU, torch.float32, dense)
     assert selection.chosen["fused_moe"] == "reference" and "fused_moe" not in selection.rejected
-    selection = registry.select("cpu", CPU, torch.float32, moe_shapes(SOFTMAX))
+    selection = registry.select(grouped_mm_first, CPU, torch.float32, moe_shapes(SOFTMAX))
     assert selection.chosen["fused_moe"] == "grouped_mm"
 
 
@@ -217,8 +218,8 @@ def test_a_dense_model_never_probes_fused_moe(no_forced_kernels, monkeypatch):
 @pytest.fixture
 def npu_platform(npu, no_forced_kernels, monkeypatch):
     """get_platform("npu...") answers an Ascend platform whose device is the CPU."""
-    platform = Platform(kind="npu", device=CPU, default_block_size=16, default_kv_cache_memory_fraction=0.1,
-                        free_memory=lambda: 2**30, synchronize=lambda: None)
+    platform = replace(ascend.record(CPU), default_block_size=16, default_kv_cache_memory_fraction=0.1,
+                       free_memory=lambda: 2**30, synchronize=lambda: None, dist_backend="gloo")
     real = xinserve.engines.core.engine.get_platform
     monkeypatch.setattr(xinserve.engines.core.engine, "get_platform",
                         lambda device: platform if device.startswith("npu") else real(device))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from xinserve.engines.platforms.cpu import KERNEL_PREFERENCE as CPU_KERNELS
 from xinserve.kernels import kv_quant
 from xinserve.kernels.attention_metadata import build_decode_gather
 from xinserve.kernels.cpu import cpp
@@ -132,7 +133,7 @@ def _shapes(kv_cache_dtype: torch.dtype) -> ModelShapes:
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.bfloat16])
 def test_the_registry_probes_with_the_kv_dtype_and_chooses_a_kernel_that_reads_it(dtype):
-    selection = select("cpu", torch.device("cpu"), torch.float32, _shapes(dtype), None)
+    selection = select(CPU_KERNELS, torch.device("cpu"), torch.float32, _shapes(dtype), None)
     assert selection.chosen["decode_attention"] in ("cpp", "reference")  # the faster one, measured
     assert "cpp" not in [name for name, _ in selection.rejected.get("decode_attention", [])]
     assert triton_unsupported("decode_attention", _shapes(dtype), torch.float32).startswith("KV cache dtype")

@@ -44,8 +44,7 @@ def test_a_wrong_mla_prefill_candidate_is_rejected_and_a_correct_one_chosen(monk
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     fake_module("off", monkeypatch, OPS={"mla_prefill_attention": off_by_a_little})
     fake_module("good", monkeypatch, OPS={"mla_prefill_attention": copy_of_reference})
-    monkeypatch.setitem(registry.PREFERENCE, "cpu", ("off", "good", "reference"))
-    selection = registry.select("cpu", CPU, torch.float32, SHAPES)
+    selection = registry.select(("off", "good", "reference"), CPU, torch.float32, SHAPES)
     assert dict(selection.rejected["mla_prefill_attention"])["off"].startswith("max abs err 1.0e-01")
     assert selection.chosen["mla_prefill_attention"] == "good"
     assert selection.ops.mla_prefill_attention is copy_of_reference

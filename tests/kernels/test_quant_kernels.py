@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from xinserve.engines.platforms.cpu import KERNEL_PREFERENCE as CPU_KERNELS
 from xinserve.kernels import quant_dequant, quant_int8
 from xinserve.kernels.model_shapes import ModelShapes
 from xinserve.kernels.probes.inputs import max_error
@@ -101,12 +102,12 @@ def test_quantized_fused_moe_candidates_equal_the_reference_and_dequantize_per_e
 
 def test_registry_probes_quant_candidates_on_the_models_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XINSERVE_KERNEL_TIMING", "off")
-    w8a8 = select("cpu", torch.device("cpu"), torch.float32, model_shapes(SHAPES[0]))
+    w8a8 = select(CPU_KERNELS, torch.device("cpu"), torch.float32, model_shapes(SHAPES[0]))
     assert w8a8.chosen["quant_linear"] == "int8mm"  # first in preference when not timed
-    mixed = select("cpu", torch.device("cpu"), torch.float32, model_shapes(SHAPES[0], SHAPES[3]))
+    mixed = select(CPU_KERNELS, torch.device("cpu"), torch.float32, model_shapes(SHAPES[0], SHAPES[3]))
     assert mixed.chosen["quant_linear"] == "dequant"
     assert any(impl == "int8mm" and "int4" in reason for impl, reason in mixed.rejected["quant_linear"])
-    dense = select("cpu", torch.device("cpu"), torch.float32, model_shapes())
+    dense = select(CPU_KERNELS, torch.device("cpu"), torch.float32, model_shapes())
     assert dense.chosen["quant_linear"] == "reference" and "quant_linear" not in dense.rejected
 
 
@@ -115,7 +116,7 @@ def test_a_wrong_candidate_is_rejected_by_the_probe(monkeypatch: pytest.MonkeyPa
     # a kernel that forgets the zero points
     monkeypatch.setitem(quant_dequant.OPS, "prepare_quant_weight",
                         lambda w, dtype: quant_dequant.prepare_quant_weight(replace(w, zero=None), dtype))
-    selection = select("cpu", torch.device("cpu"), torch.float32, model_shapes(SHAPES[3]))
+    selection = select(CPU_KERNELS, torch.device("cpu"), torch.float32, model_shapes(SHAPES[3]))
     assert selection.chosen["quant_linear"] == "reference"
     assert any(impl == "dequant" and "max abs err" in reason for impl, reason in selection.rejected["quant_linear"])
 
@@ -125,5 +126,5 @@ def test_correct_candidates_pass_the_probe_in_bfloat16_too(monkeypatch: pytest.M
     monkeypatch.setenv("XINSERVE_KERNEL_TIMING", "off")
     experts = (QuantShape("int8", (1, 64), "int8_per_token", False, 64, 64, experts=8),
                QuantShape("int8", (1, 32), "int8_per_token", False, 64, 32, experts=8))
-    selection = select("cpu", torch.device("cpu"), torch.bfloat16, model_shapes(SHAPES[0], *experts))
+    selection = select(CPU_KERNELS, torch.device("cpu"), torch.bfloat16, model_shapes(SHAPES[0], *experts))
     assert selection.chosen["quant_linear"] == "int8mm" and selection.chosen["quant_fused_moe"] == "dequant"

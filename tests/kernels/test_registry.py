@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.platforms.cpu import KERNEL_PREFERENCE as CPU_KERNELS
 from xinserve.kernels import registry
 from xinserve.kernels.model_shapes import ModelShapes
 from xinserve.kernels.references import dense as reference
@@ -18,6 +19,8 @@ from xinserve.kernels.registry import KernelSelectionError, parse_forced, select
 SHAPES = ModelShapes(num_heads=6, num_kv_heads=2, head_dim=8, rotary_dim=8, rope_is_neox=True, hidden_size=48,
                      intermediate_size=40, vocab_size=100, block_size=4)
 CPU = torch.device("cpu")
+# the fake candidates of the ``candidates`` fixture, most preferred first
+FAKES = ("absent", "raising", "off", "narrow", "good", "reference")
 
 
 def fake_module(name: str, monkeypatch, **attrs) -> None:
@@ -50,14 +53,13 @@ def candidates(monkeypatch):
                 unsupported=lambda op, shapes, dtype: f"head_dim {shapes.head_dim} unsupported")
     fake_module("good", monkeypatch, OPS={"silu_and_mul": copy_of_reference})
     monkeypatch.setitem(registry.MODULES, "absent", "xinserve.kernels.absent_vendor_module")
-    monkeypatch.setitem(registry.PREFERENCE, "cpu", ("absent", "raising", "off", "narrow", "good", "reference"))
 
 
 def test_cpu_times_its_decode_candidates_and_keeps_the_reference_elsewhere(monkeypatch, tmp_path):
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))  # a fresh timing cache
     monkeypatch.setenv(registry.TIMING_ENV_VAR, "on")
-    selection = select("cpu", CPU, torch.float32, SHAPES)
+    selection = select(CPU_KERNELS, CPU, torch.float32, SHAPES)
     assert not selection.rejected
     # the only ops with two correct candidates: cpp decode, KV write and linear, sdpa prefill (kernels/cpu/sdpa_prefill.py)
     assert set(selection.timings_ms) == {"decode_attention", "prefill_attention", "write_kv", "linear"}
@@ -75,7 +77,7 @@ def test_cpu_times_its_decode_candidates_and_keeps_the_reference_elsewhere(monke
 
 
 def test_each_failing_candidate_is_rejected_with_its_reason(candidates):
-    selection = select("cpu", CPU, torch.float32, SHAPES)
+    selection = select(FAKES, CPU, torch.float32, SHAPES)
     assert selection.chosen["silu_and_mul"] == "good"
     assert selection.ops.silu_and_mul is copy_of_reference
     reasons = dict(selection.rejected["silu_and_mul"])
@@ -93,16 +95,16 @@ def test_each_failing_candidate_is_rejected_with_its_reason(candidates):
 
 def test_forcing_by_environment_and_by_config(candidates, monkeypatch):
     monkeypatch.setenv(registry.ENV_VAR, "silu_and_mul=reference")
-    assert select("cpu", CPU, torch.float32, SHAPES).chosen["silu_and_mul"] == "reference"
+    assert select(FAKES, CPU, torch.float32, SHAPES).chosen["silu_and_mul"] == "reference"
     # The model's config wins over the environment.
-    assert select("cpu", CPU, torch.float32, SHAPES, {"silu_and_mul": "good"}).chosen["silu_and_mul"] == "good"
+    assert select(FAKES, CPU, torch.float32, SHAPES, {"silu_and_mul": "good"}).chosen["silu_and_mul"] == "good"
 
 
 def test_an_impossible_forced_choice_fails_with_the_reason(candidates):
     with pytest.raises(KernelSelectionError, match=r"silu_and_mul=off was forced .* max abs err 1.0e-01"):
-        select("cpu", CPU, torch.float32, SHAPES, {"silu_and_mul": "off"})
+        select(FAKES, CPU, torch.float32, SHAPES, {"silu_and_mul": "off"})
     with pytest.raises(KernelSelectionError, match=r"rms_norm=npu was forced .* not installed"):
-        select("cpu", CPU, torch.float32, SHAPES, {"rms_norm": "npu"})
+        select(FAKES, CPU, torch.float32, SHAPES, {"rms_norm": "npu"})
 
 
 @pytest.mark.parametrize("text", ["silu_and_mul", "flash=triton", "rms_norm=cudnn"])
@@ -164,7 +166,7 @@ def test_the_fastest_correct_candidate_wins_and_timings_are_cached(monkeypatch, 
 
     fake_module("slow", monkeypatch, OPS={"paged_decode_attention": slow})
     fake_module("quick", monkeypatch, OPS={"paged_decode_attention": quick})
-    monkeypatch.setitem(registry.PREFERENCE, "cpu", ("slow", "quick", "reference"))
+    timed = ("slow", "quick", "reference")
     names = {slow: "slow", quick: "quick", reference.paged_decode_attention: "reference"}
     measured = {"slow": 3.0, "quick": 1.0, "reference": 2.0}
     calls = []
@@ -174,14 +176,14 @@ def test_the_fastest_correct_candidate_wins_and_timings_are_cached(monkeypatch, 
         return measured[calls[-1]]
 
     monkeypatch.setattr(registry, "measure", fake_measure)
-    first = select("cpu", CPU, torch.float32, SHAPES)
+    first = select(timed, CPU, torch.float32, SHAPES)
     assert first.chosen["decode_attention"] == "quick"
     assert first.timings_ms["decode_attention"] == {"slow": 3000.0, "quick": 1000.0, "reference": 2000.0}
     assert sorted(calls) == ["quick", "reference", "slow"]
     calls.clear()
-    assert select("cpu", CPU, torch.float32, SHAPES).chosen["decode_attention"] == "quick"
+    assert select(timed, CPU, torch.float32, SHAPES).chosen["decode_attention"] == "quick"
     assert calls == []  # from the cache file
-    forced = select("cpu", CPU, torch.float32, SHAPES, {"decode_attention": "slow"})
+    forced = select(timed, CPU, torch.float32, SHAPES, {"decode_attention": "slow"})
     assert forced.chosen["decode_attention"] == "slow" and "decode_attention" not in forced.timings_ms
 
 
@@ -210,14 +212,14 @@ def test_a_chosen_kernel_that_cannot_be_captured_is_reported_for_the_ops_the_mod
     hooked_silu.graph_capture_hook = hook
     fake_module("frozen", monkeypatch, OPS={"silu_and_mul": frozen_silu})
     fake_module("hooked", monkeypatch, OPS={"silu_and_mul": hooked_silu})
-    assert select("cpu", CPU, torch.float32, SHAPES).uncapturable == {}  # the reference and cpp capture
-    frozen = select("cpu", CPU, torch.float32, SHAPES, forced={"silu_and_mul": "frozen"})
+    assert select(CPU_KERNELS, CPU, torch.float32, SHAPES).uncapturable == {}  # the reference and cpp capture
+    frozen = select(CPU_KERNELS, CPU, torch.float32, SHAPES, forced={"silu_and_mul": "frozen"})
     assert frozen.uncapturable == {"silu_and_mul": "frozen"} and frozen.capture_hooks == []
     assert "not graph-capturable" in frozen.table()
-    hooked = select("cpu", CPU, torch.float32, SHAPES, forced={"silu_and_mul": "hooked"})
+    hooked = select(CPU_KERNELS, CPU, torch.float32, SHAPES, forced={"silu_and_mul": "hooked"})
     assert hooked.uncapturable == {} and hooked.capture_hooks == [hook]
     # the reference MLA decode and DSA indexer: reported for an MLA / DSA model only
     dsa = replace(SHAPES, num_heads=4, num_kv_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, index_topk=4,
                   index_n_heads=2, index_head_dim=8)
-    assert select("cpu", CPU, torch.float32, dsa).uncapturable == {"mla_decode_attention": "reference",
+    assert select(CPU_KERNELS, CPU, torch.float32, dsa).uncapturable == {"mla_decode_attention": "reference",
                                                                     "indexer_topk": "reference"}

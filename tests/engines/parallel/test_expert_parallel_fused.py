@@ -14,6 +14,7 @@ from tests.engines.parallel.ep_fused_rank import FAKES, run_rank
 from tests.engines.parallel.test_expert_parallel import run_two_ranks
 from xinserve import kernels
 from xinserve.engines.models.expert_parallel import ExpertPlacement
+from xinserve.engines.platforms import cpu, cuda, npu
 from xinserve.kernels.ep_dispatch import choose_ep_dispatch
 from xinserve.kernels.model_shapes import ModelShapes
 from xinserve.kernels.routing import MoeRouting
@@ -21,6 +22,8 @@ from xinserve.kernels.routing import MoeRouting
 SHAPES = ModelShapes(num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=64, rope_is_neox=True, hidden_size=2048,
                      intermediate_size=4096, vocab_size=1000, block_size=128, num_experts=64,
                      moe_intermediate_size=512, moe_routing=MoeRouting(top_k=8, scoring="softmax", renormalize=True))
+
+CPU_EXCHANGES, CUDA_EXCHANGES, NPU_EXCHANGES = (m.EP_DISPATCH_PREFERENCE for m in (cpu, cuda, npu))
 
 
 def test_fused_exchange_equals_the_all_to_all_reference():
@@ -53,20 +56,20 @@ def fake_npu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_fused_exchange_is_chosen_on_npu_within_its_limits(fake_npu):
-    choice = choose_ep_dispatch("npu", 16, SHAPES, torch.bfloat16, max_num_batched_tokens=2048)
+    choice = choose_ep_dispatch(NPU_EXCHANGES, 16, SHAPES, torch.bfloat16, max_num_batched_tokens=2048)
     assert (choice.chosen, choice.rejected) == ("npu_moe_dispatch", [])
     assert importlib.import_module("xinserve.kernels.ascend.moe_dispatch").torch_npu.__file__.startswith(str(FAKES))
     for ranks, dtype, tokens, reason in (
             (2, torch.bfloat16, 2048, "ep_world_size 2 unsupported"),
             (16, torch.float32, 2048, "float32 unsupported"),
             (16, torch.bfloat16, 8192, "512 tokens per rank unsupported")):
-        choice = choose_ep_dispatch("npu", ranks, SHAPES, dtype, max_num_batched_tokens=tokens)
+        choice = choose_ep_dispatch(NPU_EXCHANGES, ranks, SHAPES, dtype, max_num_batched_tokens=tokens)
         assert choice.chosen == "all_to_all"
         assert [(impl, r.split(" (")[0]) for impl, r in choice.rejected] == [("npu_moe_dispatch", reason)]
 
 
 def test_the_reference_elsewhere():
-    assert choose_ep_dispatch("cpu", 16, SHAPES, torch.bfloat16, 2048).chosen == "all_to_all"
-    assert choose_ep_dispatch("cuda", 16, SHAPES, torch.bfloat16, 2048).rejected == []
-    missing = choose_ep_dispatch("npu", 16, SHAPES, torch.bfloat16, 2048)  # no torch_npu installed here
+    assert choose_ep_dispatch(CPU_EXCHANGES, 16, SHAPES, torch.bfloat16, 2048).chosen == "all_to_all"
+    assert choose_ep_dispatch(CUDA_EXCHANGES, 16, SHAPES, torch.bfloat16, 2048).rejected == []
+    missing = choose_ep_dispatch(NPU_EXCHANGES, 16, SHAPES, torch.bfloat16, 2048)  # no torch_npu installed here
     assert missing.chosen == "all_to_all" and missing.rejected[0][1].startswith("not installed")

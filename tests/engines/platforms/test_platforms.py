@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from xinserve.engines.platforms import PlatformError, get_platform
+from xinserve.engines.platforms import (
+    PlatformError,
+    get_platform,
+    is_host,
+    normal_device,
+    ranks_share_the_device,
+    splits_host_threads,
+)
 
 
 def test_cpu_platform():
@@ -29,3 +36,21 @@ def test_a_missing_vendor_stack_says_what_to_install(device, says):
 def test_unknown_devices_are_refused(device):
     with pytest.raises(ValueError, match="expected cpu, cuda:N, npu:N or musa:N"):
         get_platform(device)
+
+
+@pytest.mark.parametrize(("spec", "normal"), [("cpu", "cpu"), (" NPU ", "npu:0"), ("musa", "musa:0"), ("cuda:3", "cuda:3")])
+def test_a_configured_device_has_one_spelling(spec, normal):
+    assert normal_device(spec) == normal
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cpu:0", "npu:x", "cuda0"])
+def test_a_device_no_platform_accepts_is_refused_in_config(spec):
+    with pytest.raises(ValueError, match="worker device must be cpu, cuda:N, npu:N or musa:N"):
+        normal_device(spec)
+
+
+def test_only_the_host_is_shared_by_ranks_and_splits_its_threads():
+    assert ranks_share_the_device("cpu") and splits_host_threads("cpu")
+    for device in ("cuda:0", "npu:1", "musa:2"):
+        assert not ranks_share_the_device(device) and not splits_host_threads(device)
+    assert is_host(torch.device("cpu")) and not is_host(torch.device("meta"))

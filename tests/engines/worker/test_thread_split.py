@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from xinserve.engines import LLM
+from xinserve.engines.platforms import get_platform
 from xinserve.engines.worker import thread_split
 from xinserve.engines.worker.thread_split import (
     ROUNDS,
@@ -106,7 +107,7 @@ def test_an_engine_times_its_decode_step_at_start_and_reports_it(tiny_models, tm
     assert again.source == "cached" and again.seconds == choice.seconds
     # No choice to make: nothing is timed.
     assert for_engine(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, max_cpu_threads=2, max_num_seqs=8),
-                      SimpleNamespace(kind="cpu"), llm.engine.runner, 128).source == "fixed"
+                      get_platform("cpu"), llm.engine.runner, 128).source == "fixed"
 
 
 def test_an_mla_engine_times_its_latent_cache_too(tiny_models, tmp_path, monkeypatch, restore_threads):

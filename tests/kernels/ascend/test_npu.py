@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.platforms.npu import KERNEL_PREFERENCE as NPU_KERNELS
 from xinserve.kernels import registry
 from xinserve.kernels.attention_metadata import build_decode_gather
 from xinserve.kernels.model_shapes import ModelShapes
@@ -272,7 +273,7 @@ ALL_NPU = {op: "npu" if applies(op, SHAPES) and op != "linear" else "reference" 
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_the_registry_chooses_npu_for_every_op(npu, no_forced_kernels, dtype):
-    selection = registry.select("npu", CPU, dtype, SHAPES)
+    selection = registry.select(NPU_KERNELS, CPU, dtype, SHAPES)
     assert selection.chosen == ALL_NPU, selection.rejected
     assert selection.ops.paged_prefill_attention is npu.paged_prefill_attention
     # the paged decode records its host-length calls while a graph is captured (engines/worker/graphs.py)
@@ -280,14 +281,14 @@ def test_the_registry_chooses_npu_for_every_op(npu, no_forced_kernels, dtype):
 
 
 def test_the_registry_skips_what_the_operators_decline(npu, no_forced_kernels):
-    selection = registry.select("npu", CPU, torch.float32, SHAPES)
+    selection = registry.select(NPU_KERNELS, CPU, torch.float32, SHAPES)
     for op in ("write_kv", "prefill_attention", "decode_attention"):
         assert selection.chosen[op] == "reference"
         assert selection.rejected[op] == [("npu", "float32 unsupported (float16 / bfloat16 only)")]
     assert {selection.chosen[op] for op in ("rms_norm", "rotary", "silu_and_mul", "top_k_top_p")} == {"npu"}
     narrow = ModelShapes(num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=16, rope_is_neox=True,
                          hidden_size=64, intermediate_size=96, vocab_size=300, block_size=16)
-    selection = registry.select("npu", CPU, torch.bfloat16, narrow)
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, narrow)
     reasons = {op: dict(selection.rejected.get(op, [])).get("npu") for op in registry.OPS}
     assert reasons["rotary"] == "head_dim 16 / rotary_dim 16 unsupported (multiples of 32)"
     assert reasons["prefill_attention"] == "block_size 16 unsupported (a multiple of 128 up to 512)"
@@ -299,7 +300,7 @@ def test_a_failing_operator_falls_back_to_the_reference_with_its_error(fake, no_
         raise RuntimeError("aclnnFusedInferAttentionScore error 161002")
 
     monkeypatch.setattr(fake, "npu_fused_infer_attention_score", broken)
-    selection = registry.select("npu", CPU, torch.bfloat16, SHAPES)
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, SHAPES)
     assert selection.chosen["prefill_attention"] == "reference"
     assert selection.rejected["prefill_attention"] == [
         ("npu", "raised RuntimeError: aclnnFusedInferAttentionScore error 161002")]

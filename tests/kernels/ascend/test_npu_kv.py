@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.platforms.npu import KERNEL_PREFERENCE as NPU_KERNELS
 from xinserve.kernels import kv_quant, registry
 from xinserve.kernels.attention_metadata import build_decode_gather
 from xinserve.kernels.model_shapes import ModelShapes
@@ -117,7 +118,7 @@ def test_the_fake_refuses_int8_pages_with_several_query_tokens_or_misplaced_scal
 
 @pytest.mark.parametrize("dtype, kv_dtype", KINDS, ids=KIND_IDS)
 def test_the_registry_picks_them_for_the_matching_kv_dtype(npu_kv, dtype, kv_dtype):
-    selection = registry.select("npu", CPU, dtype, replace(SHAPES, kv_cache_dtype=kv_dtype))
+    selection = registry.select(NPU_KERNELS, CPU, dtype, replace(SHAPES, kv_cache_dtype=kv_dtype))
     for op in KV_OPS:
         assert selection.chosen[op] == "npu_kv", selection.rejected
         assert [impl for impl, _ in selection.rejected[op]] == ["npu"]  # it reads the model's dtype only
@@ -125,19 +126,19 @@ def test_the_registry_picks_them_for_the_matching_kv_dtype(npu_kv, dtype, kv_dty
         assert selection.uncapturable == {"decode_attention": "npu_kv"}
     assert selection.ops.write_kv is npu_kv.write_kv
     # In the model's own dtype npu serves and npu_kv is no candidate at all (nothing to report).
-    selection = registry.select("npu", CPU, torch.bfloat16, SHAPES)
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, SHAPES)
     assert {selection.chosen[op] for op in KV_OPS} == {"npu"} and not selection.rejected
 
 
 def test_fp8_and_unsupported_shapes_keep_the_reference_and_say_why(npu_kv):
-    selection = registry.select("npu", CPU, torch.bfloat16, replace(SHAPES, kv_cache_dtype=torch.float8_e4m3fn))
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, replace(SHAPES, kv_cache_dtype=torch.float8_e4m3fn))
     for op in KV_OPS:
         assert selection.chosen[op] == "reference"
         assert dict(selection.rejected[op])["npu_kv"].startswith("KV cache dtype torch.float8_e4m3fn unsupported")
     int8 = replace(SHAPES, kv_cache_dtype=torch.int8)
-    selection = registry.select("npu", CPU, torch.float32, int8)
+    selection = registry.select(NPU_KERNELS, CPU, torch.float32, int8)
     assert "float32 with an int8 KV cache unsupported" in dict(selection.rejected["write_kv"])["npu_kv"]
-    selection = registry.select("npu", CPU, torch.bfloat16, replace(int8, block_size=16, head_dim=48,
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, replace(int8, block_size=16, head_dim=48,
                                                                      rotary_dim=48))
     reasons = {op: dict(selection.rejected[op])["npu_kv"] for op in ("prefill_attention", "decode_attention")}
     assert reasons == {"prefill_attention": "block_size 16 unsupported (a multiple of 128 up to 512)",
@@ -147,7 +148,7 @@ def test_fp8_and_unsupported_shapes_keep_the_reference_and_say_why(npu_kv):
 
 def test_a_missing_operator_falls_back_to_the_reference_with_the_reason(npu_kv, monkeypatch):
     monkeypatch.delattr(npu_kv.torch_npu, "npu_dynamic_quant")
-    selection = registry.select("npu", CPU, torch.bfloat16, replace(SHAPES, kv_cache_dtype=torch.int8))
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, replace(SHAPES, kv_cache_dtype=torch.int8))
     assert selection.chosen["write_kv"] == "reference"
     assert dict(selection.rejected["write_kv"])["npu_kv"].startswith("raised AttributeError")
     assert "npu_dynamic_quant" in dict(selection.rejected["write_kv"])["npu_kv"]

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from xinserve.engines.platforms.npu import KERNEL_PREFERENCE as NPU_KERNELS
 from xinserve.kernels import registry
 from xinserve.kernels.model_shapes import ModelShapes
 from xinserve.kernels.probes.checks import TOLERANCE, probe
@@ -40,23 +41,23 @@ def test_each_candidate_equals_the_reference(npu, op, dtype):
 
 
 def test_the_registry_chooses_them_for_a_dsa_model(npu, no_forced_kernels):
-    selection = registry.select("npu", CPU, torch.bfloat16, SHAPES)
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, SHAPES)
     assert {op: selection.chosen[op] for op in MLA_OPS} == dict.fromkeys(MLA_OPS, "npu"), selection.rejected
     assert selection.ops.mla_decode_attention is npu.OPS["mla_decode_attention"]
 
 
 def test_the_registry_declines_what_the_operators_refuse(npu, no_forced_kernels):
     tiny = replace(SHAPES, kv_lora_rank=32, qk_rope_head_dim=8, index_head_dim=16, index_n_heads=16, index_topk=12)
-    selection = registry.select("npu", CPU, torch.bfloat16, tiny)
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, tiny)
     reasons = {op: dict(selection.rejected.get(op, [])).get("npu") for op in MLA_OPS}
     assert reasons["mla_decode_attention"] == "kv_lora_rank 32 / qk_rope_head_dim 8 unsupported (512 / 64 only)"
     assert reasons["indexer_topk"].startswith("index_head_dim 16")
     assert selection.chosen["mla_decode_attention"] == selection.chosen["indexer_topk"] == "reference"
-    float32 = registry.select("npu", CPU, torch.float32, SHAPES)
+    float32 = registry.select(NPU_KERNELS, CPU, torch.float32, SHAPES)
     assert {float32.chosen[op] for op in MLA_OPS} == {"reference"}
     # a model without MLA never probes them: the reference stays, unprobed and unreported
     dense = replace(SHAPES, kv_lora_rank=0, qk_rope_head_dim=0, index_topk=0)
-    selection = registry.select("npu", CPU, torch.bfloat16, dense)
+    selection = registry.select(NPU_KERNELS, CPU, torch.bfloat16, dense)
     assert {selection.chosen[op] for op in MLA_OPS} == {"reference"}
     assert not any(op in selection.rejected for op in MLA_OPS)
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tests.engines.quantization.modelslim_checkpoints import write_w8a8_dynamic
 from xinserve.engines import LLM, SamplingParams
+from xinserve.engines.platforms.npu import KERNEL_PREFERENCE as NPU_KERNELS
 from xinserve.kernels import registry
 from xinserve.kernels.model_shapes import ModelShapes
 from xinserve.kernels.probes.checks import TOLERANCE, max_error
@@ -163,7 +164,7 @@ def test_the_registry_takes_the_npu_candidates_for_the_schemes_they_implement(np
                      QuantShape("int8", (1, 32), "int8_per_token", False, 64, 32, experts=4))
     shapes = replace(shapes, num_experts=4, moe_intermediate_size=32,
                      moe_routing=MoeRouting(top_k=2, scoring="softmax", renormalize=True))
-    selection = registry.select("npu", torch.device("cpu"), dtype, shapes)
+    selection = registry.select(NPU_KERNELS, torch.device("cpu"), dtype, shapes)
     assert selection.chosen["quant_linear"] == "npu", selection.rejected.get("quant_linear")
     # The experts' probe compares with the float32 reference, where a half-precision rounding of the
     # SwiGLU output can move its int8 step (the CPU dequant candidate misses the tolerance the same way):
@@ -181,7 +182,7 @@ def test_the_registry_takes_the_npu_candidates_for_the_schemes_they_implement(np
 ])
 def test_schemes_the_operators_cannot_take_keep_the_reference(npu, no_forced_kernels, shape: QuantShape,
                                                               reason: str) -> None:
-    selection = registry.select("npu", torch.device("cpu"), torch.float16, _shapes(shape))
+    selection = registry.select(NPU_KERNELS, torch.device("cpu"), torch.float16, _shapes(shape))
     assert selection.chosen["quant_linear"] != "npu"
     assert reason in dict(selection.rejected["quant_linear"])["npu"]
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from xinserve.engines.models.layers import Linear, MergedLinear
+from xinserve.engines.platforms.cpu import KERNEL_PREFERENCE as CPU_KERNELS
 from xinserve.kernels import registry
 from xinserve.kernels.cpu import cpp
 from xinserve.kernels.model_shapes import ModelShapes
@@ -139,7 +140,7 @@ def select_linear(monkeypatch) -> registry.KernelSelection:
     """The registry's choice of the linear; every other op forced to the reference (nothing else probed)."""
     others = ",".join(f"{op}=reference" for op in OPS if op != "linear")
     monkeypatch.setenv(registry.ENV_VAR, others)
-    return registry.select("cpu", CPU, torch.float32, SHAPES)
+    return registry.select(CPU_KERNELS, CPU, torch.float32, SHAPES)
 
 
 def test_a_compiled_graph_calls_the_op():

@@ -83,10 +83,9 @@ def test_prompts_of_equal_length_run_as_one_padded_call(monkeypatch: pytest.Monk
 
 def test_the_registry_probes_and_times_it_on_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv(registry.TIMING_ENV_VAR, "on")
-    monkeypatch.setitem(registry.PREFERENCE, "cpu", ("sdpa", "reference"))
     monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))  # a fresh timing cache
     shapes = ModelShapes(num_heads=4, num_kv_heads=2, head_dim=D, rotary_dim=D, rope_is_neox=True, hidden_size=128,
                          intermediate_size=256, vocab_size=64, block_size=BLOCK_SIZE)
-    selection = registry.select("cpu", torch.device("cpu"), torch.float32, shapes)
+    selection = registry.select(("sdpa", "reference"), torch.device("cpu"), torch.float32, shapes)
     assert set(selection.timings_ms["prefill_attention"]) >= {"sdpa", "reference"}
     assert "sdpa" not in dict(selection.rejected.get("prefill_attention", []))

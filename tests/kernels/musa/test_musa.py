@@ -15,7 +15,7 @@ import torch
 
 import xinserve.engines.core.engine
 from xinserve.engines import LLM, SamplingParams
-from xinserve.engines.platforms import get_platform
+from xinserve.engines.platforms import musa as moore_threads
 from xinserve.kernels import kv_quant, registry
 from xinserve.kernels.attention_metadata import build_decode_gather
 from xinserve.kernels.model_shapes import ModelShapes
@@ -25,6 +25,8 @@ from xinserve.kernels.registry import KernelSelectionError, select
 
 FAKES = Path(__file__).resolve().parents[2] / "fakes"
 CPU = torch.device("cpu")
+# The musa platform's candidates limited to ours and the reference: these tests do not depend on the Triton kernels.
+MUSA_KERNELS = ("musa", "reference")
 # (query heads, kv heads, head dim, block size): MHA, GQA 3:1 on tiny blocks, 8:1 on MATE's 64-token
 # pages, a 128-wide head
 SHAPES = [(4, 4, 16, 16), (6, 2, 8, 4), (8, 1, 64, 64), (4, 2, 128, 16)]
@@ -44,25 +46,23 @@ def load_fake(name: str) -> ModuleType:
 
 def fresh_import(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
     """Import ``name`` anew (it binds its vendor imports at import time) and forget it after the test."""
-    parent, _, child = name.rpartition(".")
+    parent_name, _, child = name.rpartition(".")
+    parent = importlib.import_module(parent_name)  # the vendor's package (kernels/musa/) may not be imported yet
     # Setting then deleting records the original entry and attribute, which teardown puts back.
     monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(sys.modules, name)
-    package = importlib.import_module(parent)
-    monkeypatch.setattr(package, child, None, raising=False)
-    monkeypatch.delattr(package, child)
+    monkeypatch.setattr(parent, child, None, raising=False)
+    monkeypatch.delattr(parent, child)
     return importlib.import_module(name)
 
 
 def install_fakes(monkeypatch: pytest.MonkeyPatch, with_mate: bool) -> ModuleType:
     """The fakes in place of torch_musa (also as ``torch.musa``) and, optionally, mate (else its
-    import fails); the registry's musa candidates limited to ours and the reference, so these
-    tests do not depend on the Triton kernels. Returns kernels/musa/ops.py imported against them."""
+    import fails). Returns kernels/musa/ops.py imported against them."""
     torch_musa = load_fake("torch_musa")
     monkeypatch.setitem(sys.modules, "torch_musa", torch_musa)
     monkeypatch.setattr(torch, "musa", torch_musa, raising=False)
     monkeypatch.setitem(sys.modules, "mate", load_fake("mate") if with_mate else None)
-    monkeypatch.setitem(registry.PREFERENCE, "musa", ("musa", "reference"))
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     return fresh_import(monkeypatch, "xinserve.kernels.musa.ops")
 
@@ -206,7 +206,7 @@ def test_the_fake_torch_musa_knows_one_card(musa):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_registry_chooses_the_musa_attention(musa, dtype):
-    selection = select("musa", CPU, dtype, MODEL_SHAPES)
+    selection = select(MUSA_KERNELS, CPU, dtype, MODEL_SHAPES)
     assert selection.chosen["prefill_attention"] == "musa" and selection.chosen["decode_attention"] == "musa"
     assert selection.ops.paged_decode_attention is musa.paged_decode_attention
     # The ops MUSA has nothing of its own for go to the reference without a complaint.
@@ -214,13 +214,13 @@ def test_the_registry_chooses_the_musa_attention(musa, dtype):
 
 
 def test_without_mate_decode_falls_back_and_says_why(musa_without_mate):
-    selection = select("musa", CPU, torch.bfloat16, MODEL_SHAPES)
+    selection = select(MUSA_KERNELS, CPU, torch.bfloat16, MODEL_SHAPES)
     assert selection.chosen["prefill_attention"] == "musa"
     assert selection.chosen["decode_attention"] == "reference"
     [(impl, reason)] = selection.rejected["decode_attention"]
     assert impl == "musa" and reason.startswith("not installed (mate")
     with pytest.raises(KernelSelectionError, match=r"decode_attention=musa was forced .* not installed \(mate"):
-        select("musa", CPU, torch.bfloat16, MODEL_SHAPES, {"decode_attention": "musa"})
+        select(MUSA_KERNELS, CPU, torch.bfloat16, MODEL_SHAPES, {"decode_attention": "musa"})
 
 
 @pytest.mark.parametrize(
@@ -234,7 +234,7 @@ def test_without_mate_decode_falls_back_and_says_why(musa_without_mate):
 )
 def test_declared_limits_send_the_op_to_the_next_candidate(musa, dtype, head_dim, prefill_says, decode_says):
     shapes = replace(MODEL_SHAPES, head_dim=head_dim, rotary_dim=head_dim)
-    selection = select("musa", CPU, dtype, shapes)
+    selection = select(MUSA_KERNELS, CPU, dtype, shapes)
     for op, says in (("prefill_attention", prefill_says), ("decode_attention", decode_says)):
         if says is None:
             assert selection.chosen[op] == "musa" and op not in selection.rejected
@@ -245,7 +245,7 @@ def test_declared_limits_send_the_op_to_the_next_candidate(musa, dtype, head_dim
 
 
 def test_a_windowed_model_keeps_the_reference_attention(musa):
-    selection = select("musa", CPU, torch.bfloat16, replace(MODEL_SHAPES, sliding_window=64))
+    selection = select(MUSA_KERNELS, CPU, torch.bfloat16, replace(MODEL_SHAPES, sliding_window=64))
     for op in ("prefill_attention", "decode_attention"):
         assert selection.chosen[op] == "reference"
         assert selection.rejected[op] == [("musa", "sliding window unsupported (not implemented for MUSA attention here)")]
@@ -255,8 +255,9 @@ def test_a_windowed_model_keeps_the_reference_attention(musa):
 def on_musa(musa, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """``device="musa:0"`` reaches the engine as a musa platform whose tensors live on the CPU (a
     fake cannot make MUSA tensors), so the runner selects kernels for platform "musa"."""
-    platform = replace(get_platform("cpu"), kind="musa", free_memory=lambda: torch.musa.mem_get_info()[0],
-                       synchronize=torch.musa.synchronize)
+    platform = replace(moore_threads.record(CPU), default_block_size=16, default_kv_cache_memory_fraction=0.1,
+                       free_memory=lambda: torch.musa.mem_get_info()[0], synchronize=torch.musa.synchronize,
+                       kernel_preference=MUSA_KERNELS, dist_backend="gloo")
     real = xinserve.engines.core.engine.get_platform
     monkeypatch.setattr(xinserve.engines.core.engine, "get_platform", lambda device: platform if device == "musa:0" else real(device))
     return musa
@@ -326,17 +327,17 @@ def test_8bit_cache_attention_equals_the_reference_over_the_same_stored_cache(mu
 
 @pytest.mark.parametrize("kv_dtype", EIGHT_BIT, ids=str)
 def test_the_registry_chooses_the_musa_attention_for_an_8bit_cache(musa, kv_dtype):
-    selection = select("musa", CPU, torch.bfloat16, replace(MODEL_SHAPES, kv_cache_dtype=kv_dtype))
+    selection = select(MUSA_KERNELS, CPU, torch.bfloat16, replace(MODEL_SHAPES, kv_cache_dtype=kv_dtype))
     assert selection.chosen["prefill_attention"] == "musa" and selection.chosen["decode_attention"] == "musa"
     assert selection.chosen["write_kv"] == "reference" and not selection.rejected  # torch ops quantize on the card
     # a half-precision cache in the other half dtype has no reader here: the reference serves, and says why
-    selection = select("musa", CPU, torch.bfloat16, replace(MODEL_SHAPES, kv_cache_dtype=torch.float16))
+    selection = select(MUSA_KERNELS, CPU, torch.bfloat16, replace(MODEL_SHAPES, kv_cache_dtype=torch.float16))
     assert selection.chosen["decode_attention"] == "reference"
     assert selection.rejected["decode_attention"] == [
         ("musa", "KV cache dtype torch.float16 unsupported (its kernels read an 8-bit cache or one in the model's dtype)")]
 
 
 def test_without_mate_an_8bit_cache_decodes_on_the_reference_and_says_why(musa_without_mate):
-    selection = select("musa", CPU, torch.bfloat16, replace(MODEL_SHAPES, kv_cache_dtype=torch.float8_e4m3fn))
+    selection = select(MUSA_KERNELS, CPU, torch.bfloat16, replace(MODEL_SHAPES, kv_cache_dtype=torch.float8_e4m3fn))
     assert selection.chosen["prefill_attention"] == "musa" and selection.chosen["decode_attention"] == "reference"
     assert selection.rejected["decode_attention"][0][1].startswith("not installed (mate")

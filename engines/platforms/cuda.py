@@ -1,0 +1,59 @@
+"""NVIDIA GPUs, through torch's own CUDA build."""
+
+from typing import TYPE_CHECKING
+
+from xinserve.engines.platforms.accelerator import memory_queries, open_card
+from xinserve.engines.platforms.record import Platform, all_dtypes
+
+if TYPE_CHECKING:
+    import torch
+
+KIND = "cuda"
+DEVICE_PATTERN = r"cuda(:\d+)?"  # "cuda" alone means the first card
+DEFAULT_DEVICE = "cuda:0"
+VENDOR_MODULE = None
+INSTALL_HINT = "a CUDA build of torch with an NVIDIA driver"
+KERNEL_PREFERENCE = ("triton", "grouped_mm", "int8mm", "dequant", "reference")
+EP_DISPATCH_PREFERENCE = ("all_to_all",)
+RANKS_SHARE_THE_DEVICE = False  # each rank needs a card of its own
+SPLITS_HOST_THREADS = False
+
+
+def record(device: "torch.device") -> Platform:
+    """What this kind is, for ``device`` (no card is touched: tests pass the CPU)."""
+    import torch
+
+    free_memory, synchronize = memory_queries(KIND, device)
+    return Platform(
+        kind=KIND,
+        device=device,
+        default_block_size=16,
+        default_kv_cache_memory_fraction=0.7,
+        free_memory=free_memory,
+        synchronize=synchronize,
+        kernel_preference=KERNEL_PREFERENCE,
+        ep_dispatch_preference=EP_DISPATCH_PREFERENCE,
+        graph_class="CUDAGraph",
+        typical_dtype=torch.bfloat16,
+        splits_host_threads=SPLITS_HOST_THREADS,
+        builds_kernels_in_background=False,
+        pins_host_memory=True,
+        schedules_ahead=False,
+        dtypes=all_dtypes(),
+        visible_devices_env="CUDA_VISIBLE_DEVICES",
+        dist_backend="nccl",
+    )
+
+
+def get(index: int) -> Platform:
+    """Card ``index``, made current; PlatformError says what to install or check when it cannot be used."""
+    return open_card(KIND, index, VENDOR_MODULE, INSTALL_HINT, record)
+
+
+def torch_build_problem() -> str | None:
+    """Why this torch cannot drive a CUDA card whatever the machine has (a CPU-only build); None when it can."""
+    import torch
+
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"this torch ({torch.__version__}) is a CPU-only build"
+    return None
