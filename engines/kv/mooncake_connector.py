@@ -30,16 +30,10 @@ from xinserve.engines.kv.block_layout import BlockLayout
 from xinserve.engines.kv.connector import KVConnectorBase
 from xinserve.engines.kv.side_channel import HeldTransfers, SideChannelServer, TransferFailed, ask
 from xinserve.engines.kv.transfer_config import KVTransferConfig
+from xinserve.engines.platforms import transfer_engine_hint
 
 logger = logging.getLogger(__name__)
 
-# What provides Mooncake's transfer engine per device kind (the -musa package on PyPI is an empty placeholder).
-INSTALL_HINT = {
-    "cpu": "pip install mooncake-transfer-engine-non-cuda, with apt-get install libibverbs1 libnuma1 libcurl4",
-    "musa": "pip install mooncake-transfer-engine-non-cuda, with apt-get install libibverbs1 libnuma1 libcurl4",
-    "npu": "pip install mooncake-transfer-engine-npu (its Ascend transport needs CANN)",
-    "cuda": "pip install mooncake-transfer-engine (CUDA 12) or mooncake-transfer-engine-cuda13",
-}
 # The params a decode instance needs, as the producer sends them (vLLM's NIXL connector's names).
 REMOTE_FIELDS = {"remote_engine_id": str, "remote_block_ids": list, "remote_host": str, "remote_port": int,
                  "remote_request_id": str}
@@ -50,8 +44,8 @@ def transfer_engine(device_kind: str, host: str, protocol: str, device_name: str
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
-        hint = INSTALL_HINT.get(device_kind, INSTALL_HINT["cpu"])
-        raise RuntimeError(f"the MooncakeConnector needs Mooncake's transfer engine ({exc}); {hint}") from None
+        raise RuntimeError(f"the MooncakeConnector needs Mooncake's transfer engine ({exc}); "
+                           f"{transfer_engine_hint(device_kind)}") from None
     engine = TransferEngine()
     rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
     if rc != 0:

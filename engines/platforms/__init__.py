@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ACCELERATORS", "KINDS", "Platform", "PlatformError", "get_platform", "is_host", "normal_device",
-           "ranks_share_the_device", "splits_host_threads"]
+           "ranks_share_the_device", "splits_host_threads", "transfer_engine_hint"]
 
 ACCELERATORS: dict[str, ModuleType] = {module.KIND: module for module in (cuda, npu, musa)}
 KINDS: dict[str, ModuleType] = {cpu.KIND: cpu, **ACCELERATORS}
@@ -61,6 +61,11 @@ def ranks_share_the_device(device: str) -> bool:
 def splits_host_threads(device: str) -> bool:
     """Whether workers on ``device`` run on the host's cores, each with a share of its threads."""
     return _kind(device).SPLITS_HOST_THREADS
+
+
+def transfer_engine_hint(device: str) -> str:
+    """What to install for Mooncake's transfer engine on ``device``'s kind."""
+    return _kind(device).TRANSFER_ENGINE_HINT
 
 
 def is_host(device: "torch.device") -> bool:

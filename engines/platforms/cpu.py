@@ -10,6 +10,8 @@ if TYPE_CHECKING:
 KIND = "cpu"
 DEVICE_PATTERN = r"cpu"  # config accepts "cpu" only: there is one host
 DEFAULT_DEVICE = "cpu"
+# What provides Mooncake's transfer engine here (P/D disaggregation, engines/kv/mooncake_connector.py)
+TRANSFER_ENGINE_HINT = "pip install mooncake-transfer-engine-non-cuda, with apt-get install libibverbs1 libnuma1 libcurl4"
 KERNEL_PREFERENCE = ("cpp", "sdpa", "int8mm", "dequant", "reference")
 EP_DISPATCH_PREFERENCE = ("all_to_all",)
 # Ranks and workers all run on the host's cores: any number may list "cpu", and they split torch's threads.

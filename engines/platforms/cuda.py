@@ -13,6 +13,8 @@ DEVICE_PATTERN = r"cuda(:\d+)?"  # "cuda" alone means the first card
 DEFAULT_DEVICE = "cuda:0"
 VENDOR_MODULE = None
 INSTALL_HINT = "a CUDA build of torch with an NVIDIA driver"
+# What provides Mooncake's transfer engine here (P/D disaggregation, engines/kv/mooncake_connector.py)
+TRANSFER_ENGINE_HINT = "pip install mooncake-transfer-engine (CUDA 12) or mooncake-transfer-engine-cuda13"
 KERNEL_PREFERENCE = ("triton", "grouped_mm", "int8mm", "dequant", "reference")
 EP_DISPATCH_PREFERENCE = ("all_to_all",)
 RANKS_SHARE_THE_DEVICE = False  # each rank needs a card of its own

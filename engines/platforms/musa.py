@@ -14,6 +14,9 @@ DEFAULT_DEVICE = "musa:0"
 VENDOR_MODULE = "torch_musa"
 INSTALL_HINT = ("Moore Threads' MUSA container image, which ships torch_musa with the MUSA "
                 "toolkit (torch_musa is not on PyPI)")
+# What provides Mooncake's transfer engine here (P/D disaggregation, engines/kv/mooncake_connector.py)
+TRANSFER_ENGINE_HINT = ("pip install mooncake-transfer-engine-non-cuda (the -musa package on PyPI is an empty placeholder), "
+                        "with apt-get install libibverbs1 libnuma1 libcurl4")
 KERNEL_PREFERENCE = ("musa", "triton", "dequant", "reference")
 EP_DISPATCH_PREFERENCE = ("all_to_all",)
 RANKS_SHARE_THE_DEVICE = False  # each rank needs a card of its own

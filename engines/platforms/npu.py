@@ -14,6 +14,8 @@ DEFAULT_DEVICE = "npu:0"
 VENDOR_MODULE = "torch_npu"
 INSTALL_HINT = ("torch-npu matching your torch, with Huawei's CANN toolkit installed and sourced "
                 "(set_env.sh); see `pip install -e '.[npu]'`")
+# What provides Mooncake's transfer engine here (P/D disaggregation, engines/kv/mooncake_connector.py)
+TRANSFER_ENGINE_HINT = "pip install mooncake-transfer-engine-npu (its Ascend transport needs CANN)"
 KERNEL_PREFERENCE = ("npu", "npu_kv", "dequant", "reference")
 EP_DISPATCH_PREFERENCE = ("npu_moe_dispatch", "all_to_all")
 RANKS_SHARE_THE_DEVICE = False  # each rank needs a card of its own

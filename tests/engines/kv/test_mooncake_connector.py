@@ -173,6 +173,7 @@ def test_the_config_is_checked_as_vllm_spells_it(config: dict, message: str):
 
 
 @pytest.mark.parametrize(("kind", "package"), [("cpu", "mooncake-transfer-engine-non-cuda"),
+                                               ("cuda", "mooncake-transfer-engine-cuda13"),
                                                ("musa", "mooncake-transfer-engine-non-cuda"),
                                                ("npu", "mooncake-transfer-engine-npu")])
 def test_a_missing_transfer_engine_is_refused_with_what_to_install(monkeypatch, kind: str, package: str):
