@@ -5,6 +5,8 @@
 #     xinserve serve --config /etc/xinserve/config.yaml
 # Ascend and MUSA hosts build on their vendor's base image instead (torch_npu / torch_musa inside):
 #   docker build --build-arg BASE_IMAGE=<vendor image> --build-arg TORCH_SPEC= -t xinserve:npu .
+# Prefill/decode disaggregation (docs/disaggregation.md) needs Mooncake's transfer engine and its libraries:
+#   docker build --build-arg WITH_MOONCAKE=1 -t xinserve:cpu-pd .
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
@@ -29,7 +31,11 @@ COPY server ./server
 COPY engines ./engines
 COPY kernels ./kernels
 COPY config ./config
-RUN pip install -c requirements.lock . \
+ARG WITH_MOONCAKE=""
+RUN if [ -n "$WITH_MOONCAKE" ]; then apt-get update \
+      && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 \
+      && rm -rf /var/lib/apt/lists/*; fi
+RUN pip install -c requirements.lock ".${WITH_MOONCAKE:+[mooncake]}" \
     && useradd --create-home --uid 1000 xinserve \
     && mkdir -p /cache && chown xinserve /cache
 

@@ -92,6 +92,13 @@ class Plan:
     max_model_len: int = 0
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
+    block_size: int = 128
+    kv_blocks_per_device: int = 0  # the pool of the stage with the fewest blocks
+    kv_bytes_per_token_per_replica: int = 0  # every rank's KV, as a transfer between instances moves it
+
+    def sequences_of(self, tokens: int) -> int:
+        """Sequences of ``tokens`` tokens the pools hold at once, over every replica."""
+        return self.kv_blocks_per_device // math.ceil(tokens / self.block_size) * self.replicas
 
     def as_json(self) -> dict[str, Any]:
         keys = ("parameters", "weight_bytes_per_device", "kv_bytes_per_token_per_device", "max_sequences",
@@ -240,7 +247,7 @@ def plan(path: str, *, devices: int | None = None, device_memory_gib: float = 64
                                             path if mtp else None)
     result = Plan(name, parameters, 0, 0, 0, False, None, layout,
                   max(1, devices // layout.devices), int(device_memory_gib * GIB), max_model_len, quantization,
-                  kv_cache_dtype)
+                  kv_cache_dtype, block_size)
     if problems:
         result.reason = f"model {name}: " + "; ".join(problems)
         return result
@@ -250,9 +257,11 @@ def plan(path: str, *, devices: int | None = None, device_memory_gib: float = 64
     stage_layers = [(s + 1) * layers // layout.pp - s * layers // layout.pp for s in range(layout.pp)]
     kv_stages = [math.ceil(kv_token * n / layers) for n in stage_layers]
     result.weight_bytes_per_device, result.kv_bytes_per_token_per_device = max(weights), max(kv_stages)
-    per_seq = math.ceil(max_model_len / block_size)
-    seqs = min(max(0, pool_blocks(result.device_memory_bytes - w, kv_cache_memory_fraction, kv * block_size))
-               // per_seq for w, kv in zip(weights, kv_stages))
+    result.kv_bytes_per_token_per_replica = layout.tp * sum(kv_stages)
+    result.kv_blocks_per_device = min(
+        max(0, pool_blocks(result.device_memory_bytes - w, kv_cache_memory_fraction, kv * block_size))
+        for w, kv in zip(weights, kv_stages))
+    seqs = result.sequences_of(max_model_len) // result.replicas
     result.max_sequences = seqs * result.replicas
     heaviest = weights.index(max(weights))
     if max(weights) > result.device_memory_bytes:

@@ -1,5 +1,10 @@
 """``xinserve plan``: will a model fit a set of cards, and how many sequences at full length?
 
+With ``--prompt-len`` (and ``--output-len``) it also sizes prefill/decode disaggregation
+(docs/disaggregation.md) with the layout given, one side at a time: the KV bytes a decode instance reads
+per request (the prompt's, every rank's), how many prompts a prefill instance holds at once (computing, or
+held until read) and how many whole requests (prompt + output) a decode instance holds.
+
 Reads only the model directory's config.json (engines/core/capacity.py does the arithmetic with the
 model's own classes on the meta device). Exit status: 0 when it fits, 1 when it does not, 2 for a
 bad argument or an unreadable model.
@@ -7,6 +12,7 @@ bad argument or an unreadable model.
 
 import argparse
 import json
+import sys
 
 from xinserve.engines.core.capacity import GIB, KV_CACHE_DTYPES, QUANTIZATION_SCHEMES, Layout, Plan, plan
 from xinserve.engines.model_loader import parse_dtype
@@ -33,6 +39,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="share of the memory left after the weights given to KV blocks (the accelerators' default)")
     p.add_argument("--mtp", action="store_true",
                    help="count the checkpoint's MTP layer too (speculative method mtp: its weights and KV layer)")
+    p.add_argument("--prompt-len", type=int, metavar="TOKENS",
+                   help="size prefill/decode disaggregation for prompts of this length (docs/disaggregation.md)")
+    p.add_argument("--output-len", type=int, default=0, metavar="TOKENS",
+                   help="with --prompt-len: the tokens each request generates on the decode side")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -43,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
                         ("--max-model-len", args.max_model_len), ("--block-size", args.block_size)):
         if value is not None and value < 1:
             raise BadInput(f"{flag} must be at least 1, got {value}")
+    if args.prompt_len is not None and args.prompt_len < 1 or args.output_len < 0:
+        raise BadInput("--prompt-len must be at least 1 and --output-len at least 0")
+    if args.prompt_len is None and args.output_len:
+        raise BadInput("--output-len needs --prompt-len")
     if args.device_memory <= 0 or not 0 < args.kv_cache_memory_fraction <= 1:
         raise BadInput("--device-memory must be positive and --kv-cache-memory-fraction in (0, 1]")
     try:
@@ -53,8 +67,38 @@ def run(args: argparse.Namespace) -> int:
                       kv_cache_memory_fraction=args.kv_cache_memory_fraction, mtp=args.mtp)
     except (OSError, ValueError) as exc:  # an unreadable model directory or config.json (read_config)
         raise BadInput(str(exc)) from None
-    print(json.dumps(result.as_json(), indent=2) if args.json else table(result))
+    sides = disaggregation(result, args.prompt_len, args.output_len) if args.prompt_len else None
+    if args.json:
+        print(json.dumps({**result.as_json(), **({"disaggregation": sides} if sides else {})}, indent=2))
+    else:
+        print(table(result) + ("\n" + disaggregation_table(sides) if sides else ""))
+    if sides and result.fits and args.prompt_len + args.output_len > result.max_model_len:
+        print(f"xinserve plan: --prompt-len + --output-len is more than max model len {result.max_model_len}",
+              file=sys.stderr)
+        return 1
     return 0 if result.fits else 1
+
+
+def disaggregation(result: Plan, prompt_len: int, output_len: int) -> dict[str, int]:
+    """One request's transfer and what each side holds at once, with ``result``'s layout and cards."""
+    per_device = prompt_len * result.kv_bytes_per_token_per_device
+    return {"prompt_len": prompt_len, "output_len": output_len,
+            "kv_bytes_per_request": prompt_len * result.kv_bytes_per_token_per_replica,
+            "kv_bytes_per_request_per_device": per_device,
+            "prefill_requests_held": result.sequences_of(prompt_len),
+            "decode_requests_held": result.sequences_of(prompt_len + output_len)}
+
+
+def disaggregation_table(sides: dict[str, int]) -> str:
+    prompt, output = sides["prompt_len"], sides["output_len"]
+    rows = [
+        ("P/D transfer per request", (f"{sides['kv_bytes_per_request'] / (1 << 20):,.1f} MiB "
+                                      f"({sides['kv_bytes_per_request_per_device']:,} B per device)")),
+        ("prefill side holds", f"{sides['prefill_requests_held']:,} prompts of {prompt:,} tokens"),
+        ("decode side holds", f"{sides['decode_requests_held']:,} requests of {prompt:,} + {output:,} tokens"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
 def table(result: Plan) -> str:

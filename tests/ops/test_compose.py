@@ -13,9 +13,10 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILES = ((), ("ascend",), ("musa",), ("ascend", "musa"), ("gateway",))
+PROFILES = ((), ("ascend",), ("musa",), ("ascend", "musa"), ("gateway",), ("pd",))
 PROFILE_OF = {"xinserve-ascend": "ascend", "xinserve-musa": "musa", "xinserve-replica-1": "gateway",
-              "xinserve-replica-2": "gateway", "sglang-router": "gateway"}
+              "xinserve-replica-2": "gateway", "sglang-router": "gateway", "xinserve-prefill": "pd",
+              "xinserve-decode": "pd", "pd-proxy": "pd"}
 
 
 def compose_config(*profiles: str) -> dict[str, Any]:
@@ -107,8 +108,11 @@ def test_prometheus_and_grafana_are_provisioned_from_this_repo():
     prometheus = mounts(services["prometheus"])
     config_path = next(a.split("=", 1)[1] for a in services["prometheus"]["command"] if a.startswith("--config.file="))
     prom_config = prometheus[config_path]
-    targets = [t for job in yaml.safe_load(prom_config.read_text())["scrape_configs"]
-               for group in job["static_configs"] for t in group["targets"]]
+    jobs = yaml.safe_load(prom_config.read_text())["scrape_configs"]
+    targets = [t for job in jobs for group in job.get("static_configs", []) for t in group["targets"]]
+    # Scaled services (the pd profile) are found by DNS: every replica, however many.
+    assert [(name, group["port"]) for job in jobs for group in job.get("dns_sd_configs", [])
+            for name in group["names"]] == [("xinserve-prefill", 8000), ("xinserve-decode", 8000)]
     assert {"xinserve:8000", "xinserve-ascend:8000", "xinserve-musa:8000", "xinserve-replica-1:8000",
             "xinserve-replica-2:8000"} == set(targets)
     promtool = shutil.which("promtool")

@@ -41,3 +41,39 @@ def test_bad_arguments_exit_2(tiny_models, tmp_path, capsys):
     path = config_only(tiny_models, tmp_path, "llama")
     assert main(["plan", "--model", path, "--devices", "0"]) == 2
     assert "--devices must be at least 1" in capsys.readouterr().err
+
+
+def plan_json(capsys, path: str, *argv: str) -> dict:
+    main(["plan", "--model", path, "--devices", "4", "--tensor-parallel-size", "2", "--device-memory", "0.05",
+          "--block-size", "16", "--json", *argv])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_disaggregation_sizes_the_transfer_and_each_sides_requests(tiny_models, tmp_path, capsys):
+    path = config_only(tiny_models, tmp_path, "llama")
+    whole = plan_json(capsys, path, "--max-model-len", "512")
+    assert "disaggregation" not in whole  # only with --prompt-len
+    sides = plan_json(capsys, path, "--max-model-len", "512", "--prompt-len", "300", "--output-len", "100")[
+        "disaggregation"]
+    # The prompt's KV on every rank of the replica (its KV heads split over TP 2): what a decode instance reads.
+    per_device = 300 * whole["kv_bytes_per_token_per_device"]
+    assert sides["kv_bytes_per_request_per_device"] == per_device and sides["kv_bytes_per_request"] == 2 * per_device
+    # A prefill side holds as many prompts as a plan at max-model-len = the prompt says; a decode side as many
+    # whole requests as one at prompt + output (the same pools, another sequence length).
+    assert sides["prefill_requests_held"] == plan_json(capsys, path, "--max-model-len", "300")["max_sequences"]
+    assert sides["decode_requests_held"] == plan_json(capsys, path, "--max-model-len", "400")["max_sequences"]
+    assert sides["prefill_requests_held"] > sides["decode_requests_held"] > 0
+
+
+def test_disaggregation_table_and_its_bad_arguments(tiny_models, tmp_path, capsys):
+    path = config_only(tiny_models, tmp_path, "llama")
+    assert main(["plan", "--model", path, "--prompt-len", "1000", "--output-len", "24", "--max-model-len", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "P/D transfer per request" in out and "prompts of 1,000 tokens" in out
+    assert "requests of 1,000 + 24 tokens" in out
+    assert main(["plan", "--model", path, "--prompt-len", "2000", "--output-len", "100", "--max-model-len", "2048"]) == 1
+    assert "more than max model len 2048" in capsys.readouterr().err
+    for argv, message in ((["--prompt-len", "0"], "--prompt-len must be at least 1"),
+                          (["--output-len", "5"], "--output-len needs --prompt-len")):
+        assert main(["plan", "--model", path, *argv]) == 2
+        assert message in capsys.readouterr().err
