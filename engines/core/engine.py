@@ -203,8 +203,9 @@ class LLMEngine:
         if self.kv_tier is not None or self.kv_connector is None:
             raise ValueError("kv_transfer_params needs an engine started with kv_transfer_config "
                              "(--kv-transfer-config)")
-        if params.n != 1:
-            raise ValueError(f"kv_transfer_params needs n 1, got {params.n}")
+        # A prefill hands one sequence's blocks over; a decode's extra choices share the loaded prompt.
+        if params.n != 1 and params.kv_transfer_params.get("do_remote_decode"):
+            raise ValueError(f"kv_transfer_params.do_remote_decode needs n 1, got {params.n}")
         self.kv_connector.check_request(params.kv_transfer_params)
 
     def release_sent_kv(self) -> None:
@@ -389,4 +390,5 @@ class LLMEngine:
             external_prefix_cache_queries_total=bm.external_queries,
             external_prefix_cache_hits_total=bm.external_hits,
             prompt_tokens_computed_total=self.scheduler.prompt_tokens_computed,
+            **({} if self.kv_connector is None else self.kv_connector.transfer_counters()),
         )

@@ -128,3 +128,9 @@ class EngineStats(msgspec.Struct, array_like=True):
     external_prefix_cache_queries_total: int = 0  # prompt tokens looked up in the host KV tier
     external_prefix_cache_hits_total: int = 0  # of those, tokens it held past the pool's own hits
     prompt_tokens_computed_total: int = 0  # prompt tokens run through the model: not cached, not loaded
+    # Prefill/decode disaggregation (engines/kv/mooncake_connector.py): requests whose blocks a prefill
+    # instance holds for their reader, holds ended by a read or by the timeout; a decode instance's failed reads.
+    kv_transfer_held_requests: int = 0
+    kv_transfer_sent_total: int = 0
+    kv_transfer_expired_total: int = 0
+    kv_transfer_failed_loads_total: int = 0

@@ -90,6 +90,10 @@ class KVConnectorBase(ABC):
     def clear(self) -> None:
         """The prefix cache was reset: nothing cached before may be served."""
 
+    def transfer_counters(self) -> dict[str, int]:
+        """``EngineStats``' kv_transfer_* fields (/metrics), for a connector to other instances."""
+        return {}
+
     def report(self) -> dict[str, Any]:
         """What /health shows of this connector."""
         return {"kind": type(self).__name__}

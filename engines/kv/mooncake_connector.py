@@ -102,6 +102,9 @@ class MooncakeConnector(KVConnectorBase):
     def check_request(self, params: dict[str, Any]) -> None:
         if params.get("do_remote_decode") and not self.config.is_producer:
             raise ValueError("kv_transfer_params.do_remote_decode: this instance is a kv_consumer")
+        room = params.get("bootstrap_room")
+        if room is not None and (not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**64):
+            raise ValueError(f"bootstrap_room must be an integer in [0, 2**64), got {room!r}")
         if not params.get("do_remote_prefill"):
             return
         if not self.config.is_consumer:
@@ -133,16 +136,22 @@ class MooncakeConnector(KVConnectorBase):
     def request_finished(self, seq: Sequence, reason: str) -> tuple[bool, dict[str, Any] | None]:
         self._consumed.discard(seq.request_id)
         params = seq.params.kv_transfer_params
+        if self.held is None or not params or not params.get("do_remote_decode"):
+            return False, None
+        room = params.get("bootstrap_room")
         # As vLLM: only a prefill that ran to its max_tokens hands its KV over (an EOS first token ends it there).
-        if self.held is None or not params or not params.get("do_remote_decode") or reason != "length":
+        if reason != "length":
+            if room is not None:
+                self.held.hand_nothing(room)
             return False, None
         block_ids = list(seq.block_table)
-        self.held.hold(seq.request_id, block_ids)
-        return True, {
+        answer = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.config.engine_id,
             "remote_block_ids": block_ids, "remote_host": self.config.kv_ip, "remote_port": self.port,
             "remote_request_id": seq.request_id, "tp_size": 1,
         }
+        self.held.hold(seq.request_id, block_ids, answer, room)
+        return True, answer
 
     def finished_sending(self) -> set[str]:
         return set() if self.held is None else self.held.finished()
@@ -197,6 +206,8 @@ class MooncakeConnector(KVConnectorBase):
     def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
         """The side channel's answers (its own thread; engines/kv/side_channel.py)."""
         assert self.held is not None
+        if request.get("op") == "lookup":
+            return self.held.lookup(request.get("room"))
         request_id = str(request.get("request_id"))
         if request.get("op") == "release":
             return {"ok": self.held.release(request_id)}
@@ -213,12 +224,24 @@ class MooncakeConnector(KVConnectorBase):
 
     # both
 
-    def report(self) -> dict[str, Any]:
+    def transfer_counters(self) -> dict[str, int]:
         held = self.held
+        return {"kv_transfer_held_requests": 0 if held is None else held.num_held,
+                "kv_transfer_sent_total": 0 if held is None else held.sent_total,
+                "kv_transfer_expired_total": 0 if held is None else held.expired_total,
+                "kv_transfer_failed_loads_total": self.load_failures_total}
+
+    def report(self) -> dict[str, Any]:
+        counters = self.transfer_counters()
         return {"kind": "MooncakeConnector", "kv_role": self.config.kv_role, "engine_id": self.config.engine_id,
                 "side_channel": f"{self.config.kv_ip}:{self.port}", "session": self.session,
                 "kv_load_failure_policy": self.load_failure_policy,
-                "held_requests": 0 if held is None else held.num_held}
+                "handshake_timeout_s": self.config.extra("handshake_timeout_s"),
+                "bootstrap_timeout_s": self.config.extra("bootstrap_timeout_s"),
+                "held_requests": counters["kv_transfer_held_requests"],
+                "sent_requests": counters["kv_transfer_sent_total"],
+                "expired_requests": counters["kv_transfer_expired_total"],
+                "failed_loads": counters["kv_transfer_failed_loads_total"]}
 
     def close(self) -> None:
         if self.server is not None:

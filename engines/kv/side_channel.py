@@ -7,6 +7,9 @@ is answered while the engine steps (or idles):
   read, or expired). Acquiring restarts the hold's clock, so blocks being read are never freed under it.
 - ``{"op": "release", "request_id"}`` -> the reader is done: the engine frees the blocks at its next
   step or idle tick (``HeldTransfers.finished``).
+- ``{"op": "lookup", "room"}`` -> SGLang's bootstrap (server/disagg/bootstrap.py): the ``kv_transfer_params``
+  of the request held under that ``bootstrap_room``, ``{"ok": False, "pending": True}`` while no request
+  of that room has finished here, or an error when it finished without handing its KV over.
 The block manager is the engine thread's alone: this thread only marks requests, the engine frees.
 """
 
@@ -33,6 +36,8 @@ class TransferFailed(RuntimeError):
 class _Held:
     block_ids: list[int]
     deadline: float  # time.monotonic() after which the blocks are freed unread
+    room: int | None  # SGLang's bootstrap_room, when its gateway sent one
+    params: dict[str, Any]  # what the reader needs (the request's kv_transfer_params answer)
 
 
 class HeldTransfers:
@@ -43,12 +48,31 @@ class HeldTransfers:
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._released: set[str] = set()
+        self._rooms: dict[int, str] = {}  # bootstrap_room -> the request held under it
+        self._unheld_rooms: dict[int, float] = {}  # rooms whose request handed nothing over -> forget after
         self.sent_total = 0  # holds ended by their reader
         self.expired_total = 0  # holds ended by the timeout
 
-    def hold(self, request_id: str, block_ids: list[int]) -> None:
+    def hold(self, request_id: str, block_ids: list[int], params: dict[str, Any], room: int | None = None) -> None:
         with self._lock:
-            self._held[request_id] = _Held(block_ids, time.monotonic() + self.timeout_s)
+            self._held[request_id] = _Held(block_ids, time.monotonic() + self.timeout_s, room, params)
+            if room is not None:
+                self._rooms[room] = request_id
+
+    def hand_nothing(self, room: int) -> None:
+        """The request of ``room`` ended without holding its KV (a stop token first): its reader must not wait."""
+        with self._lock:
+            self._unheld_rooms[room] = time.monotonic() + self.timeout_s
+
+    def lookup(self, room: int) -> dict[str, Any]:
+        """The side channel's answer to a reader that knows only SGLang's ``bootstrap_room``."""
+        with self._lock:
+            request_id = self._rooms.get(room)
+            if request_id is not None and request_id not in self._released:
+                return {"ok": True, "kv_transfer_params": self._held[request_id].params}
+            if room in self._unheld_rooms:
+                return {"ok": False, "error": f"the request of bootstrap_room {room} handed no KV over"}
+            return {"ok": False, "pending": True}
 
     def acquire(self, request_id: str) -> list[int] | None:
         with self._lock:
@@ -72,7 +96,11 @@ class HeldTransfers:
             expired = {rid for rid, held in self._held.items() if held.deadline < now and rid not in self._released}
             done = self._released | expired
             for request_id in done:
-                del self._held[request_id]
+                room = self._held.pop(request_id).room
+                if room is not None:
+                    self._rooms.pop(room, None)
+            for room in [r for r, deadline in self._unheld_rooms.items() if deadline < now]:
+                del self._unheld_rooms[room]
             self.sent_total += len(self._released)
             self.expired_total += len(expired)
             self._released = set()

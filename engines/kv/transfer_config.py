@@ -17,10 +17,11 @@ FAILURE_POLICIES = ("recompute", "fail")
 BUFFER_DEVICES = ("cpu", "cuda", "npu", "musa")
 # kv_connector_extra_config: the transport (Mooncake's "tcp" or "rdma"), the RDMA device to use ("" lets
 # Mooncake choose), how long a prefill instance holds a finished request's blocks for its reader (vLLM's
-# VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s), and how long a decode instance waits for the prefill
-# instance's side channel to answer.
+# VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s), how long a decode instance waits for the prefill
+# instance's side channel to answer, and how long it waits for the prefill of an SGLang bootstrap_room
+# to finish (SGLang's SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s).
 EXTRA_DEFAULTS: dict[str, Any] = {"protocol": "tcp", "device_name": "", "hold_timeout_s": 480.0,
-                                  "handshake_timeout_s": 5.0}
+                                  "handshake_timeout_s": 5.0, "bootstrap_timeout_s": 300.0}
 PROTOCOLS = ("tcp", "rdma")
 
 
@@ -89,7 +90,7 @@ def _check_extra(extra: Any) -> None:
                          f"(known: {', '.join(EXTRA_DEFAULTS)})")
     if extra.get("protocol", "tcp") not in PROTOCOLS:
         raise ValueError(f"kv_connector_extra_config.protocol must be one of {', '.join(PROTOCOLS)}")
-    for key in ("hold_timeout_s", "handshake_timeout_s"):
+    for key in ("hold_timeout_s", "handshake_timeout_s", "bootstrap_timeout_s"):
         seconds = extra.get(key, EXTRA_DEFAULTS[key])
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds <= 86400:
             raise ValueError(f"kv_connector_extra_config.{key} must be a number of seconds in (0, 86400]")

@@ -27,8 +27,9 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg's body: one token, not streamed, asking the instance to hold its KV."""
-    leg = {k: v for k, v in body.items() if k != "stream_options"}
-    leg.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
+    # One choice: the decode instance's choices all start from the one prompt KV it reads.
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "best_of")}
+    leg.update(max_tokens=1, stream=False, n=1, kv_transfer_params=dict(PREFILL_PARAMS))
     if "max_completion_tokens" in body:
         leg["max_completion_tokens"] = 1
     return leg

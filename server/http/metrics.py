@@ -29,6 +29,8 @@ ENGINE_GAUGES = (
     ("num_requests_running", "num_running", "Requests in the running batch."),
     ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
     ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks in use (0 to 1)."),
+    ("kv_transfer_held_requests", "kv_transfer_held_requests",
+     "Finished requests whose KV blocks this prefill instance holds for a decode instance to read."),
 )
 ENGINE_COUNTERS = (
     ("prompt_tokens", "prompt_tokens_total", "Prefill tokens processed."),
@@ -42,6 +44,12 @@ ENGINE_COUNTERS = (
      "Prompt tokens looked up in the external (host) KV tier."),
     ("external_prefix_cache_hits", "external_prefix_cache_hits_total",
      "Prompt tokens found in the external (host) KV tier."),
+    ("kv_transfer_sent_requests", "kv_transfer_sent_total",
+     "Held requests whose KV blocks a decode instance read (prefill/decode disaggregation)."),
+    ("kv_transfer_expired_requests", "kv_transfer_expired_total",
+     "Held requests freed unread after hold_timeout_s (vLLM's nixl_num_kv_expired_reqs)."),
+    ("kv_transfer_failed_loads", "kv_transfer_failed_loads_total",
+     "Requests whose KV this decode instance failed to read from a prefill instance (recomputed or failed)."),
 )
 
 # vLLM's older names, still read by vLLM's production-stack router and dashboards (same values).

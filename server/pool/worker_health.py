@@ -13,6 +13,10 @@ def describe_stats(stats: EngineStats | None) -> dict[str, Any]:
         "kv_cache_usage": None if stats is None else stats.kv_cache_usage,
         "external_prefix_cache_hits_total": None if stats is None else stats.external_prefix_cache_hits_total,
         "speculative_decoding": _describe_spec_decode(stats),
+        # prefill/decode disaggregation's transfers, live (info.kv_transfer is the connector as it started)
+        "kv_transfer": None if stats is None else {
+            "held_requests": stats.kv_transfer_held_requests, "sent_total": stats.kv_transfer_sent_total,
+            "expired_total": stats.kv_transfer_expired_total, "failed_loads_total": stats.kv_transfer_failed_loads_total},
     }
 
 

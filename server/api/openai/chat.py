@@ -21,6 +21,7 @@ from xinserve.server.api.openai.view import TokenTexts
 from xinserve.server.api.prompt import route_encoded
 from xinserve.server.api.reasoning import ThinkSplitter, end_token_id, reasoning_for
 from xinserve.server.api.tool_calls.stream import PlainText
+from xinserve.server.disagg.bootstrap import apply_bootstrap
 from xinserve.server.disagg.transfer_params import with_transfer_params
 from xinserve.server.http.auth import check_model_access, may_use
 from xinserve.server.http.limits import cap_max_tokens, check_chat
@@ -74,6 +75,7 @@ async def start_chat(request: Request, body: ChatCompletionRequest, request_id: 
     after = end_token_id(pool.tokenizer) if reasoning is not None and plan.json_schema is not None else None
     params = body.sampling_params(max_tokens, body.num_logprobs, json_schema=plan.json_schema)
     params.json_schema_after_token = after
+    await apply_bootstrap(body, params, worker.info)
     gen = Generation(
         worker, request_id, prompt_ids, params, pool.tokenizer,
         timeout_s=state.config.server.request_timeout_s, retry=partial(state.router.replacement, pool),

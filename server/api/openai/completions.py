@@ -17,6 +17,7 @@ from xinserve.server.api.openai.protocol import CompletionRequest
 from xinserve.server.api.openai.view import TokenTexts
 from xinserve.server.api.prompt import route_encoded
 from xinserve.server.api.tokenize.prompt_tokens import encode_prompt
+from xinserve.server.disagg.bootstrap import apply_bootstrap
 from xinserve.server.disagg.transfer_params import with_transfer_params
 from xinserve.server.errors import APIError
 from xinserve.server.http.auth import check_model_access, may_use
@@ -56,11 +57,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     for k, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
         max_tokens = cap_max_tokens(max_tokens_for(len(ids), body.max_tokens, max_model_len,
                                                    prompt_param="prompt", param="max_tokens"), state.config.limits)
+        params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs=body.prompt_logprobs)
+        await apply_bootstrap(body, params, worker.info)
         gens.append(Generation(
             worker,
             request_id if len(prompts) == 1 else f"{request_id}-{k}",
             ids,
-            body.sampling_params(max_tokens, body.logprobs, prompt_logprobs=body.prompt_logprobs),
+            params,
             tokenizer,
             timeout_s=state.config.server.request_timeout_s,
             retry=partial(state.router.replacement, pool),

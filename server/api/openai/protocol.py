@@ -160,6 +160,10 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     # vLLM's prefill/decode disaggregation protocol (docs/disaggregation.md); the engine checks its content.
     kv_transfer_params: dict[str, Any] | None = None
+    # SGLang's (sglang-router --pd-disaggregation; server/disagg/bootstrap.py).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -335,8 +339,9 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "best_of different from n is not supported by this server", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", param="suffix")
-        if self.kv_transfer_params is not None and len(self.prompts()) != 1:
-            raise APIError(400, "kv_transfer_params needs a single prompt", param="kv_transfer_params")
+        for param in ("kv_transfer_params", "bootstrap_room"):
+            if getattr(self, param) is not None and len(self.prompts()) != 1:
+                raise APIError(400, f"{param} needs a single prompt", param=param)
 
     @property
     def prompt_logprobs(self) -> int | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from xinserve.server.disagg.bootstrap import bootstrap_port
 from xinserve.server.errors import APIError
 from xinserve.server.http.auth import may_use
 from xinserve.server.pool.model_pool import ModelPool
@@ -59,7 +60,16 @@ async def server_info(request: Request) -> dict[str, Any]:
         "max_prefill_tokens": pool.settings.max_num_batched_tokens,
         "max_total_tokens": sum(w.info.get("kv_cache_tokens", 0) for w in ready) or None,
         "context_length": pool.max_model_len,
+        # SGLang's PD fields (server/disagg/bootstrap.py): a prefill instance's bootstrap port is its KV side channel.
+        "disaggregation_mode": _disaggregation_mode(ready),
+        "disaggregation_bootstrap_port": bootstrap_port(ready[0].info) if ready else None,
     }
+
+
+def _disaggregation_mode(workers: list[Any]) -> str:
+    """SGLang's ``disaggregation_mode``: "prefill", "decode" or "null" (not disaggregated)."""
+    role = ((workers[0].info.get("kv_transfer") or {}) if workers else {}).get("kv_role")
+    return {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "decode"}.get(role, "null")
 
 
 async def model_info(request: Request) -> dict[str, Any]:

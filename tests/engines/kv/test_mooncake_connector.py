@@ -185,3 +185,21 @@ def test_a_missing_transfer_engine_is_refused_with_what_to_install(monkeypatch, 
 def test_consecutive_blocks_on_both_sides_are_read_as_one_range():
     assert runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(0, 3), (3, 4)]
     assert runs([1, 2], [7, 9]) == [(0, 1), (1, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])  # experts; latent attention (MLA) with experts
+def test_moe_and_mla_models_disaggregated_answer_as_one_engine(tiny_models, arch: str):
+    path = str(tiny_models(arch))
+    sampling = SamplingParams(max_tokens=8, **GREEDY)
+    with LLM(path, **ENGINE) as llm:
+        want = [out.token_ids for out in llm.generate(PROMPTS, sampling)]
+    with (LLM(path, **ENGINE, kv_transfer_config=transfer("kv_producer")) as producer,
+          LLM(path, **ENGINE, kv_transfer_config=transfer("kv_consumer")) as consumer):
+        params = prefilled(producer, PROMPTS)
+        before = consumer.engine.stats().prompt_tokens_computed_total
+        outs = consumer.generate(PROMPTS, [SamplingParams(max_tokens=8, kv_transfer_params=p, **GREEDY)
+                                           for p in params])
+        assert [out.token_ids for out in outs] == want
+        assert consumer.engine.stats().prompt_tokens_computed_total - before == len(PROMPTS)
+        assert settled(producer) == 0.0 and consumer.engine.stats().kv_cache_usage == 0.0

@@ -3,28 +3,26 @@ the vLLM-protocol proxy (server/disagg/proxy.py). Greedy answers equal one serve
 decode server computes only each prompt's last token (its prompt_tokens_computed counter), streams go
 through, a bad or stale ``kv_transfer_params`` is a 400 or a recompute, and no KV block stays used."""
 
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from tests.server.conftest import REPO_ROOT, free_port, serve_config, sse_events
+from tests.server.conftest import REPO_ROOT, free_port, serve_config, sse_events, wait_for
+from tests.server.disagg.pd_servers import (
+    GREEDY,
+    PROMPTS,
+    completion,
+    kv_settles,
+    metric,
+    model_config,
+    settled_metric,
+)
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 7) for i in range(20)]
-GREEDY = {"model": "tiny", "temperature": 0, "max_tokens": 8}
-
-
-def model_config(path: Path, role: str, **extra: Any) -> dict[str, Any]:
-    transfer = {"kv_connector": "MooncakeConnector", "kv_role": role, "kv_port": free_port(), **extra}
-    return {"models": [{"name": "tiny", "path": str(path), "workers": ["cpu"], "max_model_len": 512,
-                        "num_kv_blocks": 256, "kv_transfer_config": transfer}]}
 
 
 @pytest.fixture(scope="module")
@@ -60,25 +58,6 @@ def proxy(prefill, decode, tmp_path_factory):
     log.close()
 
 
-def metric(server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(rf"^xinserve:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
-
-
-def kv_settles(server, timeout: float = 15.0) -> float:
-    """The server's KV usage once held blocks are read or expired (its worker frees them when idle too)."""
-    deadline = time.monotonic() + timeout
-    while (usage := metric(server, "kv_cache_usage_perc")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return usage
-
-
-def completion(url: str, prompt: str, **fields: Any) -> dict[str, Any]:
-    r = httpx.post(f"{url}/v1/completions", json={**GREEDY, "prompt": prompt, **fields}, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_twenty_prompts_through_the_proxy_answer_as_one_server(prefill, decode, proxy):
     single = [completion(prefill.url, p)["choices"][0] for p in PROMPTS]  # the prefill server alone
     computed = metric(decode, "prompt_tokens_computed_total")
@@ -86,6 +65,47 @@ def test_twenty_prompts_through_the_proxy_answer_as_one_server(prefill, decode, 
     assert [(c["text"], c["finish_reason"]) for c in via_proxy] == [(c["text"], c["finish_reason"]) for c in single]
     assert metric(decode, "prompt_tokens_computed_total") - computed == len(PROMPTS)  # each prompt's last token
     assert kv_settles(prefill) == 0 and kv_settles(decode) == 0
+
+
+@pytest.mark.parametrize("fields", [
+    {"n": 3, "temperature": 0.8, "seed": 7},  # the decode's choices all start from the one prompt it read
+    {"stop": [" over", "dog"], "max_tokens": 16},
+    {"logprobs": 3},
+], ids=["n", "stop", "logprobs"])
+def test_choices_stop_strings_and_logprobs_through_the_proxy_are_one_servers(prefill, decode, proxy, fields):
+    prompt = PROMPTS[4]
+    want, got = completion(prefill.url, prompt, **fields), completion(proxy, prompt, **fields)
+    assert [(c["text"], c["finish_reason"]) for c in got["choices"]] == [
+        (c["text"], c["finish_reason"]) for c in want["choices"]]
+    if "logprobs" in fields:
+        mine, theirs = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
+        assert mine["tokens"] == theirs["tokens"]
+        assert [sorted(t) for t in mine["top_logprobs"]] == [sorted(t) for t in theirs["top_logprobs"]]
+        assert mine["token_logprobs"] == pytest.approx(theirs["token_logprobs"], abs=1e-4)
+    assert kv_settles(prefill) == 0 and kv_settles(decode) == 0
+
+
+def test_a_completion_stream_through_the_proxy_is_the_one_servers(prefill, decode, proxy):
+    body = {**GREEDY, "prompt": PROMPTS[6], "max_tokens": 12}
+    want = completion(prefill.url, PROMPTS[6], max_tokens=12)["choices"][0]["text"]
+    with httpx.stream("POST", f"{proxy}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and len(events) > 3  # token by token, not one frame
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == want
+
+
+def test_held_sent_and_expired_transfers_are_counted_in_metrics(prefill, decode, proxy):
+    sent = settled_metric(prefill, "kv_transfer_sent_requests_total")
+    expired = metric(prefill, "kv_transfer_expired_requests_total")
+    completion(proxy, PROMPTS[7])
+    completion(prefill.url, PROMPTS[8], max_tokens=1, kv_transfer_params={"do_remote_decode": True})  # never read
+    assert wait_for(lambda: metric(prefill, "kv_transfer_held_requests") == 1, timeout=2.5)  # hold_timeout_s 3
+    assert wait_for(lambda: metric(prefill, "kv_transfer_expired_requests_total") - expired == 1, timeout=15)
+    assert metric(prefill, "kv_transfer_held_requests") == 0
+    assert metric(prefill, "kv_transfer_sent_requests_total") - sent == 1
+    (worker,) = httpx.get(f"{prefill.url}/health", timeout=10).json()["workers"]
+    assert worker["kv_transfer"]["held_requests"] == 0 and worker["kv_transfer"]["expired_total"] >= 1
 
 
 def test_a_chat_stream_through_the_proxy_is_the_one_servers(prefill, decode, proxy):

@@ -1,0 +1,49 @@
+"""What the prefill/decode server tests share: two servers' configs, their counters, KV settling."""
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.server.conftest import free_port
+
+PROMPTS = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 7) for i in range(20)]
+GREEDY = {"model": "tiny", "temperature": 0, "max_tokens": 8}
+
+
+def model_config(path: Path, role: str, **extra: Any) -> dict[str, Any]:
+    transfer = {"kv_connector": "MooncakeConnector", "kv_role": role, "kv_port": free_port(), **extra}
+    return {"models": [{"name": "tiny", "path": str(path), "workers": ["cpu"], "max_model_len": 512,
+                        "num_kv_blocks": 256, "kv_transfer_config": transfer}]}
+
+
+def metric(server: Any, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^xinserve:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
+
+
+def settled_metric(server: Any, name: str) -> float:
+    """``name`` once no stats are in flight: a worker sends the ones after an idle free at its next
+    heartbeat (1 s), so two reads 1.5 s apart that agree are current."""
+    value = metric(server, name)
+    while True:
+        time.sleep(1.5)
+        value, before = metric(server, name), value
+        if value == before:
+            return value
+
+
+def kv_settles(server: Any, timeout: float = 15.0) -> float:
+    """The server's KV usage once held blocks are read or expired (its worker frees them when idle too)."""
+    deadline = time.monotonic() + timeout
+    while (usage := metric(server, "kv_cache_usage_perc")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return usage
+
+
+def completion(url: str, prompt: str, **fields: Any) -> dict[str, Any]:
+    r = httpx.post(f"{url}/v1/completions", json={**GREEDY, "prompt": prompt, **fields}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()

@@ -1,0 +1,96 @@
+"""1P1D behind the real SGLang gateway in PD mode (``sglang-router --pd-disaggregation``): it sends each
+request to both servers at once with SGLang's bootstrap fields; the prefill server holds the prompt's blocks
+under the room and the decode server, finding them there, reads them over Mooncake (loopback TCP). Greedy
+answers equal one server's, the decode server computes only each prompt's last token, no block stays used."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import free_port, serve_config, wait_for
+from tests.server.disagg.pd_servers import (
+    GREEDY,
+    PROMPTS,
+    completion,
+    kv_settles,
+    metric,
+    model_config,
+    settled_metric,
+)
+from xinserve.engines.kv.side_channel import ask
+
+ROUTER = Path(sys.executable).with_name("sglang-router")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prefill(start_server, tiny_model_dir: Path, tmp_path_factory):
+    config = model_config(tiny_model_dir, "kv_producer", kv_connector_extra_config={"hold_timeout_s": 5})
+    return serve_config(start_server, tmp_path_factory.mktemp("prefill"), config)
+
+
+@pytest.fixture(scope="module")
+def decode(start_server, tiny_model_dir: Path, tmp_path_factory):
+    config = model_config(tiny_model_dir, "kv_consumer",
+                          kv_connector_extra_config={"handshake_timeout_s": 2, "bootstrap_timeout_s": 30})
+    return serve_config(start_server, tmp_path_factory.mktemp("decode"), config)
+
+
+@pytest.fixture(scope="module")
+def gateway(prefill, decode, tmp_path_factory):
+    info = httpx.get(f"{prefill.url}/server_info", timeout=10).json()
+    assert info["disaggregation_mode"] == "prefill"
+    assert httpx.get(f"{decode.url}/server_info", timeout=10).json()["disaggregation_mode"] == "decode"
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("router") / "router.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(ROUTER), "launch", "--host", "127.0.0.1", "--port", str(port), "--pd-disaggregation",
+             "--prefill", prefill.url, str(info["disaggregation_bootstrap_port"]), "--decode", decode.url,
+             "--policy", "round_robin", "--health-check-interval-secs", "1", "--log-level", "info"],
+            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def serves() -> bool:
+        try:
+            return httpx.post(f"{url}/v1/completions", json={**GREEDY, "prompt": "warm up"}, timeout=60).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert wait_for(serves, timeout=90, interval=0.5), log_path.read_text()[-3000:]
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_the_prefill_server_reports_its_bootstrap_port_as_sglang_does(prefill, decode):
+    port = httpx.get(f"{prefill.url}/server_info", timeout=10).json()["disaggregation_bootstrap_port"]
+    # Its side channel answers there: a room no prefill has finished is pending.
+    assert ask(f"tcp://127.0.0.1:{port}", {"op": "lookup", "room": 12345}, 5) == {"ok": False, "pending": True}
+    assert httpx.get(f"{decode.url}/server_info", timeout=10).json()["disaggregation_bootstrap_port"] is None
+
+
+def test_prompts_through_sglang_router_in_pd_mode_answer_as_one_server(prefill, decode, gateway):
+    prompts = PROMPTS[:6]
+    single = [completion(prefill.url, p)["choices"][0]["text"] for p in prompts]  # the prefill server alone
+    computed = metric(decode, "prompt_tokens_computed_total")
+    sent = settled_metric(prefill, "kv_transfer_sent_requests_total")
+    via_router = [completion(gateway, p)["choices"][0]["text"] for p in prompts]
+    assert via_router == single
+    assert metric(decode, "prompt_tokens_computed_total") - computed == len(prompts)  # each prompt's last token
+    # Freed after the decode server's read: the prefill worker's next stats say so.
+    assert wait_for(lambda: metric(prefill, "kv_transfer_sent_requests_total") - sent == len(prompts), timeout=15)
+    assert kv_settles(prefill) == 0 and kv_settles(decode) == 0
+
+
+def test_a_chat_through_sglang_router_in_pd_mode(prefill, decode, gateway):
+    body = {**GREEDY, "messages": [{"role": "user", "content": "tell me a story about a fox"}]}
+    want = httpx.post(f"{prefill.url}/v1/chat/completions", json=body, timeout=120).json()
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    assert kv_settles(prefill) == 0 and kv_settles(decode) == 0
