@@ -248,8 +248,10 @@ def parse_config(data: Any, source: str = "<config>") -> AppConfig:
         raise ConfigError(format_validation_error(exc, source)) from None
 
 
-def load_config(path: str | Path) -> AppConfig:
-    """Read and validate a YAML file; raises ConfigError with every bad key named."""
+def read_config_data(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's mapping, not yet validated (``serve`` applies its flags first: ``--nnodes``
+    decides whether a device may repeat); raises ConfigError for a missing file, bad YAML or a top level
+    that is not a mapping."""
     path = Path(path)
     try:
         text = read_text(path, "config")
@@ -259,7 +261,16 @@ def load_config(path: str | Path) -> AppConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"invalid YAML in {path}: {exc}") from None
-    return parse_config(data, str(path))
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {path}: the top level must be a mapping")
+    return data
+
+
+def load_config(path: str | Path) -> AppConfig:
+    """Read and validate a YAML file; raises ConfigError with every bad key named."""
+    return parse_config(read_config_data(path), str(path))
 
 
 def default_config_path() -> Path:

@@ -24,8 +24,8 @@ from xinserve.server.config import (
     MetricsSettings,
     ServerSettings,
     default_config_path,
-    load_config,
     parse_config,
+    read_config_data,
 )
 from xinserve.server.model_settings import ModelSettings
 
@@ -61,23 +61,23 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     else:
         if args.device or args.served_model_name or args.tokenizer:
             raise ConfigError("--device, --served-model-name and --tokenizer need --model")
-        if args.config:
-            data = load_config(args.config).model_dump()
-        else:
-            path = default_config_path()
-            data = load_config(path).model_dump() if path.is_file() else copy.deepcopy(EMBEDDED_DEFAULT)
-    for model in data["models"]:
-        apply_flags(args, ModelSettings, model)
+        path = args.config or default_config_path()
+        # validated once, after the flags: a file that lists one device per node is right only with --nnodes
+        data = read_config_data(path) if args.config or path.is_file() else copy.deepcopy(EMBEDDED_DEFAULT)
+    for model in data.get("models") or []:
+        if isinstance(model, dict):  # anything else is reported by the validation below
+            apply_flags(args, ModelSettings, model)
     for name, settings in SECTION_FLAGS.items():
-        data[name] = data.get(name) or {}
-        apply_flags(args, settings, data[name])
-    if env.get("XINSERVE_API_KEY"):  # after the file's keys and --api-key's
+        if isinstance(data.get(name) or {}, dict):
+            data[name] = data.get(name) or {}
+            apply_flags(args, settings, data[name])
+    if env.get("XINSERVE_API_KEY") and isinstance(data["server"], dict):  # after the file's and --api-key's keys
         data["server"]["api_keys"] = [*(data["server"].get("api_keys") or []), env["XINSERVE_API_KEY"]]
     compile_mode = env.get(COMPILE_ENV_VAR)
     if compile_mode is not None and compile_mode.strip().lower() not in COMPILE_MODES:
         # read by every worker's engine: refuse it here, not after each worker has loaded its model
         raise ConfigError(f"{COMPILE_ENV_VAR} must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
-    return parse_config(data, args.config or "(flags)")
+    return parse_config(data, str(args.config or "(flags)"))
 
 
 def serve(args: argparse.Namespace) -> int:

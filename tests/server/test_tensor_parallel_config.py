@@ -76,3 +76,17 @@ def test_a_replica_of_tp_times_pp_ranks():
     with pytest.raises(ConfigError, match="model glm: 6 worker devices do not form groups of tensor_parallel_size "
                                           "2 x pipeline_parallel_size 2"):
         parse_config(model(workers=[f"npu:{i}" for i in range(6)], tensor_parallel_size=2, pipeline_parallel_size=2))
+
+
+def test_a_config_file_listing_each_nodes_cards_is_checked_with_the_nnodes_flag(tmp_path):
+    """The same file runs on every node (docs/parallelism.md): `npu:0..1` on each of two machines is four
+    ranks, valid only once --nnodes 2 applies, so the file is validated after the flags."""
+    config_file = tmp_path / "glm.yaml"
+    config_file.write_text("models:\n  - name: glm\n    path: /m\n    workers: [npu:0, npu:1, npu:0, npu:1]\n"
+                           "    tensor_parallel_size: 4\n")
+    with pytest.raises(ConfigError, match="npu:0"):
+        build_config(args("--config", str(config_file)), env={})
+    flags = args("--config", str(config_file), "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1",
+                 "--master-port", "29500")
+    config = build_config(flags, env={})
+    assert (config.distributed.nnodes, config.models[0].tensor_parallel_size) == (2, 4)
