@@ -19,12 +19,18 @@ def llm(tiny_models):
 
 @pytest.mark.parametrize(("params", "message"), [
     (SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
-    (SamplingParams(stop_token_ids=[-1], min_tokens=2), "stop_token_ids"),
+    (SamplingParams(stop_token_ids=[10**6], min_tokens=2), "stop_token_ids"),
 ])
 def test_fields_outside_the_vocabulary_are_refused_at_admission(llm, params, message):
     with pytest.raises(ValueError, match=message):
         llm.engine.add_request("bad", [1, 2, 3], params)
     assert "bad" not in llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
+def test_a_negative_stop_token_id_is_refused_where_the_params_are_made():
+    """No vocabulary holds it: ``SamplingParams.validate`` refuses it before any engine sees it."""
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1], min_tokens=2)
 
 
 def test_max_model_len_beyond_the_rotary_table_is_refused(tiny_models):
