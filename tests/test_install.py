@@ -58,7 +58,8 @@ def dockerfile() -> tuple[list[str], list[str]]:
             copied += words[1:-1]
         elif words[:1] == ["RUN"]:
             for command in " ".join(words[1:]).split("&&"):
-                args = shlex.split(command)
+                # the image's default build: an optional extra (``${WITH_MOONCAKE:+[mooncake]}``) is off
+                args = [re.sub(r"\$\{\w+:\+[^}]*\}", "", arg) for arg in shlex.split(command)]
                 if args[:2] == ["pip", "install"] and "." in args:
                     install = args
     return copied, install

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, GlmMoeDsaConfig
 
-import xinserve.engines.platforms
+import xinserve.engines.platforms.cpu
 from xinserve.engines import LLM
 from xinserve.engines.core.capacity import GIB, Layout, plan, quantized_bytes
 
@@ -46,7 +46,7 @@ def test_a_started_engine_holds_the_planned_weights_and_pool(tiny_models, monkey
     planned = plan(path, device_memory_gib=1.0, block_size=block_size, max_model_len=max_model_len,
                    kv_cache_memory_fraction=fraction)
     free = 2 * 101 * block_size * planned.kv_bytes_per_token_per_device  # 100 blocks after the scratch one
-    monkeypatch.setattr(xinserve.engines.platforms, "_host_available_bytes", lambda: free)
+    monkeypatch.setattr(xinserve.engines.platforms.cpu, "host_available_bytes", lambda: free)
     llm = LLM(path, block_size=block_size, max_model_len=max_model_len, max_num_seqs=8,
               kv_cache_memory_fraction=fraction)
     runner = llm.engine.runner

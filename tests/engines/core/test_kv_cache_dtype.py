@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import xinserve.engines.platforms
+import xinserve.engines.platforms.cpu
 from xinserve.engines import LLM, SamplingParams
 from xinserve.engines.core.capacity import plan, pool_blocks
 from xinserve.server.worker.engine_worker import _engine_info
@@ -50,7 +50,7 @@ def runs(stories_dir):
     results = {}
     forced_prompts = None
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(xinserve.engines.platforms, "_host_available_bytes", lambda: FREE)
+        patch.setattr(xinserve.engines.platforms.cpu, "host_available_bytes", lambda: FREE)
         for kind in KINDS:
             handler, logger = _Lines(), logging.getLogger("xinserve.engines.core.engine")
             level = logger.level
