@@ -3,9 +3,10 @@ current and asked for its memory, so a missing package, driver or card fails her
 
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING
 
-from xinserve.engines.platforms.record import Platform, PlatformError
+from xinserve.engines.platforms.record import Platform, PlatformError, all_dtypes
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +27,34 @@ def open_card(kind: str, index: int, vendor_module: str | None, install_hint: st
     except Exception as exc:  # noqa: BLE001  driver errors come in every type
         raise PlatformError(f"{device} failed to initialise: {type(exc).__name__}: {exc}") from None
     return record(device)
+
+
+def accelerator_record(kind: ModuleType, device: "torch.device", *, block_size: int, graph_class: str,
+                       visible_devices_env: str, dist_backend: str) -> Platform:
+    """The record of a card of the accelerator kind whose module is ``kind`` (cuda.py, npu.py, musa.py:
+    its KIND, preference lists and flags); what differs between them is named here."""
+    import torch
+
+    free_memory, synchronize = memory_queries(kind.KIND, device)
+    return Platform(
+        kind=kind.KIND,
+        device=device,
+        default_block_size=block_size,
+        default_kv_cache_memory_fraction=0.7,
+        free_memory=free_memory,
+        synchronize=synchronize,
+        kernel_preference=kind.KERNEL_PREFERENCE,
+        ep_dispatch_preference=kind.EP_DISPATCH_PREFERENCE,
+        graph_class=graph_class,
+        typical_dtype=torch.bfloat16,
+        splits_host_threads=kind.SPLITS_HOST_THREADS,
+        builds_kernels_in_background=False,
+        pins_host_memory=True,
+        schedules_ahead=False,  # async scheduling is not built or verified on accelerators
+        dtypes=all_dtypes(),
+        visible_devices_env=visible_devices_env,
+        dist_backend=dist_backend,
+    )
 
 
 def memory_queries(kind: str, device: "torch.device") -> tuple[Callable[[], int], Callable[[], None]]:

@@ -1,9 +1,10 @@
 """NVIDIA GPUs, through torch's own CUDA build."""
 
+import sys
 from typing import TYPE_CHECKING
 
-from xinserve.engines.platforms.accelerator import memory_queries, open_card
-from xinserve.engines.platforms.record import Platform, all_dtypes
+from xinserve.engines.platforms.accelerator import accelerator_record, open_card
+from xinserve.engines.platforms.record import Platform
 
 if TYPE_CHECKING:
     import torch
@@ -23,28 +24,8 @@ SPLITS_HOST_THREADS = False
 
 def record(device: "torch.device") -> Platform:
     """What this kind is, for ``device`` (no card is touched: tests pass the CPU)."""
-    import torch
-
-    free_memory, synchronize = memory_queries(KIND, device)
-    return Platform(
-        kind=KIND,
-        device=device,
-        default_block_size=16,
-        default_kv_cache_memory_fraction=0.7,
-        free_memory=free_memory,
-        synchronize=synchronize,
-        kernel_preference=KERNEL_PREFERENCE,
-        ep_dispatch_preference=EP_DISPATCH_PREFERENCE,
-        graph_class="CUDAGraph",
-        typical_dtype=torch.bfloat16,
-        splits_host_threads=SPLITS_HOST_THREADS,
-        builds_kernels_in_background=False,
-        pins_host_memory=True,
-        schedules_ahead=False,
-        dtypes=all_dtypes(),
-        visible_devices_env="CUDA_VISIBLE_DEVICES",
-        dist_backend="nccl",
-    )
+    return accelerator_record(sys.modules[__name__], device, block_size=16, graph_class="CUDAGraph",
+                              visible_devices_env="CUDA_VISIBLE_DEVICES", dist_backend="nccl")
 
 
 def get(index: int) -> Platform:

@@ -1,13 +1,17 @@
 """What the prefill/decode server tests share: two servers' configs, their counters, KV settling."""
 
 import re
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.server.conftest import free_port
+from tests.server.conftest import REPO_ROOT, free_port
 
 PROMPTS = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 7) for i in range(20)]
 GREEDY = {"model": "tiny", "temperature": 0, "max_tokens": 8}
@@ -47,3 +51,27 @@ def completion(url: str, prompt: str, **fields: Any) -> dict[str, Any]:
     r = httpx.post(f"{url}/v1/completions", json={**GREEDY, "prompt": prompt, **fields}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+@contextmanager
+def vllm_proxy(prefill_url: str, decode_url: str, log_dir: Path) -> Iterator[str]:
+    """The vLLM-protocol proxy (``python -m xinserve.server.disagg.proxy``) in front of the two servers:
+    its URL once it answers /health; stopped after."""
+    port = free_port()
+    with open(log_dir / "proxy.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "xinserve.server.disagg.proxy", "--prefill", prefill_url,
+                                 "--decode", decode_url, "--port", str(port)], cwd=REPO_ROOT, stdout=log,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)

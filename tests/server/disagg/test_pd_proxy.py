@@ -3,15 +3,12 @@ the vLLM-protocol proxy (server/disagg/proxy.py). Greedy answers equal one serve
 decode server computes only each prompt's last token (its prompt_tokens_computed counter), streams go
 through, a bad or stale ``kv_transfer_params`` is a 400 or a recompute, and no KV block stays used."""
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import REPO_ROOT, free_port, serve_config, sse_events, wait_for
+from tests.server.conftest import serve_config, sse_events, wait_for
 from tests.server.disagg.pd_servers import (
     GREEDY,
     PROMPTS,
@@ -20,6 +17,7 @@ from tests.server.disagg.pd_servers import (
     metric,
     model_config,
     settled_metric,
+    vllm_proxy,
 )
 
 pytestmark = pytest.mark.slow
@@ -39,23 +37,8 @@ def decode(start_server, tiny_model_dir: Path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def proxy(prefill, decode, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("proxy") / "proxy.log", "wb")  # noqa: SIM115  closed below
-    proc = subprocess.Popen([sys.executable, "-m", "xinserve.server.disagg.proxy", "--prefill", prefill.url,
-                             "--decode", decode.url, "--port", str(port)], cwd=REPO_ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-    log.close()
+    with vllm_proxy(prefill.url, decode.url, tmp_path_factory.mktemp("proxy")) as url:
+        yield url
 
 
 def test_twenty_prompts_through_the_proxy_answer_as_one_server(prefill, decode, proxy):
