@@ -17,7 +17,7 @@ Transfer: two engines in this process (producer and consumer, loopback TCP): the
 one and read by the other; the consumer connector's ``batch_transfer_sync_read`` is timed from outside (a
 stopwatch on its transfer engine) and its byte counts summed: GB/s = bytes / seconds of those reads.
 
-Not yet measured on a quiet machine (no committed result). The full run:
+The committed result (``benchmarks/results/disaggregation.json``):
 
     python benchmarks/disaggregation.py
 
