@@ -26,7 +26,6 @@ Smoke run: ``python benchmarks/disaggregation.py --quick --out /tmp/disaggregati
 
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,14 +39,10 @@ import httpx
 import yaml
 from common import ROOT, llama_5m, lscpu, markdown_table, script_args, write_result
 
+from xinserve.server.cli.bench.launch import free_port, wait_ready
+
 MODEL = "llama-5m"
 BLOCK_SIZE = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts(count: int, long_tokens: int) -> list[list[int]]:
@@ -80,20 +75,6 @@ def process(argv: list[str], log: Path, env: dict[str, str]):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
 def server(stack: ExitStack, work: Path, name: str, model: dict,
@@ -163,14 +144,14 @@ def serving(path: str, args, load: list[list[int]], max_len: int) -> dict[str, d
             "decode": server(stack, work, "decode", model_entry(path, ["cpu"], t, max_len, {"kv_role": "kv_consumer"}), env),
         }
         for url, proc, log in servers.values():
-            wait_ready(url, proc, log, args.start_timeout)
+            wait_ready(url, proc, log, timeout=args.start_timeout)
         proxy_port = free_port()
         proxy_log = work / "proxy.log"
         proxy = stack.enter_context(process(
             [sys.executable, "-m", "xinserve.server.disagg.proxy", "--prefill", servers["prefill"][0], "--decode",
              servers["decode"][0], "--port", str(proxy_port)], proxy_log, env))
         proxy_url = f"http://127.0.0.1:{proxy_port}"
-        wait_ready(proxy_url, proxy, proxy_log, 60)
+        wait_ready(proxy_url, proxy, proxy_log, timeout=60)
         for arm, url in (("single", servers["single"][0]), ("1p1d", proxy_url)):
             asyncio.run(run_load(url, load[:2], 2, 1))  # warm-up: first-request costs out of the figures
             results[arm] = asyncio.run(run_load(url, load, args.output_tokens, args.concurrency))
@@ -256,7 +237,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Mooncake's transfer engine (the in-process transfer arm) leaves a joinable C++ thread that aborts the
-    # interpreter's teardown (SIGABRT, rc 134) once the result is written: end without it.
-    sys.stdout.flush()
-    os._exit(0)

@@ -51,9 +51,17 @@ def make_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan)
 
+    def forwarded(request: Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-request-id")}
+
     async def relay(path: str, request: Request) -> Response:
-        body = await request.json()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-request-id")}
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return _error(400, f"the request body is not JSON: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        headers = forwarded(request)
         try:
             prefilled = await client.post(next(prefills) + path, json=prefill_request(body), headers=headers)
         except httpx.HTTPError as exc:
@@ -85,6 +93,15 @@ def make_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await relay("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        """The decode instances serve the answers: their model list (the same models on every instance)."""
+        try:
+            listed = await client.get(next(decodes) + "/v1/models", headers=forwarded(request))
+        except httpx.HTTPError as exc:
+            return _error(502, f"the decode instance is unreachable: {exc}")
+        return Response(listed.content, listed.status_code, media_type="application/json")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

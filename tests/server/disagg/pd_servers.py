@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from tests.server.conftest import REPO_ROOT, free_port
+from tests.server.conftest import REPO_ROOT, free_port, serve_config
 
 PROMPTS = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 7) for i in range(20)]
 GREEDY = {"model": "tiny", "temperature": 0, "max_tokens": 8}
@@ -75,3 +75,20 @@ def vllm_proxy(prefill_url: str, decode_url: str, log_dir: Path) -> Iterator[str
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def check_twenty_prompts(prefill: Any, decode: Any, url: str) -> None:
+    """PROMPTS through ``url`` (a proxy or gateway in front of the pair) answer as the prefill server alone
+    does, the decode server computes only each prompt's last token, and no KV block stays used."""
+    single = [completion(prefill.url, p)["choices"][0] for p in PROMPTS]  # the prefill server alone
+    computed = metric(decode, "prompt_tokens_computed_total")
+    through = [completion(url, p)["choices"][0] for p in PROMPTS]
+    assert [(c["text"], c["finish_reason"]) for c in through] == [(c["text"], c["finish_reason"]) for c in single]
+    assert metric(decode, "prompt_tokens_computed_total") - computed == len(PROMPTS)  # each prompt's last token
+    assert kv_settles(prefill) == 0 and kv_settles(decode) == 0
+
+
+def pd_server(start_server: Any, path: Path, tmp_path_factory: Any, role: str, **extra_config: Any) -> Any:
+    """A prefill (``kv_producer``) or decode (``kv_consumer``) server of the model at ``path``."""
+    config = model_config(path, role, kv_connector_extra_config=extra_config)
+    return serve_config(start_server, tmp_path_factory.mktemp(role), config)

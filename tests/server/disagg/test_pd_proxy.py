@@ -8,14 +8,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import serve_config, sse_events, wait_for
+from tests.server.conftest import sse_events, wait_for
 from tests.server.disagg.pd_servers import (
     GREEDY,
     PROMPTS,
+    check_twenty_prompts,
     completion,
     kv_settles,
     metric,
-    model_config,
+    pd_server,
     settled_metric,
     vllm_proxy,
 )
@@ -25,14 +26,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def prefill(start_server, tiny_model_dir: Path, tmp_path_factory):
-    config = model_config(tiny_model_dir, "kv_producer", kv_connector_extra_config={"hold_timeout_s": 3})
-    return serve_config(start_server, tmp_path_factory.mktemp("prefill"), config)
+    return pd_server(start_server, tiny_model_dir, tmp_path_factory, "kv_producer", hold_timeout_s=3)
 
 
 @pytest.fixture(scope="module")
 def decode(start_server, tiny_model_dir: Path, tmp_path_factory):
-    config = model_config(tiny_model_dir, "kv_consumer", kv_connector_extra_config={"handshake_timeout_s": 2})
-    return serve_config(start_server, tmp_path_factory.mktemp("decode"), config)
+    return pd_server(start_server, tiny_model_dir, tmp_path_factory, "kv_consumer", handshake_timeout_s=2)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +41,14 @@ def proxy(prefill, decode, tmp_path_factory):
 
 
 def test_twenty_prompts_through_the_proxy_answer_as_one_server(prefill, decode, proxy):
-    single = [completion(prefill.url, p)["choices"][0] for p in PROMPTS]  # the prefill server alone
-    computed = metric(decode, "prompt_tokens_computed_total")
-    via_proxy = [completion(proxy, p)["choices"][0] for p in PROMPTS]
-    assert [(c["text"], c["finish_reason"]) for c in via_proxy] == [(c["text"], c["finish_reason"]) for c in single]
-    assert metric(decode, "prompt_tokens_computed_total") - computed == len(PROMPTS)  # each prompt's last token
-    assert kv_settles(prefill) == 0 and kv_settles(decode) == 0
+    check_twenty_prompts(prefill, decode, proxy)
+
+
+def test_the_proxy_lists_the_models_and_refuses_a_body_that_is_not_json(decode, proxy):
+    assert httpx.get(f"{proxy}/v1/models", timeout=10).json() == httpx.get(f"{decode.url}/v1/models", timeout=10).json()
+    for body in (b"{not json", b"[1, 2]"):
+        r = httpx.post(f"{proxy}/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("the request body")
 
 
 @pytest.mark.parametrize("fields", [

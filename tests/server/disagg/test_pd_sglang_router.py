@@ -10,14 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import free_port, serve_config, wait_for
+from tests.server.conftest import free_port, wait_for
 from tests.server.disagg.pd_servers import (
     GREEDY,
     PROMPTS,
     completion,
     kv_settles,
     metric,
-    model_config,
+    pd_server,
     settled_metric,
 )
 from xinserve.engines.kv.side_channel import ask
@@ -29,15 +29,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def prefill(start_server, tiny_model_dir: Path, tmp_path_factory):
-    config = model_config(tiny_model_dir, "kv_producer", kv_connector_extra_config={"hold_timeout_s": 5})
-    return serve_config(start_server, tmp_path_factory.mktemp("prefill"), config)
+    return pd_server(start_server, tiny_model_dir, tmp_path_factory, "kv_producer", hold_timeout_s=5)
 
 
 @pytest.fixture(scope="module")
 def decode(start_server, tiny_model_dir: Path, tmp_path_factory):
-    config = model_config(tiny_model_dir, "kv_consumer",
-                          kv_connector_extra_config={"handshake_timeout_s": 2, "bootstrap_timeout_s": 30})
-    return serve_config(start_server, tmp_path_factory.mktemp("decode"), config)
+    return pd_server(start_server, tiny_model_dir, tmp_path_factory, "kv_consumer", handshake_timeout_s=2,
+                     bootstrap_timeout_s=30)
 
 
 @pytest.fixture(scope="module")
