@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from tests.server.conftest import REPO_ROOT, free_port, serve_config
+from tests.server.conftest import REPO_ROOT, free_port, serve_config, wait_for
 
 PROMPTS = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 7) for i in range(20)]
 GREEDY = {"model": "tiny", "temperature": 0, "max_tokens": 8}
@@ -92,3 +92,35 @@ def pd_server(start_server: Any, path: Path, tmp_path_factory: Any, role: str, *
     """A prefill (``kv_producer``) or decode (``kv_consumer``) server of the model at ``path``."""
     config = model_config(path, role, kv_connector_extra_config=extra_config)
     return serve_config(start_server, tmp_path_factory.mktemp(role), config)
+
+
+@contextmanager
+def sglang_gateway(prefill: Any, decode: Any, log_dir: Path) -> Iterator[str]:
+    """The real SGLang model gateway in PD mode (``sglang-router launch --pd-disaggregation``) in front of
+    the two servers, the prefill's bootstrap port read from its ``/server_info``: its URL once it answers."""
+    info = httpx.get(f"{prefill.url}/server_info", timeout=10).json()
+    assert info["disaggregation_mode"] == "prefill"
+    assert httpx.get(f"{decode.url}/server_info", timeout=10).json()["disaggregation_mode"] == "decode"
+    port = free_port()
+    log_path = log_dir / "router.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("sglang-router")), "launch", "--host", "127.0.0.1", "--port",
+             str(port), "--pd-disaggregation", "--prefill", prefill.url, str(info["disaggregation_bootstrap_port"]),
+             "--decode", decode.url, "--policy", "round_robin", "--health-check-interval-secs", "1",
+             "--log-level", "info"],
+            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def serves() -> bool:
+        try:
+            return httpx.post(f"{url}/v1/completions", json={**GREEDY, "prompt": "warm up"}, timeout=60).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert wait_for(serves, timeout=90, interval=0.5), log_path.read_text()[-3000:]
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)

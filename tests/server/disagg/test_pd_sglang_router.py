@@ -3,14 +3,12 @@ request to both servers at once with SGLang's bootstrap fields; the prefill serv
 under the room and the decode server, finding them there, reads them over Mooncake (loopback TCP). Greedy
 answers equal one server's, the decode server computes only each prompt's last token, no block stays used."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import free_port, wait_for
+from tests.server.conftest import wait_for
 from tests.server.disagg.pd_servers import (
     GREEDY,
     PROMPTS,
@@ -19,10 +17,9 @@ from tests.server.disagg.pd_servers import (
     metric,
     pd_server,
     settled_metric,
+    sglang_gateway,
 )
 from xinserve.engines.kv.side_channel import ask
-
-ROUTER = Path(sys.executable).with_name("sglang-router")
 
 pytestmark = pytest.mark.slow
 
@@ -40,29 +37,8 @@ def decode(start_server, tiny_model_dir: Path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gateway(prefill, decode, tmp_path_factory):
-    info = httpx.get(f"{prefill.url}/server_info", timeout=10).json()
-    assert info["disaggregation_mode"] == "prefill"
-    assert httpx.get(f"{decode.url}/server_info", timeout=10).json()["disaggregation_mode"] == "decode"
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("router") / "router.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [str(ROUTER), "launch", "--host", "127.0.0.1", "--port", str(port), "--pd-disaggregation",
-             "--prefill", prefill.url, str(info["disaggregation_bootstrap_port"]), "--decode", decode.url,
-             "--policy", "round_robin", "--health-check-interval-secs", "1", "--log-level", "info"],
-            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def serves() -> bool:
-        try:
-            return httpx.post(f"{url}/v1/completions", json={**GREEDY, "prompt": "warm up"}, timeout=60).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    assert wait_for(serves, timeout=90, interval=0.5), log_path.read_text()[-3000:]
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    with sglang_gateway(prefill, decode, tmp_path_factory.mktemp("router")) as url:
+        yield url
 
 
 def test_the_prefill_server_reports_its_bootstrap_port_as_sglang_does(prefill, decode):
