@@ -1,15 +1,14 @@
 """The HTTP process's handle on one engine worker process: it supervises the process.
 
 It spawns the worker, keeps its state (starting -> ready, or failed / dead / stopped) and its latest
-engine stats, and hands the worker's per-step ``Outputs`` to ``xinserve.server.pool.fanout``, which routes them to
-the requests' streams. Sending never blocks and never awaits.
+engine stats, and hands the worker's per-step ``Outputs`` to ``fanout``, which routes them to the requests'
+streams. Sending never blocks and never awaits.
 
-A process that dies is started again after a backoff (``restart_policy``), and the requests it
-held fail with a retryable error, which
-``Generation`` retries elsewhere if they had produced no token yet. A worker whose first load
-failed (bad path, bad config) is not restarted: it would fail the same way; one that has served
-before and then fails to load again is retried with the same backoff. A ready worker that falls
-silent is unresponsive, then killed and restarted (``xinserve.server.pool.heartbeat``).
+A process that dies is started again after a backoff (``restart_policy``), and the requests it held fail
+with a retryable error, which ``Generation`` retries elsewhere if they had produced no token yet. A worker
+whose first load failed (bad path, bad config) is not restarted: it would fail the same way; one that has
+served before and then fails to load again is retried with the same backoff. A ready worker that falls
+silent is unresponsive, then killed and restarted (``heartbeat``).
 """
 
 import asyncio
