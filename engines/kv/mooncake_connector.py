@@ -113,6 +113,8 @@ class MooncakeConnector(KVConnectorBase):
             value = params.get(name)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise ValueError(f"kv_transfer_params.{name} must be a {kind.__name__}, got {value!r}")  # noqa: TRY004  a config value, a 400
+        if not 0 < params["remote_port"] < 65536:
+            raise ValueError(f"kv_transfer_params.remote_port must be a TCP port, got {params['remote_port']}")
         if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in params["remote_block_ids"]):
             raise ValueError("kv_transfer_params.remote_block_ids must be block ids (non-negative integers)")
 

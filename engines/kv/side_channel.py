@@ -157,7 +157,10 @@ def ask(address: str, request: dict[str, Any], timeout_s: float) -> dict[str, An
     socket = context.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     try:
-        socket.connect(address)
+        try:
+            socket.connect(address)
+        except zmq.ZMQError as exc:  # a host or port no address can be made of (they come from requests)
+            raise TransferFailed(f"the side channel address {address} is not usable: {exc}") from None
         socket.send(msgspec.msgpack.encode(request))
         if not socket.poll(int(timeout_s * 1000)):
             raise TransferFailed(f"the prefill instance's side channel {address} did not answer within {timeout_s:g}s")

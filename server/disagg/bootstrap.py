@@ -60,6 +60,8 @@ async def apply_bootstrap(fields: Any, params: SamplingParams, worker_info: dict
     if not fields.bootstrap_host:
         raise APIError(400, "bootstrap_host is missing", param="bootstrap_host")
     port = fields.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
+    if not 0 < port < 65536:
+        raise APIError(400, f"bootstrap_port must be a TCP port, got {port}", param="bootstrap_port")
     address = f"tcp://{fields.bootstrap_host}:{port}"
     try:
         params.kv_transfer_params = await asyncio.to_thread(_wait_for_room, address, room, transfer)

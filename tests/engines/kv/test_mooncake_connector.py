@@ -13,6 +13,7 @@ import pytest
 from xinserve.engines import LLM, SamplingParams
 from xinserve.engines.kv.block_layout import runs
 from xinserve.engines.kv.mooncake_connector import transfer_engine
+from xinserve.engines.kv.side_channel import TransferFailed, ask
 from xinserve.engines.kv.transfer_config import KVTransferConfig
 
 GREEDY = {"temperature": 0.0}
@@ -147,11 +148,21 @@ def test_a_prefill_that_stops_on_its_first_token_hands_nothing_over(prefill: LLM
     ({"do_remote_prefill": True}, "remote_engine_id must be a str"),
     ({"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [-1], "remote_host": "h",
       "remote_port": 1, "remote_request_id": "r"}, "non-negative integers"),
+    ({"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [0], "remote_host": "h",
+      "remote_port": 70000, "remote_request_id": "r"}, "remote_port must be a TCP port"),
     ({"do_remote_decode": True}, "this instance is a kv_consumer"),
 ])
 def test_bad_transfer_params_are_refused_before_they_run(decode: LLM, params: dict, message: str):
     with pytest.raises(ValueError, match=message):
         decode.engine.add_request("bad", PROMPTS[0], SamplingParams(kv_transfer_params=params))
+
+
+@pytest.mark.parametrize("address", ["tcp://no such host:1", "tcp://127.0.0.1:99999"])
+def test_a_side_channel_address_no_socket_can_use_is_a_failed_transfer(address: str):
+    """Hosts and ports come from requests: one ZeroMQ cannot connect to fails the transfer (recompute or
+    fail, per policy), it never escapes as a ZMQError."""
+    with pytest.raises(TransferFailed):  # at connect (no such host) or as no answer (port 99999)
+        ask(address, {"op": "lookup", "room": 1}, 1.0)
 
 
 def test_transfer_params_need_a_connector(tiny: str):

@@ -82,3 +82,7 @@ def test_a_bootstrap_room_whose_prefill_instance_does_not_answer(decodes):
     assert decoded(decodes["fail"], PROMPTS[12], **room).status_code == 500
     bad = decoded(decodes["fail"], PROMPTS[12], **{**room, "bootstrap_room": 2**64})
     assert bad.status_code == 400
+    bad = decoded(decodes["recompute"], PROMPTS[12], **{**room, "bootstrap_port": 70000})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bootstrap_port"
+    unusable = decoded(decodes["recompute"], PROMPTS[12], **{**room, "bootstrap_host": "no such host"})
+    assert unusable.json()["choices"][0]["text"] == want  # computed here, as for a silent peer
