@@ -42,3 +42,6 @@ class ModelShapes:
     # the KV cache's storage dtype (--kv-cache-dtype, kernels/kv_quant.py); None: the model's dtype. The
     # probes build their caches in it, so a kernel that cannot read it is not chosen.
     kv_cache_dtype: torch.dtype | None = None
+    # multi-LoRA (--enable-lora): the largest adapter rank and the adapter slots on the device; 0: no adapters
+    max_lora_rank: int = 0
+    max_loras: int = 0

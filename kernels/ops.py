@@ -39,6 +39,8 @@ OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
     # quantized checkpoints (kernels/references/quant.py); only models with quantized weights call them
     "quant_linear": ("prepare_quant_weight", "quant_linear"),
     "quant_fused_moe": ("prepare_quant_experts", "quant_fused_moe"),
+    # multi-LoRA (kernels/references/lora.py); only a model served with adapters (--enable-lora) calls them
+    "lora": ("lora_shrink", "lora_expand"),
 }
 OPS = tuple(OP_FUNCTIONS)
 
@@ -67,6 +69,8 @@ class KernelOps:
     quant_linear: Callable
     prepare_quant_experts: Callable
     quant_fused_moe: Callable
+    lora_shrink: Callable
+    lora_expand: Callable
 
     @classmethod
     def from_functions(cls, functions: dict[str, Callable]) -> "KernelOps":

@@ -64,6 +64,8 @@ def applies(op: str, shapes: ModelShapes) -> bool:
         return any(not shape.experts for shape in shapes.quant_shapes)
     if op == "quant_fused_moe":
         return any(shape.experts for shape in shapes.quant_shapes)
+    if op == "lora":
+        return shapes.max_lora_rank > 0
     return True
 
 

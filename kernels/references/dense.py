@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from xinserve.kernels import kv_quant
 from xinserve.kernels.attention_metadata import DecodeGather
+from xinserve.kernels.references import lora as lora_reference
 from xinserve.kernels.references import mla as mla_reference
 from xinserve.kernels.references import quant as quant_reference
 from xinserve.kernels.routing import MoeRouting
@@ -396,4 +397,4 @@ OPS = {
     fn.__name__: fn
     for fn in (write_kv, paged_prefill_attention, paged_decode_attention, rms_norm, rotary_cos_sin,
                rotary_embedding, silu_and_mul, select_experts, fused_moe, top_k_top_p)
-} | {"linear": torch.nn.functional.linear} | mla_reference.OPS | quant_reference.OPS
+} | {"linear": torch.nn.functional.linear} | mla_reference.OPS | quant_reference.OPS | lora_reference.OPS
