@@ -99,3 +99,42 @@ def test_lora_requests_are_refused_without_enable_lora_or_an_unknown_name(tiny_m
         with pytest.raises(ValueError, match="rank 16, more than max_lora_rank 8"):
             llm.engine.add_lora("c", str(paths["c"]))
         assert llm.engine.lora_names() == ["a"] and not llm.engine.requests
+
+
+def test_async_scheduling_switches_slots_between_steps_and_matches_peft(setup):
+    """Step N+1 is scheduled while step N runs (engines/core/async_scheduling.py): a slot rewritten for N+1
+    is written on the step thread after N has read it."""
+    base, paths, reference = setup
+    prompts = [[20 + i, 3, 40 + i, 8] for i in range(6)]
+    names = ["a", "b", None, "c", "a", "b"]
+    with LLM(base, enable_lora=True, max_loras=1, max_lora_rank=16, num_kv_blocks=64, block_size=4,
+             lora_modules={n: str(p) for n, p in paths.items()}) as llm:
+        engine = llm.engine
+        stepper = engine.async_steps()
+        assert stepper is not None
+        for i, (prompt, name) in enumerate(zip(prompts, names)):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, lora_name=name))
+        outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        try:
+            while stepper.has_unfinished():
+                for out in stepper.step().outputs:
+                    outputs[out.request_id] += out.new_token_ids
+        finally:
+            stepper.close()
+        assert stepper.overlapped > 0
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        assert outputs[str(i)] == reference.generate(prompt, name), f"adapter {name} diverged"
+
+
+def test_host_copies_past_max_cpu_loras_are_let_go_and_read_again_on_use(setup):
+    base, paths, reference = setup
+    prompt = [4, 8, 15, 16, 23]
+    with LLM(base, enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=16, num_kv_blocks=32,
+             block_size=4, lora_modules={n: str(p) for n, p in paths.items()}) as llm:
+        engine = llm.engine
+        ids = {name: ref.adapter_id for name, ref in engine.loras.loaded.items()}
+        assert sorted(engine.runner.lora.host) == [ids["b"], ids["c"]]  # "a", least recently used, let go
+        assert engine.lora_names() == ["a", "b", "c"]  # still loaded: only its host copy went
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, lora_name="a"))
+        assert out[0].outputs[0].token_ids == reference.generate(prompt, "a")
+        assert sorted(engine.runner.lora.host) == [ids["a"], ids["c"]]
