@@ -2,7 +2,7 @@
 tensors, each module's scaling folded into its B, or refused by name with a ValueError.
 
 What is served: LoRA (not DoRA) on q/k/v/o_proj of the attention and gate/up/down_proj of dense MLP
-layers, rank at most ``max_lora_rank`` (each module's rank is its lora_A's rows, so PEFT's
+layers (GLM-4's fused gate_up_proj too), rank at most ``max_lora_rank`` (each module's rank is its lora_A's rows, so PEFT's
 ``rank_pattern`` is honoured as written), ``lora_alpha`` with ``alpha_pattern``, rsLoRA. Refused: targets
 other than those (lm_head, embed_tokens, a mixture-of-experts layer's experts or router), trained
 biases, ``modules_to_save``, ``use_dora``, trainable tokens, layer replication, ``target_parameters``.
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from xinserve.engines.lora.targets import PEFT_MODULES, ModelTargets
+from xinserve.engines.lora.targets import CHECKPOINT_FUSED, PEFT_MODULES, ModelTargets
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -82,7 +82,12 @@ def read_adapter(path: str, targets: ModelTargets, max_lora_rank: int) -> Adapte
                              f"{tuple(b.shape)}, this model needs ({r}, {in_features}) and ({out_features}, {r}): "
                              "was it trained on another base model?")
         scale = _alpha(config, module) / (math.sqrt(r) if config.get("use_rslora") else r)
-        adapter.modules[module] = (a.float().contiguous(), (b.float() * scale).contiguous())
+        a, b = a.float().contiguous(), b.float() * scale
+        prefix, proj = module.rsplit(".", 1)
+        parts = CHECKPOINT_FUSED.get(proj, (proj,))
+        # a fused checkpoint projection: each part its rows of B and the whole (shared) A
+        for part, rows in zip(parts, b.split([targets.shapes[p][1] for p in parts])):
+            adapter.modules[f"{prefix}.{part}"] = (a, rows.contiguous())
         adapter.rank = max(adapter.rank, r)
     if not adapter.modules:
         raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
@@ -100,7 +105,7 @@ def _check_config(path: str, config: dict) -> None:
     targets = config.get("target_modules")
     names = [targets] if isinstance(targets, str) and re.fullmatch(r"\w+", targets) else targets
     if isinstance(names, list):
-        unknown = sorted(set(names) - set(PEFT_MODULES))
+        unknown = sorted(set(names) - set(PEFT_MODULES) - set(CHECKPOINT_FUSED))
         if unknown:
             raise ValueError(f"LoRA adapter {path!r}: target module(s) {', '.join(unknown)} are not served "
                              f"(served: {', '.join(PEFT_MODULES)})")

@@ -15,6 +15,8 @@ from xinserve.engines.models.layers import Attention, GatedMLP
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 PEFT_MODULES = ATTENTION_MODULES + MLP_MODULES
+# a checkpoint's own fused projection (GLM-4's MLP) -> the modules whose rows it stacks, in order
+CHECKPOINT_FUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
 # PEFT projection -> (our fused projection, its slice); o_proj and down_proj are not fused
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -51,7 +53,7 @@ class ModelTargets:
         block, _, proj = inner.partition(".")
         if block == "self_attn" and proj in ATTENTION_MODULES:
             return name
-        if block == "mlp" and proj in MLP_MODULES and layer in self.dense_layers:
+        if block == "mlp" and (proj in MLP_MODULES or proj in CHECKPOINT_FUSED) and layer in self.dense_layers:
             return name
         if block == "mlp" and layer not in self.dense_layers:
             raise ValueError(f"LoRA adapter {path!r}: {name} is a mixture-of-experts module: LoRA on experts, "
@@ -60,4 +62,8 @@ class ModelTargets:
                          f"(served: {', '.join(PEFT_MODULES)})")
 
     def shape(self, module: str) -> tuple[int, int]:
-        return self.shapes[module.rsplit(".", 1)[1]]
+        proj = module.rsplit(".", 1)[1]
+        if proj in CHECKPOINT_FUSED:  # the stacked rows of its parts
+            parts = [self.shapes[part] for part in CHECKPOINT_FUSED[proj]]
+            return parts[0][0], sum(out for _, out in parts)
+        return self.shapes[proj]

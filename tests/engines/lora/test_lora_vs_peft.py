@@ -18,10 +18,13 @@ ADAPTERS = {  # name -> (rank, PEFT config)
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "glm4"])
 def setup(request, tiny_models, adapters):
+    """GLM-4: its checkpoint's own fused gate_up_proj is a PEFT target, split over our two slices."""
     arch = request.param
-    paths = {name: adapters(arch, rank, seed=i, **config) for i, (name, (rank, config)) in enumerate(ADAPTERS.items())}
+    targets = {"targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]} if arch == "glm4" else {}
+    paths = {name: adapters(arch, rank, seed=i, **{**targets, **config})
+             for i, (name, (rank, config)) in enumerate(ADAPTERS.items())}
     return tiny_models(arch), paths, PeftReference(tiny_models(arch), paths, MAX_TOKENS)
 
 
