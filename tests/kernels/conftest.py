@@ -15,12 +15,13 @@ import torch
 import xinserve.engines.core.engine
 from xinserve import kernels
 from xinserve.engines.platforms import npu as ascend
+from xinserve.kernels import ascend as ascend_package
 from xinserve.kernels.registry import ENV_VAR, TIMING_ENV_VAR
 
 FAKES_DIR = Path(__file__).resolve().parents[1] / "fakes"
 # imported afresh against the fake torch_npu by the ``npu`` fixture, and dropped after it
-FRESH_MODULES = ("torch_npu", "torch_npu.npu", *(f"xinserve.kernels.ascend.{name}" for name in
-                                               ("ops", "mla", "quant", "kv", "lora")))
+ASCEND_MODULES = ("ops", "mla", "quant", "kv", "lora")
+FRESH_MODULES = ("torch_npu", "torch_npu.npu", *(f"xinserve.kernels.ascend.{name}" for name in ASCEND_MODULES))
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +38,8 @@ def npu() -> Iterator[ModuleType]:
         mp.delattr(kernels, "npu", raising=False)
         for name in FRESH_MODULES:
             mp.delitem(sys.modules, name, raising=False)
+        for name in ASCEND_MODULES:  # else ``from xinserve.kernels.ascend import lora`` takes a stale one
+            mp.delattr(ascend_package, name, raising=False)
         module = importlib.import_module("xinserve.kernels.ascend.ops")
         assert module.torch_npu.__file__.startswith(str(FAKES_DIR))  # never a real one by accident
         yield module

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.kernels.lora_checks import assert_ops_match_reference
 from xinserve.engines.platforms.cuda import KERNEL_PREFERENCE as CUDA_KERNELS
 from xinserve.engines.platforms.musa import KERNEL_PREFERENCE as MUSA_KERNELS
 from xinserve.kernels import registry
@@ -41,19 +42,10 @@ def stacks(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
 def check_both_ops(slots: torch.Tensor, dtype: torch.dtype, seed: int = 0) -> None:
     """Shrink then expand through Triton and the float32 reference: close, in place, base rows untouched."""
     gen = torch.Generator().manual_seed(seed + 1)
-    a_stack, b_stack = stacks(dtype, seed)
     x = torch.randn(len(slots), IN, generator=gen).to(dtype)
     before = (0.5 * torch.randn(len(slots), OUT, generator=gen)).to(dtype)
-    h = triton_lora.lora_shrink(x, a_stack, slots)
-    assert h.dtype == dtype and h.shape == (len(slots), RANK)
-    want_h = reference.lora_shrink(x.float(), a_stack.float(), slots)
-    assert max_error(h, want_h) <= TOLERANCE_OF[dtype]
-    out = before.clone()
-    assert triton_lora.lora_expand(out, h, b_stack, slots) is out
-    want = reference.lora_expand(before.float(), h.float(), b_stack.float(), slots)
-    assert max_error(out, want) <= TOLERANCE_OF[dtype]
-    base = slots < 0
-    assert torch.equal(out[base], before[base]) and not h[base].any()
+    assert_ops_match_reference(triton_lora.lora_shrink, triton_lora.lora_expand, x, *stacks(dtype, seed), before,
+                               slots, TOLERANCE_OF[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
