@@ -138,3 +138,14 @@ def test_the_registry_chooses_triton_for_lora_when_the_model_serves_adapters(pre
     assert not applies("lora", replace(SHAPES, max_lora_rank=0))
     assert plain.chosen["lora"] == "reference"
     assert "triton" not in dict(plain.rejected.get("lora", []))
+
+
+def test_with_timing_on_the_registry_times_both_correct_candidates_and_takes_the_faster(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))  # a fresh timing cache
+    monkeypatch.setenv(registry.TIMING_ENV_VAR, "on")
+    only_lora = {op: "reference" for op in registry.OPS if op != "lora"}
+    selection = registry.select(("triton", "reference"), CPU, torch.float32, SHAPES, forced=only_lora)
+    timed = selection.timings_ms["lora"]
+    assert set(timed) == {"triton", "reference"} and all(ms > 0 for ms in timed.values())
+    assert selection.chosen["lora"] == min(timed, key=timed.get)
