@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch_npu
 
+from xinserve.kernels.ascend import lora as npu_lora
 from xinserve.kernels.ascend import mla as npu_mla
 from xinserve.kernels.ascend import quant as npu_quant
 from xinserve.kernels.ascend.mla import half_precision_only
@@ -263,7 +264,7 @@ OPS = {
     fn.__name__: fn
     for fn in (write_kv, paged_prefill_attention, paged_decode_attention, rms_norm, rotary_cos_sin,
                rotary_embedding, silu_and_mul, select_experts, fused_moe, top_k_top_p)
-} | npu_mla.OPS | npu_quant.OPS  # the MLA / DSA ops, the quantized ones
+} | npu_mla.OPS | npu_quant.OPS | npu_lora.OPS  # the MLA / DSA ops, the quantized ones, multi-LoRA's
 
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
@@ -341,4 +342,5 @@ _LIMITS = {
     "fused_moe": _fused_moe_limits,
     **npu_mla.LIMITS,
     **npu_quant.LIMITS,
+    **npu_lora.LIMITS,
 }

@@ -6,7 +6,8 @@ own. Inputs cover what a step can hold: GQA, the model's head dim and block size
 cross block boundaries, a prefill after a cached prefix (chunked prefill), a batch without a decode
 part, the fused residual add of RMSNorm, partial and interleaved rotary, the model's sliding window
 (both with and without it: some layers of a model may have none) with contexts that cross its edge,
-and for mixture-of-experts models the model's routing with experts that receive no token.
+and for mixture-of-experts models the model's routing with experts that receive no token. Some ops'
+probes have files of their own (linear, MLA, quantized, LoRA).
 """
 
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from xinserve.kernels import kv_quant
 from xinserve.kernels.attention_metadata import build_decode_gather
 from xinserve.kernels.model_shapes import ModelShapes
 from xinserve.kernels.probes import linear as linear_probes
+from xinserve.kernels.probes import lora as lora_probes
 from xinserve.kernels.probes import mla as mla_probes
 from xinserve.kernels.probes import quant as quant_probes
 from xinserve.kernels.probes.inputs import (
@@ -221,6 +223,7 @@ PROBES: dict[str, Callable[[dict[str, Callable], ModelShapes, ProbeInputs], floa
     **mla_probes.PROBES,
     **quant_probes.PROBES,
     **linear_probes.PROBES,
+    **lora_probes.PROBES,
 }
 
 

@@ -25,6 +25,7 @@ from xinserve.kernels.attention_metadata import build_decode_gather
 from xinserve.kernels.cache_dir import cache_dir
 from xinserve.kernels.model_shapes import ModelShapes
 from xinserve.kernels.probes import linear as linear_probes
+from xinserve.kernels.probes import lora as lora_probes
 from xinserve.kernels.probes import quant as quant_probes
 
 ITERATIONS = 5
@@ -97,7 +98,7 @@ def _write_kv_workload(fn: dict[str, Callable], shapes: ModelShapes, device: tor
 
 
 WORKLOADS = {"decode_attention": _decode_workload, "prefill_attention": _prefill_workload, "write_kv": _write_kv_workload,
-             **quant_probes.WORKLOADS, **linear_probes.WORKLOADS}
+             **quant_probes.WORKLOADS, **linear_probes.WORKLOADS, **lora_probes.WORKLOADS}
 
 
 def measure(op: str, functions: dict[str, Callable], shapes: ModelShapes, device: torch.device,

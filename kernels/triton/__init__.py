@@ -1,7 +1,9 @@
 """Triton kernels over the paged KV cache, drop-in for the references of the same names in
 kernels/references/dense.py: KV write, paged decode attention (split-K flash-decoding) and varlen prefill
-attention after a cached prefix, and ``quant_linear`` (a GEMM dequantizing quantized weights tile by tile). They run on any device with a Triton backend, and on CPU tensors
-under Triton's interpreter when TRITON_INTERPRET=1 is set before this package is imported.
+attention after a cached prefix, ``quant_linear`` (a GEMM dequantizing quantized weights tile by tile) and
+multi-LoRA's ``lora_shrink`` / ``lora_expand`` (kernels/triton/lora.py). They run on any device with a Triton
+backend, and on CPU tensors under Triton's interpreter when TRITON_INTERPRET=1 is set before this package is
+imported.
 Importing it raises ImportError where Triton is not installed."""
 
 import torch
@@ -9,12 +11,13 @@ import torch
 from xinserve.kernels.model_shapes import ModelShapes
 from xinserve.kernels.triton.decode_attention import paged_decode_attention
 from xinserve.kernels.triton.kv_write import write_kv
+from xinserve.kernels.triton.lora import lora_expand, lora_shrink
 from xinserve.kernels.triton.prefill_attention import paged_prefill_attention
 from xinserve.kernels.triton.quant_gemm import prepare_quant_weight, quant_linear
 
 # function name -> function, as every implementation module exposes (kernels/ops.py)
 OPS = {fn.__name__: fn for fn in (write_kv, paged_prefill_attention, paged_decode_attention, prepare_quant_weight,
-                                  quant_linear)}
+                                  quant_linear, lora_shrink, lora_expand)}
 
 
 def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
@@ -26,5 +29,5 @@ def unsupported(op: str, shapes: ModelShapes, dtype: torch.dtype) -> str | None:
     return None
 
 
-__all__ = ["OPS", "paged_decode_attention", "paged_prefill_attention", "prepare_quant_weight", "quant_linear",
-           "unsupported", "write_kv"]
+__all__ = ["OPS", "lora_expand", "lora_shrink", "paged_decode_attention", "paged_prefill_attention",
+           "prepare_quant_weight", "quant_linear", "unsupported", "write_kv"]

@@ -116,9 +116,11 @@ def _accelerator(vendor: ModuleType) -> dict[str, Any]:
     return {"available": True, "devices": devices}
 
 
-# A typical served model's shapes (Qwen2.5-7B: GQA 7:1, head dim 128) for the kernel probes.
+# A typical served model's shapes (Qwen2.5-7B: GQA 7:1, head dim 128) for the kernel probes, served with
+# adapters (--enable-lora at rank 16, 4 slots) so that the multi-LoRA candidates are probed and reported too.
 TYPICAL_SHAPES = {"num_heads": 28, "num_kv_heads": 4, "head_dim": 128, "rotary_dim": 128, "rope_is_neox": True,
-                  "hidden_size": 3584, "intermediate_size": 18944, "vocab_size": 152064}
+                  "hidden_size": 3584, "intermediate_size": 18944, "vocab_size": 152064, "max_lora_rank": 16,
+                  "max_loras": 4}
 
 
 def probe_kernels(device: str) -> dict[str, Any]:

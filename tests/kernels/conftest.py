@@ -15,9 +15,13 @@ import torch
 import xinserve.engines.core.engine
 from xinserve import kernels
 from xinserve.engines.platforms import npu as ascend
+from xinserve.kernels import ascend as ascend_package
 from xinserve.kernels.registry import ENV_VAR, TIMING_ENV_VAR
 
 FAKES_DIR = Path(__file__).resolve().parents[1] / "fakes"
+# imported afresh against the fake torch_npu by the ``npu`` fixture, and dropped after it
+ASCEND_MODULES = ("ops", "mla", "quant", "kv", "lora")
+FRESH_MODULES = ("torch_npu", "torch_npu.npu", *(f"xinserve.kernels.ascend.{name}" for name in ASCEND_MODULES))
 
 
 @pytest.fixture(autouse=True)
@@ -32,14 +36,14 @@ def npu() -> Iterator[ModuleType]:
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(FAKES_DIR))
         mp.delattr(kernels, "npu", raising=False)
-        for name in ("torch_npu", "torch_npu.npu", "xinserve.kernels.ascend.ops", "xinserve.kernels.ascend.mla", "xinserve.kernels.ascend.quant",
-                     "xinserve.kernels.ascend.kv"):
+        for name in FRESH_MODULES:
             mp.delitem(sys.modules, name, raising=False)
+        for name in ASCEND_MODULES:  # else ``from xinserve.kernels.ascend import lora`` takes a stale one
+            mp.delattr(ascend_package, name, raising=False)
         module = importlib.import_module("xinserve.kernels.ascend.ops")
         assert module.torch_npu.__file__.startswith(str(FAKES_DIR))  # never a real one by accident
         yield module
-        for name in ("torch_npu", "torch_npu.npu", "xinserve.kernels.ascend.ops", "xinserve.kernels.ascend.mla", "xinserve.kernels.ascend.quant",
-                     "xinserve.kernels.ascend.kv"):
+        for name in FRESH_MODULES:
             sys.modules.pop(name, None)
         if hasattr(torch, "npu"):  # set by the fake's import, as the real torch_npu sets it
             delattr(torch, "npu")

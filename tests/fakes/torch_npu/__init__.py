@@ -28,6 +28,7 @@ from xinserve.kernels.routing import MoeRouting
 
 from . import npu  # graphs and streams; the real torch_npu registers its npu module as torch.npu too
 from .kv_int8 import antiquant_paged_decode
+from .lora import npu_batch_gather_matmul, npu_batch_gather_matmul_  # noqa: F401  AddLora, multi-LoRA's
 from .mla import (  # noqa: F401  the MLA / DSA operators, part of this fake module's API
     mla_fused_infer_attention_score,
     npu_lightning_indexer,

@@ -20,6 +20,8 @@ def test_report_names_what_is_missing_and_why():
     decode = cpu_kernels["ops"]["decode_attention"]
     assert set(decode["timings_ms"]) == {"cpp", "reference"}  # chosen by speed
     assert decode["chosen"] == min(decode["timings_ms"], key=decode["timings_ms"].get)
+    # no CPU candidate implements multi-LoRA's ops: the reference serves them, and the report says so
+    assert cpu_kernels["ops"]["lora"] == {"chosen": "reference", "rejected": []}
 
 
 def test_cli_output(capsys):
