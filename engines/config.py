@@ -122,6 +122,15 @@ class EngineConfig:
         "model's KV bytes; int8 / fp8_e4m3 (alias fp8) store 8-bit codes with a float32 scale per token and head "
         "(kernels/kv_quant.py); attention accumulates in float32", choices=KV_CACHE_DTYPE_NAMES))
 
+    enable_lora: bool = field(default=False, metadata=setting(
+        "serve LoRA adapters on this model: a request's model field names one (engines/lora/)"))
+    max_loras: int = field(default=1, metadata=setting("LoRA adapters held on the device at once", ge=1))
+    max_lora_rank: int = field(default=16, metadata=setting("the largest LoRA rank an adapter may have", ge=1))
+    max_cpu_loras: int | None = field(default=None, metadata=setting(
+        "LoRA adapters kept loaded on the host (default: max_loras)", ge=1))
+    lora_modules: dict[str, str] | None = field(default=None, metadata=setting(
+        "LoRA adapters loaded at start, name -> PEFT directory (flag: name=path ... or vLLM's JSON)"))
+
     def __post_init__(self) -> None:
         for f in fields(self):
             check_setting(f.name, getattr(self, f.name), f.metadata)

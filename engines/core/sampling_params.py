@@ -69,6 +69,8 @@ class SamplingParams:
     # vLLM's field for prefill/decode disaggregation: what a KV connector hands over or reads
     # (engines/kv/mooncake_connector.py); checked by the engine, which knows its connector.
     kv_transfer_params: dict[str, Any] | None = None
+    # The LoRA adapter the request runs with (None: the base model); the engine refuses one it has not loaded.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
