@@ -1,0 +1,1 @@
+"""Multi-LoRA: adapters served per request on one base model."""
