@@ -259,7 +259,7 @@ def plan(path: str, *, devices: int | None = None, device_memory_gib: float = 64
     layers = config.num_hidden_layers
     stage_layers = [(s + 1) * layers // layout.pp - s * layers // layout.pp for s in range(layout.pp)]
     kv_stages = [math.ceil(kv_token * n / layers) for n in stage_layers]
-    slots = max_loras * lora_slot_bytes(config, max_lora_rank, dtype, layout.tp)
+    slots = max_loras * lora_slot_bytes(config, max_lora_rank, dtype, layout.tp) if max_loras else 0
     lora = [math.ceil(slots * n / layers) for n in stage_layers]
     result.weight_bytes_per_device, result.kv_bytes_per_token_per_device = max(weights), max(kv_stages)
     result.lora_bytes_per_device = max(lora)

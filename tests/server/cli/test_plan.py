@@ -6,7 +6,8 @@ import shutil
 
 from xinserve.server.cli.main import main
 
-KEYS = {"parameters", "weight_bytes_per_device", "kv_bytes_per_token_per_device", "max_sequences", "fits", "reason"}
+KEYS = {"parameters", "weight_bytes_per_device", "lora_bytes_per_device", "kv_bytes_per_token_per_device", "max_sequences",
+        "fits", "reason"}
 
 
 def config_only(tiny_models, tmp_path, arch: str) -> str:
