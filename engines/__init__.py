@@ -12,13 +12,14 @@ _EXPORTS = {
     "EngineConfig": "xinserve.engines.config",
     "EngineStats": "xinserve.engines.core.outputs",
     "LLMEngine": "xinserve.engines.core.engine",
+    "LoRARequest": "xinserve.engines.lora.request",
     "RequestOutput": "xinserve.engines.core.outputs",
     "SamplingParams": "xinserve.engines.core.sampling_params",
     "StepOutput": "xinserve.engines.core.outputs",
     "TokenLogprob": "xinserve.engines.core.outputs",
 }
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams", "StepOutput", "TokenLogprob"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "LoRARequest", "RequestOutput", "SamplingParams", "StepOutput", "TokenLogprob"]
 
 
 def __getattr__(name: str):

@@ -121,15 +121,16 @@ class EngineConfig:
         "the KV cache's storage dtype (vLLM's flag): auto (or None) = the model's dtype; bfloat16 / float16 halve a float32 "
         "model's KV bytes; int8 / fp8_e4m3 (alias fp8) store 8-bit codes with a float32 scale per token and head "
         "(kernels/kv_quant.py); attention accumulates in float32", choices=KV_CACHE_DTYPE_NAMES))
-
     enable_lora: bool = field(default=False, metadata=setting(
-        "serve LoRA adapters on this model: a request's model field names one (engines/lora/)"))
-    max_loras: int = field(default=1, metadata=setting("LoRA adapters held on the device at once", ge=1))
-    max_lora_rank: int = field(default=16, metadata=setting("the largest LoRA rank an adapter may have", ge=1))
+        "serve PEFT LoRA adapters on this model, each request's own or none (docs/lora.md)"))
+    max_loras: int = field(default=1, metadata=setting(
+        "LoRA adapters on the device at once (slots); a request whose adapter finds no slot waits", ge=1))
+    max_lora_rank: int = field(default=16, metadata=setting(
+        "the largest LoRA rank served; every slot is padded to it", ge=1))
     max_cpu_loras: int | None = field(default=None, metadata=setting(
-        "LoRA adapters kept loaded on the host (default: max_loras)", ge=1))
+        "LoRA adapters kept loaded on the host (least recently used idle ones let go); default max_loras", ge=1))
     lora_modules: dict[str, str] | None = field(default=None, metadata=setting(
-        "LoRA adapters loaded at start, name -> PEFT directory (flag: name=path ... or vLLM's JSON)"))
+        "LoRA adapters loaded at start: name -> PEFT directory"))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -146,6 +147,8 @@ class EngineConfig:
                              "(each rank holds a shard of the KV cache)")
         if self.kv_transfer_config is not None and self.kv_offloading_size is not None:
             raise ValueError("kv_transfer_config and kv_offloading_size cannot be combined yet (one KV connector)")
+        if self.enable_lora:
+            check_lora(self)
         if self.kv_offloading_size is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching: the tier is keyed by its block hashes")
 
@@ -167,3 +170,15 @@ def check_setting(name: str, value: Any, meta: dict[str, Any]) -> None:
         raise ValueError(f"{name} must be at least {meta['ge']}, got {value}")
     if "check" in meta:
         meta["check"](value)
+
+
+def check_lora(config: EngineConfig) -> None:
+    """Refuse, by name, what LoRA adapters are not served with yet."""
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be at least max_loras ({config.max_loras})")
+    if config.pipeline_parallel_size > 1:
+        raise ValueError("enable_lora is not supported with pipeline_parallel_size > 1 yet")
+    if config.quantization is not None:
+        raise ValueError(f"enable_lora is not supported with quantization {config.quantization!r} yet")
+    if config.uses_mtp:
+        raise ValueError("enable_lora is not supported with speculative method mtp yet")

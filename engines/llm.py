@@ -5,6 +5,7 @@ Structured output, logit bias and prompt log-probs are ``SamplingParams`` fields
 """
 
 import weakref
+from dataclasses import replace
 from collections.abc import Sequence as Seq
 from typing import Self
 
@@ -13,6 +14,7 @@ from xinserve.engines.core.detokenizer import IncrementalDetokenizer
 from xinserve.engines.core.engine import LLMEngine
 from xinserve.engines.core.outputs import CompletionOutput, RequestOutput
 from xinserve.engines.core.sampling_params import SamplingParams
+from xinserve.engines.lora.request import LoRARequest
 
 Prompt = str | list[int]
 
@@ -45,13 +47,17 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids) at once; results in prompt order."""
+        """Generate for every prompt (text or token ids) at once; results in prompt order. ``lora_request``:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model), loaded on first use."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = [params or SamplingParams()] * len(prompts) if not isinstance(params, Seq) else params
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        if lora_request is not None:
+            params_list = self._with_adapters(params_list, lora_request)
         results: dict[str, RequestOutput] = {}
         detokenizers: dict[tuple[str, int], IncrementalDetokenizer] = {}
         for prompt, p in zip(prompts, params_list):
@@ -92,6 +98,16 @@ class LLM:
             for failure in step.failures:  # the engine ended every choice of it
                 self._fail(results[failure.request_id], failure.message, detokenizers)
         return list(results.values())
+
+    def _with_adapters(self, params_list: Seq[SamplingParams],
+                       lora_request: LoRARequest | Seq[LoRARequest | None]) -> list[SamplingParams]:
+        """Each prompt's params naming its adapter, each adapter loaded on first use."""
+        requests = [lora_request] * len(params_list) if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(requests) != len(params_list):
+            raise ValueError(f"got {len(params_list)} prompts but {len(requests)} LoRA requests")
+        for request in {r for r in requests if r is not None and r.lora_name not in self.engine.lora_names()}:
+            self.engine.add_lora(request.lora_name, request.lora_path)
+        return [p if r is None else replace(p, lora_name=r.lora_name) for p, r in zip(params_list, requests)]
 
     @staticmethod
     def _fail(result: RequestOutput, message: str,

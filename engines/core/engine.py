@@ -24,6 +24,7 @@ from xinserve.engines.kv.event_publisher import make_publisher
 from xinserve.engines.kv.events import EventBatch
 from xinserve.engines.kv.host_tier import make_host_tier
 from xinserve.engines.kv.mooncake_connector import make_remote_connector
+from xinserve.engines.lora.registry import LoraRegistry
 from xinserve.engines.parallel.tp_runner import make_runner
 from xinserve.engines.platforms import get_platform
 from xinserve.engines.speculative.config import parse_speculative_config
@@ -68,8 +69,11 @@ class LLMEngine:
         if self.kv_connector is not None:
             self.kv_connector.bind_block_manager(self.block_manager)
             self.kv_connector.register_kv_caches(self.runner.kv_cache)
+        # LoRA adapters (engines/lora/): their host copies and device slots
+        self.loras = LoraRegistry.of(config, self.runner)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.eos_token_ids, self.max_model_len, self.kv_connector)
+                                   self.eos_token_ids, self.max_model_len, self.kv_connector,
+                                   self.loras and self.loras.slots)
         self.speculative = None if config.speculative_config is None else parse_speculative_config(
             config.speculative_config)
         self.proposer = None if self.speculative is None else make_proposer(self.speculative)
@@ -149,6 +153,17 @@ class LLMEngine:
         if events and self.kv_events is not None:
             self.kv_events.publish(EventBatch(time.time(), events))
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at ``path`` as ``name`` (between steps); ValueError when it cannot be served."""
+        LoraRegistry.enabled(self.loras).add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """New requests can no longer name it; those running or waiting finish with it. KeyError if not loaded."""
+        LoraRegistry.enabled(self.loras).remove(name)
+
+    def lora_names(self) -> list[str]:
+        return [] if self.loras is None else self.loras.names()
+
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
@@ -186,6 +201,8 @@ class LLMEngine:
             Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, now, index=i, parent=first)
             for i in range(1, params.n)
         ]
+        if params.lora_name is not None:  # ValueError when not loaded
+            LoraRegistry.enabled(self.loras).start(params.lora_name, seqs)
         if params.json_schema is None:
             for seq in seqs:
                 self.scheduler.add(seq)
@@ -368,6 +385,8 @@ class LLMEngine:
             if seq.status is not SequenceStatus.FINISHED:
                 continue
             self.runner.release(seq)
+            if self.loras is not None:
+                self.loras.finished(seq.seq_id)
             choices = self.requests.get(seq.request_id, [])
             if all(s.is_finished for s in choices):
                 self.requests.pop(seq.request_id, None)
@@ -390,5 +409,6 @@ class LLMEngine:
             external_prefix_cache_queries_total=bm.external_queries,
             external_prefix_cache_hits_total=bm.external_hits,
             prompt_tokens_computed_total=self.scheduler.prompt_tokens_computed,
+            **({} if self.loras is None else self.loras.stats(self.scheduler.running, self.scheduler.waiting)),
             **({} if self.kv_connector is None else self.kv_connector.transfer_counters()),
         )

@@ -50,6 +50,12 @@ def chain_hash(prev_hash: int | None, token_ids: Seq[int]) -> int:
     return hash((ROOT_HASH if prev_hash is None else prev_hash, tuple(token_ids)))
 
 
+def root_hash(seq: Sequence) -> int:
+    """The hash before a sequence's first block: ROOT_HASH, or its LoRA adapter's own root, so that a
+    prefix-cache hit never crosses adapters (engines/lora/registry.py)."""
+    return ROOT_HASH if seq.lora is None else seq.lora.root_hash
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  record_events: bool = False, external: Any = None, match_next_token: bool = False) -> None:
@@ -107,7 +113,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        prev_hash = None
+        prev_hash = root_hash(seq)
         for i in range(max_blocks):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             prev_hash = chain_hash(prev_hash, tokens)
@@ -126,7 +132,7 @@ class BlockManager:
         if self.external is None or seq.parent is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        prev_hash = self.blocks[computed[-1]].hash if computed else None
+        prev_hash = self.blocks[computed[-1]].hash if computed else root_hash(seq)
         hashes: list[int] = []
         for i in range(len(computed), max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -232,12 +238,13 @@ class BlockManager:
         first = num_full
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash is NO_HASH:
             first -= 1
-        prev_hash = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        prev_hash = self.blocks[seq.block_table[first - 1]].hash if first > 0 else root_hash(seq)
+        lora_id = None if seq.lora is None else seq.lora.adapter_id  # vLLM's BlockStored.lora_id
         stored: BlockStored | None = None  # this call's event: one per run of newly cached blocks
         for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            parent_hash = prev_hash
+            parent_hash = prev_hash if i > 0 else None  # None at the start of a prompt, as in vLLM
             block.hash = chain_hash(prev_hash, tokens)
             block.token_ids = tuple(tokens)
             end = (i + 1) * self.block_size
@@ -247,7 +254,7 @@ class BlockManager:
                 stored = None  # already cached in another block: not stored again
                 continue
             if stored is None:
-                stored = BlockStored([], parent_hash, [], self.block_size, None, MEDIUM_DEVICE)
+                stored = BlockStored([], parent_hash, [], self.block_size, lora_id, MEDIUM_DEVICE)
                 self.events.append(stored)
             stored.block_hashes.append(block.hash)
             stored.token_ids.extend(tokens)

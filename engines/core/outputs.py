@@ -134,7 +134,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     kv_transfer_sent_total: int = 0
     kv_transfer_expired_total: int = 0
     kv_transfer_failed_loads_total: int = 0
-    # LoRA: the adapters of the running and the waiting requests, and the device's adapter slots.
+    # LoRA (vLLM's lora_requests_info): adapters of running and of waiting requests, and the device slots
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
     max_lora: int = 0

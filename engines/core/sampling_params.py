@@ -69,7 +69,7 @@ class SamplingParams:
     # vLLM's field for prefill/decode disaggregation: what a KV connector hands over or reads
     # (engines/kv/mooncake_connector.py); checked by the engine, which knows its connector.
     kv_transfer_params: dict[str, Any] | None = None
-    # The LoRA adapter the request runs with (None: the base model); the engine refuses one it has not loaded.
+    # The LoRA adapter the request runs with (a name the engine loaded: engines/lora/); None: the base model.
     lora_name: str | None = None
 
     def __post_init__(self) -> None:

@@ -54,6 +54,7 @@ class Scheduler:
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
         eos_token_ids: Collection[int] = (), max_model_len: int | None = None, kv_connector: Any = None,
+        lora_slots: Any = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -71,6 +72,8 @@ class Scheduler:
         block_manager.counts_external = kv_connector is not None  # its loads are the external prefix hits
         self.held_blocks: dict[str, list[int]] = {}
         self.kv_transfer_params: dict[str, dict[str, Any]] = {}
+        # LoRA's device slots (engines/lora/slot_table.py): a sequence with an adapter runs only with a slot
+        self.lora_slots = lora_slots
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -140,8 +143,11 @@ class Scheduler:
 
     def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting[0] if self.lora_slots is None else self._next_with_slot()
+            if seq is None:
+                break
             if self._waits_for_parent(seq):
+                self._drop_slot(seq)
                 break
             # A prompt whose log-probs are asked for is computed whole: a prefix-cache hit has no logits.
             computed: list[int] = []
@@ -153,16 +159,38 @@ class Scheduler:
             cached_tokens = len(computed) * self.block_manager.block_size + num_external
             num_new = min(seq.num_tokens - seq.num_computed_tokens - cached_tokens, budget)
             if not self.block_manager.allocate_slots(seq, num_external + num_new, computed):
+                self._drop_slot(seq)
                 break
             if num_external:
                 seq.num_computed_tokens += num_external
                 self.kv_connector.update_state_after_alloc(seq, seq.block_table[len(computed):], num_external)
             self.block_manager.record_prefix_lookup(seq, computed, external_tokens=num_external)
-            self.waiting.popleft()
+            if seq is self.waiting[0]:
+                self.waiting.popleft()
+            else:  # passed sequences whose adapter waits for a slot
+                self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+
+    def _next_with_slot(self) -> Sequence | None:
+        """The first waiting sequence that can run: without an adapter, or with its adapter's slot (taken
+        now); sequences whose adapter gets no slot wait (engines/lora/slot_table.py)."""
+        for seq in self.waiting:
+            if seq.lora is None:
+                return seq
+            slot = self.lora_slots.acquire(seq.lora.adapter_id)
+            if slot is not None:
+                seq.lora_slot = slot
+                return seq
+        return None
+
+    def _drop_slot(self, seq: Sequence) -> None:
+        """Give back the sequence's adapter slot (it leaves the running set, or was not admitted)."""
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora.adapter_id)
+            seq.lora_slot = -1
 
     @staticmethod
     def _waits_for_parent(seq: Sequence) -> bool:
@@ -176,6 +204,7 @@ class Scheduler:
         )
 
     def _preempt(self, seq: Sequence) -> None:
+        self._drop_slot(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -298,6 +327,7 @@ class Scheduler:
         """Retire a sequence (finished or aborted) wherever it is, freeing its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._drop_slot(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         hold, params = (False, None) if self.kv_connector is None else self.kv_connector.request_finished(seq, reason)

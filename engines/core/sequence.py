@@ -24,6 +24,8 @@ class Sequence:
     holds it while the output has not yet reached ``params.json_schema_after_token``.
     ``draft_token_ids``: the speculative tokens proposed for the next step (engines/speculative/), not
     yet part of ``token_ids``; the scheduler runs them with the sequence's next token.
+    ``lora``: its LoRA adapter (engines/lora/registry.py ``AdapterRef``) or None; ``lora_slot``: the device
+    slot the scheduler gave it while it runs (-1: none).
     """
 
     __slots__ = (
@@ -33,6 +35,8 @@ class Sequence:
         "finish_reason",
         "grammar",
         "index",
+        "lora",
+        "lora_slot",
         "num_computed_tokens",
         "num_prompt_tokens",
         "params",
@@ -69,6 +73,8 @@ class Sequence:
         self.grammar: Any = None
         self.waiting_grammar: Any = None
         self.draft_token_ids: list[int] = []
+        self.lora: Any = None
+        self.lora_slot = -1
 
     @property
     def num_tokens(self) -> int:

@@ -1,1 +1,1 @@
-"""Multi-LoRA: adapters served per request on one base model."""
+"""Multi-LoRA: PEFT adapters served on one base model, each request's rows with their own adapter (or none)."""

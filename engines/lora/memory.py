@@ -1,34 +1,27 @@
-"""What one LoRA adapter slot costs on a device: the stacked A and B weights of every layer's
-projections at ``max_lora_rank``, in the model's dtype (``xinserve plan`` multiplies it by ``max_loras``).
-
-A slot holds every target module the engine serves (q, k, v, o, gate, up, down): a merged projection
-(qkv_proj, gate_up_proj) stacks its slices' A along the rank, ``A [slices * R, in]``, and holds a
-block-diagonal ``B [out, slices * R]``. Tensor parallel splits them like their base layers: a
-column-parallel layer's B by its output rows, a row-parallel layer's A by its input columns.
-"""
+"""What one adapter slot costs on each device: ``xinserve plan`` multiplies it by ``max_loras``."""
 
 from typing import Any
 
 import torch
 
-
-def _split(n: int, tp: int) -> int:
-    return -(-n // tp)
+from xinserve.engines.models.tensor_parallel import HeadSplit
 
 
 def lora_slot_bytes(hf_config: Any, max_lora_rank: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-    """One device slot's bytes across all layers, on one of ``tensor_parallel_size`` ranks."""
-    r, tp = max_lora_rank, tensor_parallel_size
-    hidden = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    inter = hf_config.intermediate_size
-    q, kv = heads * head_dim, kv_heads * head_dim
-    per_layer = (
-        3 * r * hidden + _split(q + 2 * kv, tp) * 3 * r  # qkv_proj (column parallel)
-        + r * _split(q, tp) + hidden * r  # o_proj (row parallel)
-        + 2 * r * hidden + _split(2 * inter, tp) * 2 * r  # gate_up_proj (column parallel)
-        + r * _split(inter, tp) + hidden * r  # down_proj (row parallel)
-    )
-    return per_layer * hf_config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+    """One device slot's bytes across all layers on one rank (engines/lora/stacks.py's layout: A and B of
+    qkv_proj, o_proj and, on dense-MLP layers, gate_up_proj and down_proj, padded to ``max_lora_rank``)."""
+    from xinserve.engines.models import MODEL_REGISTRY
+
+    tp, r = tensor_parallel_size, max_lora_rank
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    split = HeadSplit.of(hf_config.num_attention_heads, hf_config.num_key_value_heads, 0, tp)
+    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+    q_local, kv_local = split.num_heads * head_dim, split.num_kv_heads * head_dim
+    attention = 3 * r * hidden + (q_local + 2 * kv_local) * 3 * r + r * q_local + hidden * r
+    mlp = 2 * r * hidden + 2 * (inter // tp) * 2 * r + r * (inter // tp) + hidden * r
+    architecture = (getattr(hf_config, "architectures", None) or [None])[0]
+    model_cls = MODEL_REGISTRY.get(architecture)
+    moe_layers = model_cls.spec(hf_config).moe_layers if model_cls is not None else frozenset()
+    layers = hf_config.num_hidden_layers
+    elements = layers * attention + (layers - len(moe_layers)) * mlp
+    return elements * torch.empty(0, dtype=dtype).element_size()

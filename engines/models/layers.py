@@ -27,14 +27,18 @@ class RMSNorm(nn.Module):
 class Linear(nn.Linear):
     """An ``nn.Linear`` that multiplies with the kernel registry's ``linear`` (on the CPU, a decode step's
     few rows go through a kernel that streams the cold weight once: kernels/cpu/csrc/decode_linear.cpp).
-    It keeps ``ops`` itself, so a kernel built in the background is swapped in (engines/worker/warmup.py)."""
+    It keeps ``ops`` itself, so a kernel built in the background is swapped in (engines/worker/warmup.py).
+    ``lora``: the adapter slots of a model served with adapters (engines/lora/stacks.py), which add each
+    row's adapter delta to the output."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: KernelOps = REFERENCE_OPS) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.ops = ops
+        self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        out = self.ops.linear(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class MergedLinear(Linear):

@@ -83,14 +83,17 @@ class ColumnParallelMerged(MergedLinear):
 
 class RowParallelLinear(nn.Linear):
     """Input columns ``[start, start + in_features)`` of a full projection; the partial products of
-    the ranks are summed by one all-reduce, then the (replicated) bias is added once."""
+    the ranks are summed by one all-reduce, then the (replicated) bias is added once. ``lora``: adapter slots
+    whose A holds the same input columns (engines/lora/stacks.py): their partial delta joins the all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, start: int, group: Collectives) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.start, self.group = start, group
+        self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.group.all_reduce(nn.functional.linear(x, self.weight))
+        out = nn.functional.linear(x, self.weight)
+        out = self.group.all_reduce(out if self.lora is None else self.lora(x, out))
         return out if self.bias is None else out + self.bias
 
     def read_shard(self, piece: Piece, leaf: str, shard: int | None) -> torch.Tensor:

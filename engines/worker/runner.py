@@ -14,6 +14,7 @@ from xinserve.engines.core.outputs import TokenLogprob
 from xinserve.engines.core.sampling_params import SamplingParams
 from xinserve.engines.core.scheduler import SampledTokens, ScheduledSeq
 from xinserve.engines.core.sequence import Sequence, needs_prompt_logits
+from xinserve.engines.lora.device_adapters import DeviceAdapters
 from xinserve.engines.model_loader import load_model, parse_dtype
 from xinserve.engines.models.tensor_parallel import Collectives
 from xinserve.engines.parallel.pipeline_parallel import PipelineStage
@@ -84,7 +85,11 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.max_decode_rows = max_decode_rows(config)  # the largest decode bucket
         self.scratch_block = 0  # the KV block past the pool where padded decode rows write
-        self.inputs = StepInputs(block_size, self.device)  # builds each step's StepBatch
+        # LoRA: every served projection's adapter slots and the step's per-row slots (engines/lora/)
+        self.lora = None if not config.enable_lora else DeviceAdapters(
+            self.model, config.max_loras, config.max_lora_rank,
+            max(config.max_num_batched_tokens, self.max_decode_rows), self.kernels.ops)
+        self.inputs = StepInputs(block_size, self.device, config.enable_lora)  # builds each step's StepBatch
 
     def _choose_kernels(self, config: EngineConfig, shapes: ModelShapes, dtype: torch.dtype) -> KernelOps:
         """Probe this device's kernel candidates for the model's shapes (kernels/registry.py)."""
@@ -92,7 +97,9 @@ class ModelRunner:
             raise ValueError(f"{self.device} cannot compute in {dtype}; supported: "
                              f"{', '.join(str(d).removeprefix('torch.') for d in self.platform.dtypes)}")
         self.kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)  # the KV pool's (kernels/kv_quant.py)
-        shapes = replace(shapes, block_size=self.block_size, kv_cache_dtype=self.kv_dtype)
+        shapes = replace(shapes, block_size=self.block_size, kv_cache_dtype=self.kv_dtype,
+                         max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
+                         max_loras=config.max_loras if config.enable_lora else 0)
         self.kernel_request = (shapes, dtype, config.kernels)  # the warm-up selects again once its builds are done
         self.kernels: KernelSelection = select(self.platform.kernel_preference, self.device, dtype, shapes, config.kernels, self.defer_builds)
         logger.info("kernels on %s (%s):\n%s", self.device, str(dtype).removeprefix("torch."), self.kernels.table())
@@ -165,6 +172,18 @@ class ModelRunner:
     def close(self) -> None:
         """Release what outlives the runner (a tensor-parallel runner's other ranks); here nothing."""
 
+    def load_lora(self, adapter_id: int, path: str) -> None:
+        """Read the adapter at ``path`` into its host copy (engines/lora/registry.py says when)."""
+        self.lora.load(adapter_id, path)
+
+    def drop_lora(self, adapter_id: int) -> None:
+        self.lora.drop(adapter_id)
+
+    def apply_lora(self, batch: StepBatch) -> None:
+        """Before a step's forward: its adapters in their device slots, its rows' slots in the layers' buffer."""
+        if self.lora is not None:
+            self.lora.apply(batch.lora_pairs, batch.lora_slots)
+
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
         self.prompt_logprobs.pop(seq.seq_id, None)
@@ -213,6 +232,7 @@ class ModelRunner:
         logprobs): the logits of its prompt positions too. Off the normal path, with a second copy
         to the host for those log-probs."""
         self.inputs.plan_gather(batch)
+        self.apply_lora(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)  # [T, hidden]
         for seq, start, first_row, count in batch.spans():
             if needs_prompt_logits(seq):
@@ -250,6 +270,7 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
         """The model forward plus the logits of the sampled tokens ([N, vocab] float32; None when no
         sequence reaches its end this step)."""
+        self.apply_lora(batch)
         if self.decode_graphs is not None and not batch.metadata.num_prefill_seqs and batch.sampled:
             logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.logits_indices,
                                             verifies=bool(batch.drafts))

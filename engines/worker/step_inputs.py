@@ -16,6 +16,7 @@ import torch
 
 from xinserve.engines.core.scheduler import ScheduledSeq
 from xinserve.engines.core.sequence import Sequence, needs_prompt_logits
+from xinserve.engines.lora.rows import lora_rows
 from xinserve.engines.platforms import is_host
 from xinserve.engines.speculative.verify import draft_logits_indices
 from xinserve.engines.worker.decode_rows import decode_rows
@@ -55,6 +56,10 @@ class StepBatch:
     num_new: list[int] = field(default_factory=list)  # [S] its row count
     # [N] each sampled sequence's draft tokens (its last 1 + k rows all have logits); empty without drafts
     drafts: list[list[int]] = field(default_factory=list)
+    # LoRA (engines/lora/rows.py): [T] int64 each row's adapter slot (-1: base model), None without LoRA;
+    # the (slot, adapter id) pairs the step's rows read
+    lora_slots: np.ndarray | None = None
+    lora_pairs: list[tuple[int, int]] = field(default_factory=list)
 
     def spans(self) -> Iterator[tuple[Sequence, int, int, int]]:
         """(sequence, its first position, its first row, its row count), in row order."""
@@ -113,9 +118,10 @@ class BlockTables:
 class StepInputs:
     """Builds each step's ``StepBatch`` on one device, with blocks of ``block_size`` tokens."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, with_lora: bool = False) -> None:
         self.block_size = block_size
         self.device = device
+        self.with_lora = with_lora  # each row's adapter slot is a step input
         self.block_tables = BlockTables()
 
     def prepare(self, scheduled: list[ScheduledSeq], with_gather: bool = True) -> StepBatch:
@@ -176,6 +182,7 @@ class StepInputs:
             logits_indices = draft_logits_indices(num_new, num_drafts, is_sampled)
         host = HostInputs(np.array(ids, dtype=np.int64), positions, slot_mapping, block_tables, seq_lens,
                           logits_indices)
+        lora_slots, lora_pairs = lora_rows(seqs, num_new) if self.with_lora else (None, [])
         return StepBatch(
             input_ids=to_device(host.input_ids, device),
             positions=to_device(host.positions, device),
@@ -187,6 +194,8 @@ class StepInputs:
             starts=starts,
             num_new=num_new,
             drafts=[s.draft_token_ids for s, yes in zip(ordered, is_sampled) if yes] if any(num_drafts) else [],
+            lora_slots=lora_slots,
+            lora_pairs=lora_pairs,
         )
 
     def plan_gather(self, batch: StepBatch) -> None:
