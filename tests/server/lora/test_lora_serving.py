@@ -22,6 +22,8 @@ PROMPTS = [[1, 5, 9, 13, 17], [1, 200, 31, 7], [1, 42, 42, 42, 42, 42, 3], [1, 9
 ADAPTERS = {"sql": (8, ALL_TARGETS, 1), "chat": (4, ["q_proj", "v_proj"], 2),
             "extra": (16, ["gate_proj", "up_proj", "down_proj"], 3), "big": (32, ["q_proj"], 4)}
 RUNTIME = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+# A server of its own (two workers) plus four adapters and PEFT's reference: past 20 s on 2 cores.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
