@@ -78,7 +78,10 @@ class Router:
         """The pools ``target`` may run on, in order: its model's chain, or an adapter's base alone."""
         if target.lora_name is None:
             return self.chain(target.base, may_use)
-        return [self.pools[target.base]]
+        pool = self.pools[target.base]
+        if target.lora_name not in pool.adapters:  # unloaded since the request resolved it
+            raise not_found(target.model)
+        return [pool]
 
     def route(
         self, name: str | Target, n: int = 1, may_use: Callable[[str], bool] | None = None

@@ -65,3 +65,12 @@ def test_a_retry_of_an_adapter_request_waits_for_a_worker_that_holds_it():
     a.ready = False
     assert asyncio.run(r.replacement(pool, 1, wait_s=0.2, lora_name="sql")) is None
     assert asyncio.run(r.replacement(pool, 1, wait_s=0.0)) is b
+
+
+def test_an_adapter_unloaded_after_its_request_resolved_is_404_not_503():
+    r, _, _ = served()
+    target = r.resolve("sql")
+    del r.pools["m"].adapters["sql"]  # the unload's first step, while the request tokenised its prompt
+    with pytest.raises(APIError) as info:
+        r.route(target)
+    assert (info.value.status, info.value.code) == (404, "model_not_found")
