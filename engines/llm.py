@@ -5,8 +5,8 @@ Structured output, logit bias and prompt log-probs are ``SamplingParams`` fields
 """
 
 import weakref
-from dataclasses import replace
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import Self
 
 from xinserve.engines.config import EngineConfig

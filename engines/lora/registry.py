@@ -9,8 +9,8 @@ and slot are freed when its last sequence finishes.
 import hashlib
 import itertools
 import os
-from collections.abc import Iterable
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 

@@ -7,7 +7,10 @@ The wire is a flat int64 host tensor (engines/parallel/distributed.py's ``broadc
 - STEP, before every forward: a ``StepHeader``, then input_ids [T], positions [T], slot_mapping [T],
   block_tables [S * B], seq_lens [S], prefill_query_start_loc [P + 1], prefill_prompt_lens [P],
   logits_indices [N] (when present) and R (row, count) pairs: the rows of the prompts whose log-probs
-  rank 0 computes this step, in the order it computes them. A follower rebuilds the same ``StepBatch``.
+  rank 0 computes this step, in the order it computes them, and with LoRA each row's adapter slot [T] and
+  L (slot, adapter id) pairs. A follower rebuilds the same ``StepBatch``.
+- LORA_LOAD ``[adapter_id, path as UTF-8 bytes...]``: read an adapter's host copy; LORA_DROP ``[adapter_id]``:
+  let it go (engines/lora/registry.py decides both on rank 0).
 - ALLOCATE ``[num_blocks]``: allocate the KV pool. PROFILE ``[fraction * 1e9]``: measure how many KV
   blocks fit in that fraction of the free memory. STOP ``[]``: leave the group.
 - MTP_CHAIN, before a step of speculative method ``mtp``: the sequences whose drafts 2..k the MTP layer
@@ -38,6 +41,8 @@ class Kind(IntEnum):
     STOP = 4
     MTP_CHAIN = 5
     MTP_CATCH_UP = 6
+    LORA_LOAD = 7
+    LORA_DROP = 8
 
 
 @dataclass(slots=True)
@@ -81,7 +86,18 @@ class CatchUp:
     released: np.ndarray  # [R] the sequences rank 0 let go of since its last message (drop their seeds)
 
 
-RankMessage = Step | Allocate | Profile | Stop | Chain | CatchUp
+@dataclass(slots=True)
+class LoraLoad:
+    adapter_id: int
+    path: str
+
+
+@dataclass(slots=True)
+class LoraDrop:
+    adapter_id: int
+
+
+RankMessage = Step | Allocate | Profile | Stop | Chain | CatchUp | LoraLoad | LoraDrop
 
 
 class StepHeader(NamedTuple):
@@ -94,6 +110,8 @@ class StepHeader(NamedTuple):
     has_logits_indices: int  # 0 or 1
     prompt_mode: int  # 1: the step computes prompt log-probs (prompt_rows is not None)
     num_prompt_rows: int  # R
+    has_lora: int  # 0 or 1: each row's adapter slot follows
+    num_lora_pairs: int  # L
 
 
 def pack(message: RankMessage) -> torch.Tensor:
@@ -113,6 +131,10 @@ def pack(message: RankMessage) -> torch.Tensor:
         case CatchUp(next_ids, last_rows, seq_ids, released):
             kind, parts = Kind.MTP_CATCH_UP, [np.array([len(next_ids), len(last_rows), len(released)]), next_ids,
                                               last_rows, seq_ids, released]
+        case LoraLoad(adapter_id, path):
+            kind, parts = Kind.LORA_LOAD, [np.array([adapter_id]), np.frombuffer(path.encode(), dtype=np.uint8)]
+        case LoraDrop(adapter_id):
+            kind, parts = Kind.LORA_DROP, [np.array([adapter_id])]
         case _:
             raise TypeError(f"not a rank message: {message!r}")
     return torch.from_numpy(np.concatenate([np.array([kind]), *parts]).astype(np.int64, copy=False))
@@ -134,6 +156,10 @@ def unpack(message: torch.Tensor, device: torch.device, block_size: int) -> Rank
         return _unpack_chain(body.numpy())
     if kind == Kind.MTP_CATCH_UP:
         return _unpack_catch_up(body.numpy())
+    if kind == Kind.LORA_LOAD:
+        return LoraLoad(int(body[0]), body[1:].numpy().astype(np.uint8).tobytes().decode())
+    if kind == Kind.LORA_DROP:
+        return LoraDrop(int(body[0]))
     raise ValueError(f"unknown rank message kind {kind}")
 
 
@@ -147,7 +173,7 @@ def _step_parts(step: Step) -> list[np.ndarray]:
         num_prefill_seqs=m.num_prefill_seqs,
         num_sampled=len(batch.sampled) if host.logits_indices is None else len(host.logits_indices),
         has_logits_indices=int(host.logits_indices is not None), prompt_mode=int(prompt_rows is not None),
-        num_prompt_rows=len(rows),
+        num_prompt_rows=len(rows), has_lora=int(batch.lora_slots is not None), num_lora_pairs=len(batch.lora_pairs),
     )
     parts = [np.array(header), host.input_ids, host.positions, host.slot_mapping, host.block_tables.reshape(-1),
              host.seq_lens, np.array(m.prefill_query_start_loc, dtype=np.int64),
@@ -155,6 +181,8 @@ def _step_parts(step: Step) -> list[np.ndarray]:
     if host.logits_indices is not None:
         parts.append(host.logits_indices)
     parts.append(np.array(rows, dtype=np.int64).reshape(-1))
+    if batch.lora_slots is not None:
+        parts += [batch.lora_slots, np.array(batch.lora_pairs, dtype=np.int64).reshape(-1)]
     return parts
 
 
@@ -162,8 +190,9 @@ def _unpack_step(body: torch.Tensor, device: torch.device, block_size: int) -> S
     h = StepHeader(*body[: len(StepHeader._fields)].tolist())
     t, s, d, p = h.num_tokens, h.num_seqs, h.num_decode_seqs, h.num_prefill_seqs
     sizes = [t, t, t, s * h.table_width, s, p + 1, p, h.num_sampled if h.has_logits_indices else 0,
-             2 * h.num_prompt_rows]
-    ids, pos, slots, tables, lens, qsl, prompt_lens, indices, rows = body[len(StepHeader._fields) :].split(sizes)
+             2 * h.num_prompt_rows, t if h.has_lora else 0, 2 * h.num_lora_pairs]
+    ids, pos, slots, tables, lens, qsl, prompt_lens, indices, rows, lora_slots, lora_pairs = body[
+        len(StepHeader._fields) :].split(sizes)
     tables_np = tables.reshape(s, h.table_width).numpy().astype(np.int32)
     lens_np = lens.numpy().astype(np.int32)
     metadata = AttentionMetadata(
@@ -177,7 +206,8 @@ def _unpack_step(body: torch.Tensor, device: torch.device, block_size: int) -> S
         prefill_prompt_lens=prompt_lens.tolist(),
     )
     batch = StepBatch(ids.to(device), pos.to(device), metadata, indices.to(device) if h.has_logits_indices else None,
-                      sampled=[None] * h.num_sampled)
+                      sampled=[None] * h.num_sampled, lora_slots=lora_slots.numpy() if h.has_lora else None,
+                      lora_pairs=[(slot, adapter) for slot, adapter in lora_pairs.reshape(-1, 2).tolist()])
     pairs = [(row, count) for row, count in rows.reshape(-1, 2).tolist()]
     return Step(batch, pairs if h.prompt_mode else None)
 

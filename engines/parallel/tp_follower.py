@@ -21,7 +21,17 @@ import torch
 from xinserve.engines.config import EngineConfig
 from xinserve.engines.parallel.distributed import GroupFailure, ParallelGroup, open_store
 from xinserve.engines.parallel.pipeline_parallel import stage_collectives
-from xinserve.engines.parallel.rank_messages import Allocate, CatchUp, Chain, Profile, Step, Stop, unpack
+from xinserve.engines.parallel.rank_messages import (
+    Allocate,
+    CatchUp,
+    Chain,
+    LoraDrop,
+    LoraLoad,
+    Profile,
+    Step,
+    Stop,
+    unpack,
+)
 from xinserve.engines.parallel.tp_runner import parallel_config
 from xinserve.engines.platforms import get_platform
 from xinserve.engines.speculative.mtp_runner import MTPModelRunner
@@ -72,6 +82,10 @@ def follow(runner: ModelRunner, group: ParallelGroup) -> None:
                 runner.allocate_kv_cache(num_blocks)
             case Profile(fraction):
                 group.min_over_ranks(runner.blocks_that_fit(fraction))
+            case LoraLoad(adapter_id, path):
+                runner.load_lora(adapter_id, path)
+            case LoraDrop(adapter_id):
+                runner.drop_lora(adapter_id)
             case Stop():
                 return
             case Chain() | CatchUp() if isinstance(runner, MTPModelRunner):
@@ -84,6 +98,7 @@ def _prompt_logprobs_step(runner: ModelRunner, batch: StepBatch, prompt_rows: li
     """The collectives of ``ModelRunner._with_prompt_logprobs``: the forward, one logits gather per
     prompt row range, then the sampled rows' logits."""
     model = runner.model
+    runner.apply_lora(batch)
     hidden = model(batch.input_ids, batch.positions, runner.kv_cache, batch.metadata)  # [T, hidden]
     for row, count in prompt_rows:
         model.compute_logits(hidden[row : row + count])

@@ -27,6 +27,8 @@ from xinserve.engines.parallel.rank_messages import (
     Allocate,
     CatchUp,
     Chain,
+    LoraDrop,
+    LoraLoad,
     Profile,
     RankMessage,
     Step,
@@ -148,6 +150,15 @@ class TensorParallelRunner(ModelRunner):
 
     def broadcast(self, batch: StepBatch) -> None:
         self._send(Step(batch, prompt_logit_rows(batch) if batch.needs_prompt_logits else None))
+
+    def load_lora(self, adapter_id: int, path: str) -> None:
+        """Rank 0 reads (and checks) it first; then every other rank reads its own shard's copy."""
+        super().load_lora(adapter_id, path)
+        self._send(LoraLoad(adapter_id, path))
+
+    def drop_lora(self, adapter_id: int) -> None:
+        super().drop_lora(adapter_id)
+        self._send(LoraDrop(adapter_id))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._send(Allocate(num_blocks))

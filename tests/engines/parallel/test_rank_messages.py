@@ -13,6 +13,8 @@ from xinserve.engines.parallel.rank_messages import (
     CatchUp,
     Chain,
     Kind,
+    LoraDrop,
+    LoraLoad,
     Profile,
     RankMessage,
     Step,
@@ -57,7 +59,8 @@ def round_trip(message: RankMessage) -> RankMessage:
 
 def test_the_kinds_are_unique_and_each_message_names_its_own():
     assert len({int(kind) for kind in Kind}) == len(Kind)
-    messages = [Step(step_batch(False), None), Allocate(3), Profile(0.5), Stop(), chain(), catch_up()]
+    messages = [Step(step_batch(False), None), Allocate(3), Profile(0.5), Stop(), chain(), catch_up(), LoraLoad(1, "/a"),
+                LoraDrop(1)]
     assert sorted(int(pack(m)[0]) for m in messages) == sorted(int(kind) for kind in Kind)
 
 
