@@ -34,8 +34,15 @@ from xinserve.server.http.body_limit import BodyLimitMiddleware
 from xinserve.server.http.docs import add_docs
 from xinserve.server.http.drain import Drain, DrainMiddleware
 from xinserve.server.http.key_usage import KeyUsageMiddleware
-from xinserve.server.http.metrics import EngineStatsCollector, KeyMetrics, LimitedKeyView, RequestMetrics
+from xinserve.server.http.metrics import (
+    EngineStatsCollector,
+    KeyMetrics,
+    LimitedKeyView,
+    LoraMetrics,
+    RequestMetrics,
+)
 from xinserve.server.http.request_log import RequestLogMiddleware
+from xinserve.server.lora import routes as lora_routes
 from xinserve.server.pool.model_pool import ModelPool, cpu_thread_share, default_cpu_threads, local_cpu_ranks
 from xinserve.server.pool.router import Router
 from xinserve.server.pool.startup import stop_if_nothing_loads
@@ -97,6 +104,7 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.include_router(tokenize.router, dependencies=guarded)
     app.include_router(responses_api.router, dependencies=guarded)
     app.include_router(sglang_worker.router, dependencies=guarded)
+    lora_routes.install(app, guarded)  # only when runtime LoRA updates are allowed
     app.include_router(health.router, dependencies=[] if "/health" in exempt else guarded)
     add_docs(app, lambda path: [] if path in exempt else guarded)
     if config.monitoring.metrics:
@@ -116,7 +124,7 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes)
     # Inside the request log too (a refusal is logged), outside the rest (a refused body is not read).
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
-    app.add_middleware(KeyUsageMiddleware, metrics=KeyMetrics(registry, prefix))
+    app.add_middleware(KeyUsageMiddleware, metrics=KeyMetrics(registry, prefix), loras=LoraMetrics(registry, prefix))
     app.add_middleware(RequestLogMiddleware)
     # Outside the request log (which sees the exception, and logs the request as a 500), inside the
     # Anthropic shape (which reshapes that 500).

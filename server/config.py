@@ -14,6 +14,7 @@ from pydantic_core import ValidationError
 
 from xinserve.engines.platforms import ranks_share_the_device
 from xinserve.server.cli.bad_input import BadInput, read_text
+from xinserve.server.lora.modules import check_adapters
 from xinserve.server.model_settings import ModelSettings
 
 
@@ -218,6 +219,7 @@ class AppConfig(_Section):
                     raise ValueError(f"models.{i}.fallback: a model cannot fall back to itself")
                 if target not in names:
                     raise ValueError(f"models.{i}.fallback: unknown model {target!r}")
+        check_adapters(self.models)
         for key in self.server.named_keys():
             unknown = sorted(set(key.models) - set(names))
             if unknown:

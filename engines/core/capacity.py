@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from xinserve.engines.lora.memory import lora_slot_bytes
 from xinserve.engines.model_loader import _checkpoint_names, _config_dtype
 from xinserve.engines.models import MODEL_REGISTRY
 from xinserve.engines.models.config_check import read_model_config
@@ -95,14 +96,15 @@ class Plan:
     block_size: int = 128
     kv_blocks_per_device: int = 0  # the pool of the stage with the fewest blocks
     kv_bytes_per_token_per_replica: int = 0  # every rank's KV, as a transfer between instances moves it
+    lora_bytes_per_device: int = 0  # max_loras LoRA adapter slots (engines/lora/memory.py), the largest stage's
 
     def sequences_of(self, tokens: int) -> int:
         """Sequences of ``tokens`` tokens the pools hold at once, over every replica."""
         return self.kv_blocks_per_device // math.ceil(tokens / self.block_size) * self.replicas
 
     def as_json(self) -> dict[str, Any]:
-        keys = ("parameters", "weight_bytes_per_device", "kv_bytes_per_token_per_device", "max_sequences",
-                "fits", "reason")
+        keys = ("parameters", "weight_bytes_per_device", "lora_bytes_per_device", "kv_bytes_per_token_per_device",
+                "max_sequences", "fits", "reason")
         return {key: getattr(self, key) for key in keys}
 
 
@@ -222,10 +224,11 @@ def layout_problems(config: Any, model_cls: type[nn.Module], path: str, name: st
 def plan(path: str, *, devices: int | None = None, device_memory_gib: float = 64.0, layout: Layout = Layout(),
          quantization: str = "none", kv_cache_dtype: str = "auto", max_model_len: int | None = None,
          dtype: torch.dtype | None = None, block_size: int = 128, kv_cache_memory_fraction: float = 0.7,
-         mtp: bool = False) -> Plan:
+         mtp: bool = False, max_loras: int = 0, max_lora_rank: int = 16) -> Plan:
     """Plan ``path`` (a directory with config.json; weights are not read) on ``devices`` cards of
     ``device_memory_gib`` GiB each (default: one replica's tp * pp). ``mtp``: with the checkpoint's MTP
-    layer loaded (speculative method ``mtp``)."""
+    layer loaded (speculative method ``mtp``); ``max_loras``: LoRA adapter slots of ``max_lora_rank``
+    held beside the weights (enable_lora)."""
     if quantization not in QUANTIZATION_SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_SCHEMES)}, got {quantization!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -256,7 +259,11 @@ def plan(path: str, *, devices: int | None = None, device_memory_gib: float = 64
     layers = config.num_hidden_layers
     stage_layers = [(s + 1) * layers // layout.pp - s * layers // layout.pp for s in range(layout.pp)]
     kv_stages = [math.ceil(kv_token * n / layers) for n in stage_layers]
+    slots = max_loras * lora_slot_bytes(config, max_lora_rank, dtype, layout.tp) if max_loras else 0
+    lora = [math.ceil(slots * n / layers) for n in stage_layers]
     result.weight_bytes_per_device, result.kv_bytes_per_token_per_device = max(weights), max(kv_stages)
+    result.lora_bytes_per_device = max(lora)
+    weights = [w + slot for w, slot in zip(weights, lora, strict=True)]  # what the KV pool is sized after
     result.kv_bytes_per_token_per_replica = layout.tp * sum(kv_stages)
     result.kv_blocks_per_device = min(
         max(0, pool_blocks(result.device_memory_bytes - w, kv_cache_memory_fraction, kv * block_size))
@@ -265,7 +272,8 @@ def plan(path: str, *, devices: int | None = None, device_memory_gib: float = 64
     result.max_sequences = seqs * result.replicas
     heaviest = weights.index(max(weights))
     if max(weights) > result.device_memory_bytes:
-        result.reason = (f"model {name}: the weights need {max(weights) / GIB:.1f} GiB per device"
+        result.reason = (f"model {name}: the weights{' and LoRA slots' if slots else ''} need "
+                         f"{max(weights) / GIB:.1f} GiB per device"
                          f"{f' (stage {heaviest})' if layout.pp > 1 else ''}, more than {device_memory_gib:g} GiB")
     elif seqs < 1:
         left = result.device_memory_bytes - max(weights)

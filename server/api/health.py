@@ -3,7 +3,8 @@
 ``/health`` is 200 "ok" when every worker is ready; 200 "degraded" when some are not but every model
 can still answer, itself or through its fallback chain; 503 "unavailable" when some model cannot
 (also while models load); 503 "draining" during shutdown. It carries each model's state and each
-worker's state, load, restarts and last error. ``/health/live`` is 200 whenever the HTTP process
+worker's state, load, restarts and last error; the LoRA adapters of each model that serves them
+(``lora_adapters``, and each worker's own). ``/health/live`` is 200 whenever the HTTP process
 answers at all: a dead worker is restarted by the server itself, so an orchestrator should restart
 the server only when this fails.
 
@@ -53,6 +54,9 @@ async def health(request: Request) -> JSONResponse:
     else:
         status = "degraded"
     body = {"status": status, "models": models, "workers": [w.describe() for pool in pools for w in pool.workers]}
+    adapters = {pool.name: sorted(pool.adapters) for pool in pools if pool.settings.enable_lora}
+    if adapters:
+        body["lora_adapters"] = adapters
     problems = [pool.error for pool in pools if pool.error]
     if problems:
         body["errors"] = problems

@@ -27,6 +27,7 @@ from xinserve.server.config import (
     parse_config,
     read_config_data,
 )
+from xinserve.server.lora.modules import LoraModule, for_model
 from xinserve.server.model_settings import ModelSettings
 
 # Model settings that are also flags (those with help text): given next to a config, each applies to
@@ -67,6 +68,7 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     for model in data.get("models") or []:
         if isinstance(model, dict):  # anything else is reported by the validation below
             apply_flags(args, ModelSettings, model)
+    _apply_lora_modules(getattr(args, "lora_modules", None) or [], data.get("models") or [])
     for name, settings in SECTION_FLAGS.items():
         if isinstance(data.get(name) or {}, dict):
             data[name] = data.get(name) or {}
@@ -78,6 +80,20 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         # read by every worker's engine: refuse it here, not after each worker has loaded its model
         raise ConfigError(f"{COMPILE_ENV_VAR} must be one of {', '.join(COMPILE_MODES)}, got {compile_mode!r}")
     return parse_config(data, str(args.config or "(flags)"))
+
+
+def _apply_lora_modules(modules: list[LoraModule], models: list[Any]) -> None:
+    """``--lora-modules``' adapters added to each model's ``lora_modules`` (those of its base_model_name
+    only to that model)."""
+    entries = [m for m in models if isinstance(m, dict)]
+    served = [str(m.get("name")) for m in entries]
+    for model in entries:
+        try:
+            adapters = for_model(modules, str(model.get("name")), served)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if adapters:
+            model["lora_modules"] = {**(model.get("lora_modules") or {}), **adapters}
 
 
 def serve(args: argparse.Namespace) -> int:

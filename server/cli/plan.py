@@ -1,5 +1,6 @@
 """``xinserve plan``: will a model fit a set of cards, and how many sequences at full length?
 
+With ``--max-loras`` it counts that many LoRA adapter slots beside the weights (engines/lora/memory.py).
 With ``--prompt-len`` (and ``--output-len``) it also sizes prefill/decode disaggregation
 (docs/disaggregation.md) with the layout given, one side at a time: the KV bytes a decode instance reads
 per request (the prompt's, every rank's), how many prompts a prefill instance holds at once (computing, or
@@ -39,6 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="share of the memory left after the weights given to KV blocks (the accelerators' default)")
     p.add_argument("--mtp", action="store_true",
                    help="count the checkpoint's MTP layer too (speculative method mtp: its weights and KV layer)")
+    p.add_argument("--max-loras", type=int, default=0, metavar="N",
+                   help="LoRA adapter slots on each device (serve's --enable-lora --max-loras); 0: no LoRA")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the slots' rank (serve's --max-lora-rank)")
     p.add_argument("--prompt-len", type=int, metavar="TOKENS",
                    help="size prefill/decode disaggregation for prompts of this length (docs/disaggregation.md)")
     p.add_argument("--output-len", type=int, default=0, metavar="TOKENS",
@@ -50,9 +54,12 @@ def run(args: argparse.Namespace) -> int:
     pp = args.pipeline_parallel_size
     tp = args.tensor_parallel_size or max(1, (args.devices or pp) // pp)
     for flag, value in (("--devices", args.devices), ("--tensor-parallel-size", tp), ("--pipeline-parallel-size", pp),
-                        ("--max-model-len", args.max_model_len), ("--block-size", args.block_size)):
+                        ("--max-model-len", args.max_model_len), ("--block-size", args.block_size),
+                        ("--max-lora-rank", args.max_lora_rank)):
         if value is not None and value < 1:
             raise BadInput(f"{flag} must be at least 1, got {value}")
+    if args.max_loras < 0:
+        raise BadInput(f"--max-loras must be at least 0, got {args.max_loras}")
     if args.prompt_len is not None and args.prompt_len < 1 or args.output_len < 0:
         raise BadInput("--prompt-len must be at least 1 and --output-len at least 0")
     if args.prompt_len is None and args.output_len:
@@ -64,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
                       layout=Layout(tp, pp, args.enable_expert_parallel), quantization=args.quantization,
                       kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                       dtype=parse_dtype(args.dtype), block_size=args.block_size,
-                      kv_cache_memory_fraction=args.kv_cache_memory_fraction, mtp=args.mtp)
+                      kv_cache_memory_fraction=args.kv_cache_memory_fraction, mtp=args.mtp,
+                      max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     except (OSError, ValueError) as exc:  # an unreadable model directory or config.json (read_config)
         raise BadInput(str(exc)) from None
     sides = disaggregation(result, args.prompt_len, args.output_len) if args.prompt_len else None
@@ -103,7 +111,7 @@ def disaggregation_table(sides: dict[str, int]) -> str:
 
 def table(result: Plan) -> str:
     """The plan as aligned ``name  value`` lines."""
-    layout = result.layout
+    layout, lora = result.layout, result.lora_bytes_per_device
     experts = "whole experts per rank" if layout.ep else "a slice of every expert per rank"
     rows = [
         ("model", result.model),
@@ -112,6 +120,7 @@ def table(result: Plan) -> str:
         ("device memory", f"{result.device_memory_bytes / GIB:g} GiB"),
         ("quantization", f"{result.quantization}, KV cache {result.kv_cache_dtype}"),
         ("weights per device", f"{result.weight_bytes_per_device / GIB:.2f} GiB ({result.weight_bytes_per_device:,} B)"),
+        *([("LoRA slots per device", f"{lora / (1 << 20):,.1f} MiB ({lora:,} B)")] if lora else []),
         ("KV per token per device", f"{result.kv_bytes_per_token_per_device:,} B"),
         ("max model len", f"{result.max_model_len:,}"),
         ("max sequences", f"{result.max_sequences:,}"),

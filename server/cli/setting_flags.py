@@ -3,7 +3,8 @@
 A field with a description is a flag: its help is the description, its type and choices the field's,
 and its name the field's with dashes (``max_num_seqs`` -> ``--max-num-seqs``) unless the field names
 another in ``json_schema_extra={"flag": ...}`` (``request_timeout_s`` -> ``--request-timeout``). Not
-given, a flag is None and leaves the config as it is.
+given, a flag is None and leaves the config as it is. A field in ``ACTIONS`` takes its own argparse
+action, and its caller applies its values (``--lora-modules``: which model gets which adapter).
 """
 
 import argparse
@@ -12,6 +13,11 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
+
+from xinserve.server.lora.modules import LoraModulesAction
+
+# Fields whose flag is more than a typed value: field -> its argparse action; ``apply_flags`` leaves them.
+ACTIONS: dict[str, type[argparse.Action]] = {"lora_modules": LoraModulesAction}
 
 
 def flag_fields(settings: type[BaseModel]) -> dict[str, str]:
@@ -31,7 +37,9 @@ def add_flags(p: argparse.ArgumentParser, settings: type[BaseModel]) -> None:
         info = settings.model_fields[name]
         kind = _without_none(info.annotation)
         flag, options = "--" + dest.replace("_", "-"), {"help": info.description}
-        if kind is bool:
+        if name in ACTIONS:
+            p.add_argument(flag, action=ACTIONS[name], **options)
+        elif kind is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, **options)
         elif get_origin(kind) is list:  # appended to the config's list (api_keys)
             p.add_argument(flag, action="append", **options)
@@ -50,6 +58,8 @@ def apply_flags(args: argparse.Namespace, settings: type[BaseModel], section: di
     replaces the section's, a list flag's values are appended to the section's list."""
     for dest, name in flag_fields(settings).items():
         value = getattr(args, dest)
+        if name in ACTIONS:
+            continue
         if isinstance(value, list):
             section[name] = [*(section.get(name) or []), *value]
         elif value is not None:

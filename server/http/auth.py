@@ -2,8 +2,9 @@
 against every configured key.
 
 The matching key's entry is left in ``request.state.api_key``: its name for the request log and the
-per-key metrics, its ``models`` for ``check_model_access``. To a key limited to some models the
-others do not exist: the same 404 as an unknown model, and absent from ``/v1/models``.
+per-key metrics, its ``models`` for ``may_use``. To a key limited to some models the others do not
+exist: the same 404 as an unknown model (``Router.resolve``), and absent from ``/v1/models``; a LoRA
+adapter is usable with its base model.
 """
 
 import hmac
@@ -60,9 +61,3 @@ def limited_key(request: Request) -> ApiKey | None:
     """The request's key when it is limited to some models; None for no key or an unlimited one."""
     key: ApiKey | None = getattr(request.state, "api_key", None)
     return key if key is not None and key.models else None
-
-
-def check_model_access(request: Request, model: str) -> None:
-    """The router's 404 for an unknown model when the request's key may not use ``model``."""
-    if not may_use(request, model):
-        raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")

@@ -5,7 +5,8 @@ Engine gauges and counters are read at scrape time from each worker's last repor
 custom collector), so a slow or dead worker never blocks /metrics. Latency histograms and
 ``request_success_total`` are observed here, in the HTTP process, as requests finish. HTTP
 metrics come from prometheus-fastapi-instrumentator, in the same per-app registry. Per-API-key
-counters are named ``api_key_*`` and labelled ``key_name``.
+counters are named ``api_key_*`` and labelled ``key_name``; per-LoRA-adapter counters ``lora_*``, labelled
+``lora_name`` (and ``model_name``: the adapter's base model).
 
 ``LimitedKeyView`` is what a scrape with a key limited to some models sees (when ``/metrics`` needs a
 key): the series of the other models, and the other keys' counters, are left out.
@@ -60,7 +61,8 @@ LEGACY_COUNTERS = (
     ("gpu_prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up, as vLLM 0.6."),
     ("gpu_prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the cache, as vLLM 0.6."),
 )
-# vLLM's LoRA info gauge: its labels name the adapters in use; xinserve serves none (max_lora 0).
+# vLLM's LoRA info gauge: its labels name the adapters of the running and the waiting requests
+# (comma-separated) and the device's adapter slots; its value is when the stats were read.
 LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 SPEC_DECODE_COUNTERS = (
     ("spec_decode_num_drafts", "num_drafts", "Sequence-steps that verified draft tokens."),
@@ -119,12 +121,20 @@ class EngineStatsCollector:
         for w in workers:
             restarts.add_metric([w.model_name, w.label], float(w.restarts))
         yield restarts
-        # Its value is when it was last updated (as vLLM's); the adapter labels are empty.
+        yield self._lora_info(workers, prefix)
+
+    @staticmethod
+    def _lora_info(workers: list[Any], prefix: str) -> Metric:
+        """vLLM's ``lora_requests_info``: per worker, its adapter slots and the adapters in use (a worker
+        that is not serving: none)."""
         lora = GaugeMetricFamily(prefix + "lora_requests_info", "Running stats on LoRA requests.",
                                  labels=[*LABELS, *LORA_LABELS])
         for w in workers:
-            lora.add_metric([w.model_name, w.label, "0", "", ""], time.time())
-        yield lora
+            stats = w.stats if w.ready else None
+            lora.add_metric([w.model_name, w.label, str(stats.max_lora if stats else 0),
+                             ",".join(stats.running_lora_adapters) if stats else "",
+                             ",".join(stats.waiting_lora_adapters) if stats else ""], time.time())
+        return lora
 
 
     @staticmethod
@@ -203,22 +213,37 @@ def observe_many(histogram: Histogram, values: list[float]) -> None:
             bucket.inc(count)
 
 
-class KeyMetrics:
-    """Generation requests and their tokens per API key, labelled by the key's name (never the key)."""
+class UsageMetrics:
+    """Generation requests and their tokens per ``label`` and model: ``{stem}_requests``,
+    ``{stem}_prompt_tokens``, ``{stem}_generation_tokens``; ``whose`` names the label's subject in the help."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, stem: str, label: str, whose: str) -> None:
+        labels = (label, "model_name")
+        self.requests = Counter(f"{prefix}:{stem}_requests", f"Generation requests made with {whose}.", labels,
+                                registry=registry)
+        self.prompt_tokens = Counter(f"{prefix}:{stem}_prompt_tokens", f"Prompt tokens of {whose}'s requests.",
+                                     labels, registry=registry)
+        self.generation_tokens = Counter(f"{prefix}:{stem}_generation_tokens",
+                                         f"Tokens generated for {whose}'s requests.", labels, registry=registry)
+
+    def observe(self, name: str, model: str, prompt_tokens: int, generation_tokens: int) -> None:
+        self.requests.labels(name, model).inc()
+        self.prompt_tokens.labels(name, model).inc(prompt_tokens)
+        self.generation_tokens.labels(name, model).inc(generation_tokens)
+
+
+class KeyMetrics(UsageMetrics):
+    """Per API key, labelled by the key's name (never the key): ``api_key_*``."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str = DEFAULT_PREFIX) -> None:
-        labels = ("key_name", "model_name")
-        self.requests = Counter(f"{prefix}:api_key_requests", "Generation requests made with the key.", labels,
-                                registry=registry)
-        self.prompt_tokens = Counter(f"{prefix}:api_key_prompt_tokens", "Prompt tokens of the key's requests.",
-                                     labels, registry=registry)
-        self.generation_tokens = Counter(f"{prefix}:api_key_generation_tokens",
-                                         "Tokens generated for the key's requests.", labels, registry=registry)
+        super().__init__(registry, prefix, "api_key", "key_name", "the key")
 
-    def observe(self, key_name: str, model: str, prompt_tokens: int, generation_tokens: int) -> None:
-        self.requests.labels(key_name, model).inc()
-        self.prompt_tokens.labels(key_name, model).inc(prompt_tokens)
-        self.generation_tokens.labels(key_name, model).inc(generation_tokens)
+
+class LoraMetrics(UsageMetrics):
+    """Per LoRA adapter, labelled by its name and its base model: ``lora_*``."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str = DEFAULT_PREFIX) -> None:
+        super().__init__(registry, prefix, "lora", "lora_name", "the LoRA adapter")
 
 
 class LimitedKeyView:

@@ -1,6 +1,7 @@
 """One served model: its tokenizer (loaded in the HTTP process) and its worker processes."""
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -122,6 +123,8 @@ class ModelPool:
         groups = settings.groups
         self.groups = {}
         self.workers = []
+        # LoRA adapters requests may name, name -> PEFT directory: lora_modules, then runtime loads.
+        self.adapters: dict[str, str] = dict(settings.lora_modules or {})
         # Local directories of the weights and the tokenizer, once start() has resolved them.
         self.model_path: str | None = None
         self.tokenizer_path: str | None = None
@@ -169,7 +172,7 @@ class ModelPool:
         slug = f"{self.name}-{worker.label}".replace("/", "_").replace(":", "_").replace("#", "_").replace("+", "_")
         threads = (self.settings.cpu_threads or self.cpu_threads) if splits_host_threads(worker.device) else None
         engine_kwargs = {**self.settings.engine_kwargs(), "tokenizer": tokenizer_path,
-                         "data_parallel_rank": self.workers.index(worker)}
+                         "data_parallel_rank": self.workers.index(worker), "lora_modules": dict(self.adapters) or None}
         group = self.groups[worker.label]
         if threads and len(group) == 1 and not self.settings.cpu_threads and self.settings.max_cpu_threads is None:
             engine_kwargs["max_cpu_threads"] = self.max_cpu_threads
@@ -207,6 +210,18 @@ class ModelPool:
             if worker.state != FAILED:
                 worker.state = FAILED
                 worker.last_error = message
+
+    def set_adapter(self, name: str, path: str | None) -> None:
+        """Add (or with ``path`` None remove) an adapter requests may name; a worker started from now
+        on (a restart) loads the new set at start."""
+        if path is None:
+            self.adapters.pop(name, None)
+        else:
+            self.adapters[name] = path
+        for worker in self.workers:
+            if worker.spec is not None:
+                kwargs = {**worker.spec.engine_kwargs, "lora_modules": dict(self.adapters) or None}
+                worker.spec = dataclasses.replace(worker.spec, engine_kwargs=kwargs)
 
     def ready_workers(self) -> list[WorkerClient]:
         if self.tokenizer is None or self.error is not None:

@@ -26,7 +26,8 @@ from xinserve.engines.core.sampling_params import SamplingParams
 from xinserve.server.pool import heartbeat
 from xinserve.server.pool.fanout import Fanout, RequestStream
 from xinserve.server.pool.restart_policy import RestartBackoff
-from xinserve.server.pool.worker_health import describe_stats
+from xinserve.server.pool.worker_health import describe_ranks, describe_stats
+from xinserve.server.pool.worker_loras import WorkerLoras
 from xinserve.server.worker import messages
 from xinserve.server.worker.engine_worker import WorkerSpec, run_worker
 from xinserve.server.worker.messages import RequestError, Shutdown, ToWorker
@@ -80,6 +81,7 @@ class WorkerClient:
         self._supervisor: asyncio.Task | None = None  # the exit report and the restart after it
         self._refusal: str | None = None  # set when the server ends its requests: new ones fail
         self.requests = Fanout(self._post)  # the requests in flight here and their streams
+        self.loras = WorkerLoras(self._post, label)  # its LoRA adapters, load / unload calls in flight
         self._send: zmq.Socket | None = None
         self._recv: zmq.Socket | None = None
         self._proc: mp.process.BaseProcess | None = None
@@ -215,11 +217,14 @@ class WorkerClient:
             self.info = {**self.info, **message.info}
         elif isinstance(message, messages.Failed):
             self.requests.fail_handle(message.request_id, message.error)
+        elif isinstance(message, messages.LoraDone):
+            self.loras.done(message)
         elif isinstance(message, messages.Ready):
             if self.state != STARTING:  # e.g. its model failed (tokenizer) while it was loading
                 logger.info("worker %s/%s ready while %s; ignored", self.model_name, self.label, self.state)
                 return
             self.info = message.info
+            self.loras.started(message.info.get("lora_adapters") or [])
             self.state = READY
             self._watch_ranks()
             self._ready_since = time.monotonic()
@@ -316,6 +321,7 @@ class WorkerClient:
             self.last_error = "worker process exited"
         self.requests.fail_all(RequestError(f"worker {self.label} of {self.model_name} died", unavailable=True,
                                             retryable=True))
+        self.loras.fail_pending(f"worker {self.label} of {self.model_name} died")
         self._supervisor = asyncio.ensure_future(self._after_exit(proc, restart, healthy_for))
 
     async def _after_exit(self, proc: mp.process.BaseProcess, restart: bool, healthy_for: float) -> None:
@@ -349,22 +355,11 @@ class WorkerClient:
             **describe_stats(self.stats),
             # The kernel registry's choice on this worker's device: op -> chosen, rejected with reasons.
             "kernels": self.info.get("kernels"),
-            "ranks": self._describe_ranks(),
-            "info": {k: v for k, v in self.info.items() if k not in ("kernels", "ranks")},
+            "lora_adapters": sorted(self.loras.names),
+            "ranks": describe_ranks(self.devices, self.info, self._proc.pid if self._proc else None, self.state,
+                                    self._lost_rank[0] if self._lost_rank else None),
+            "info": {k: v for k, v in self.info.items() if k not in ("kernels", "ranks", "lora_adapters")},
         }
-
-    def _describe_ranks(self) -> list[dict[str, Any]]:
-        """Each rank's device, process and state: the replica's, or "dead" for the rank that died."""
-        known = {r["rank"]: r for r in self.info.get("ranks", [])}
-        dead = self._lost_rank[0] if self._lost_rank else None
-        ranks = []
-        for rank, device in enumerate(self.devices):
-            pid = known.get(rank, {}).get("pid") if rank else (self._proc.pid if self._proc else None)
-            state = "dead" if rank == dead else self.state
-            # tp rank, pp stage, expert range (engines/parallel/rank_role.py); None until the replica is ready
-            ranks.append({"rank": rank, "device": device, "pid": pid, "state": state,
-                          "role": known.get(rank, {}).get("role")})
-        return ranks
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Ask the worker to stop, wait, then kill it; release the sockets."""
@@ -391,6 +386,7 @@ class WorkerClient:
         if proc is not None:
             asyncio.get_running_loop().remove_reader(proc.sentinel)
         self.requests.fail_all(RequestError("the server is shutting down", unavailable=True))
+        self.loras.fail_pending("the server is shutting down")
         if self._recv is not None:
             asyncio.get_running_loop().remove_reader(self._recv.getsockopt(zmq.FD))
         for sock in (self._send, self._recv):

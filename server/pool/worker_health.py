@@ -1,4 +1,4 @@
-"""What /health shows of a worker's engine statistics (the latest ``Stats`` message it sent)."""
+"""What /health shows of a worker: its engine statistics (the latest ``Stats`` message it sent), its ranks."""
 
 from typing import Any
 
@@ -29,3 +29,16 @@ def _describe_spec_decode(stats: EngineStats | None) -> dict[str, Any] | None:
     return {"method": spec.method, "acceptance_rate": None if rate is None else round(rate, 4),
             "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
             "num_accepted_tokens": spec.num_accepted_tokens}
+
+
+def describe_ranks(devices: list[str], info: dict[str, Any], pid: int | None, state: str,
+                   dead: int | None) -> list[dict[str, Any]]:
+    """Each rank's device, process and state: the replica's ``state``, or "dead" for rank ``dead``;
+    ``info``: the replica's ``Ready`` info (its other ranks' processes), ``pid``: rank 0's process."""
+    known = {r["rank"]: r for r in info.get("ranks", [])}
+    ranks = []
+    for rank, device in enumerate(devices):
+        # tp rank, pp stage, expert range (engines/parallel/rank_role.py); None until the replica is ready
+        ranks.append({"rank": rank, "device": device, "pid": known.get(rank, {}).get("pid") if rank else pid,
+                      "state": "dead" if rank == dead else state, "role": known.get(rank, {}).get("role")})
+    return ranks

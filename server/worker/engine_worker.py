@@ -1,6 +1,6 @@
 """The engine worker: one spawned process per device, driving an ``LLMEngine`` in a step loop.
 
-Loop: drain control messages (add / abort / shutdown) -> one ``engine.step()`` -> one ``Outputs``
+Loop: drain control messages (add / abort / LoRA load and unload / shutdown) -> one ``engine.step()`` -> one ``Outputs``
 message with every request's new tokens. When idle it blocks on the socket and sends a ``Stats``
 heartbeat every ``heartbeat_s``. Both come from the loop itself, never from a side thread: the
 server takes their absence for a stuck loop (server/pool/heartbeat.py). A bad request (``ValueError``
@@ -31,7 +31,17 @@ from xinserve.engines.core.outputs import EngineStats, StepOutput, StepResult
 from xinserve.engines.parallel.rank_role import RankRole
 from xinserve.engines.worker.process_exit import leave_quickly
 from xinserve.server.worker import messages
-from xinserve.server.worker.messages import Add, Failed, InfoUpdate, Outputs, RequestError, Stats
+from xinserve.server.worker.messages import (
+    Add,
+    Failed,
+    InfoUpdate,
+    LoadLora,
+    LoraDone,
+    Outputs,
+    RequestError,
+    Stats,
+    UnloadLora,
+)
 from xinserve.server.worker.output_sender import OutputSender
 
 logger = logging.getLogger("xinserve.worker")
@@ -121,8 +131,28 @@ class WorkerLoop:
                 self.engine.abort_request(request_id, index, count)  # unknown or finished ids are ignored
                 if request_id not in self.engine.requests:
                     self.arrived.pop(request_id, None)
+        elif isinstance(message, (LoadLora, UnloadLora)):
+            self._emit(self._update_lora(message))
         else:
             self.running = False
+
+    def _update_lora(self, message: LoadLora | UnloadLora) -> LoraDone:
+        """Load or unload an adapter between steps; the engine's ValueError (a bad adapter) is the client's."""
+        error = None
+        try:
+            if isinstance(message, LoadLora):
+                self.engine.add_lora(message.name, message.path)
+            else:
+                self.engine.remove_lora(message.name)
+        except ValueError as exc:
+            error = RequestError(str(exc), client_fault=True)
+        except KeyError:
+            pass  # unloading one this process never loaded (it started after the load): nothing to do
+        except Exception as exc:
+            logger.exception("%s: LoRA %s of %s failed", self.label, type(message).__name__, message.name)
+            error = RequestError(f"the worker failed to update LoRA adapter {message.name!r}: "
+                                 f"{type(exc).__name__}: {exc}")
+        return LoraDone(message.op, error, sorted(self.engine.lora_names()))
 
     def _add(self, message: Add) -> None:
         try:
@@ -268,6 +298,8 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
             "data_parallel_rank": engine.kv_events.data_parallel_rank},
         # the bytes the weights hold, quantized ones as stored (the KV pool was sized after them)
         "weights": weights_report(engine.runner.model),
+        # the LoRA adapters it loaded at start (lora_modules); LoraDone messages update the server's view
+        "lora_adapters": sorted(engine.lora_names()) if engine.config.enable_lora else [],
     }
 
 

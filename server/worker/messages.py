@@ -63,6 +63,22 @@ class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
     pass
 
 
+class LoadLora(msgspec.Struct, array_like=True, tag="load_lora"):
+    """Load the LoRA adapter at ``path`` (a PEFT directory) as ``name``, between steps; answered by
+    one ``LoraDone`` carrying ``op``."""
+
+    op: int
+    name: str
+    path: str
+
+
+class UnloadLora(msgspec.Struct, array_like=True, tag="unload_lora"):
+    """Unload adapter ``name`` (its running requests finish with it); answered by one ``LoraDone``."""
+
+    op: int
+    name: str
+
+
 # worker -> HTTP process
 
 
@@ -105,8 +121,17 @@ class InfoUpdate(msgspec.Struct, array_like=True, tag="info"):
     info: dict
 
 
-ToWorker = Add | Abort | Shutdown
-FromWorker = Ready | LoadFailed | Outputs | Failed | Stats | InfoUpdate
+class LoraDone(msgspec.Struct, array_like=True, tag="lora_done"):
+    """The answer to ``LoadLora`` / ``UnloadLora`` number ``op``: ``error`` None when it was done (the
+    engine's refusal of a bad adapter is a client fault), and the adapters the worker holds now."""
+
+    op: int
+    error: RequestError | None
+    adapters: list[str]
+
+
+ToWorker = Add | Abort | Shutdown | LoadLora | UnloadLora
+FromWorker = Ready | LoadFailed | Outputs | Failed | Stats | InfoUpdate | LoraDone
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode

@@ -3,7 +3,9 @@
 through the YAML config into the engine's config. These tests keep the lists from drifting apart."""
 
 import json
+import tempfile
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import pytest
@@ -32,9 +34,19 @@ JSON_SETTINGS = {
 }
 
 
+def _adapter_dir() -> str:
+    """A directory that passes the start-up check of a LoRA adapter (its adapter_config.json)."""
+    path = Path(tempfile.mkdtemp(prefix="lora-"))
+    (path / "adapter_config.json").write_text("{}")
+    return str(path)
+
+
 def sample(name: str) -> tuple[Any, list[str]]:
     """A value other than the default for setting ``name``, and the flag arguments that give it."""
     flag, kind = "--" + name.replace("_", "-"), _kind(name)
+    if name == "lora_modules":  # an adapter's directory, on a model with LoRA on: checked at start
+        path = _adapter_dir()
+        return {"sql": path}, ["--enable-lora", flag, f"sql={path}"]
     if kind is bool:
         value = not ModelSettings.model_fields[name].default
         return value, [flag if value else f"--no-{flag[2:]}"]

@@ -14,7 +14,7 @@ from xinserve.server.api.chat_template import chat_prompt_ids, check_template_kw
 from xinserve.server.api.generate import respond
 from xinserve.server.api.openai.chat import start_chat
 from xinserve.server.api.prompt import route_encoded
-from xinserve.server.http.auth import check_model_access, may_use
+from xinserve.server.http.auth import may_use
 from xinserve.server.http.limits import check_chat
 
 router = APIRouter()
@@ -38,13 +38,14 @@ async def count_message_tokens(body: CountTokensRequest, request: Request) -> di
     chat.check()
     state = request.app.state
     check_chat(chat, state.config.limits)
-    check_model_access(request, chat.model)
+    allowed = partial(may_use, request)
+    target = state.router.resolve(chat.model, allowed)
     trust = state.config.server.trust_request_chat_template
     check_template_kwargs(chat.chat_template_kwargs, trust)
     _, _, prompt_ids = await route_encoded(
-        state.router, chat.model, 1,
+        state.router, target, 1,
         lambda p: chat_prompt_ids(p.tokenizer, chat, max_chars=state.config.limits.max_prompt_chars,
                                   trust_template=trust),
-        may_use=partial(may_use, request),
+        may_use=allowed,
     )
     return {"input_tokens": len(prompt_ids)}

@@ -23,7 +23,7 @@ from xinserve.server.api.reasoning import ThinkSplitter, end_token_id, reasoning
 from xinserve.server.api.tool_calls.stream import PlainText
 from xinserve.server.disagg.bootstrap import apply_bootstrap
 from xinserve.server.disagg.transfer_params import with_transfer_params
-from xinserve.server.http.auth import check_model_access, may_use
+from xinserve.server.http.auth import may_use
 from xinserve.server.http.limits import cap_max_tokens, check_chat
 
 router = APIRouter()
@@ -56,14 +56,15 @@ async def start_chat(request: Request, body: ChatCompletionRequest, request_id: 
     check_chat(body, state.config.limits)
     # Also checked where the template is applied; here too so a refused key is a 400 while no worker is up.
     check_template_kwargs(body.chat_template_kwargs, state.config.server.trust_request_chat_template)
-    check_model_access(request, body.model)
+    allowed = partial(may_use, request)
+    target = state.router.resolve(body.model, allowed)  # here too: a refused key is a 404 while no worker is up
     # The output plan checks JSON schemas (a few ms for a large one, then cached): in the thread too.
     pool, worker, (prompt_ids, plan) = await route_encoded(
-        state.router, body.model, body.n,
+        state.router, target, body.n,
         lambda p: (chat_prompt_ids(p.tokenizer, body, max_chars=state.config.limits.max_prompt_chars,
                                    trust_template=state.config.server.trust_request_chat_template),
                    plan_output(body, p.settings.tool_call_parser, getattr(p.tokenizer, "chat_template", None))),
-        may_use=partial(may_use, request),
+        may_use=allowed,
     )
     body.check_vocab(int(worker.info["vocab_size"]))
     max_tokens = cap_max_tokens(max_tokens_for(
@@ -75,12 +76,14 @@ async def start_chat(request: Request, body: ChatCompletionRequest, request_id: 
     after = end_token_id(pool.tokenizer) if reasoning is not None and plan.json_schema is not None else None
     params = body.sampling_params(max_tokens, body.num_logprobs, json_schema=plan.json_schema)
     params.json_schema_after_token = after
+    params.lora_name = target.lora_name
     await apply_bootstrap(body, params, worker.info)
     gen = Generation(
-        worker, request_id, prompt_ids, params, pool.tokenizer,
-        timeout_s=state.config.server.request_timeout_s, retry=partial(state.router.replacement, pool),
+        worker, request_id, prompt_ids, params, pool.tokenizer, timeout_s=state.config.server.request_timeout_s,
+        retry=partial(state.router.replacement, pool, lora_name=target.lora_name),
     )
-    return ChatRun(pool.name, GenerationGroup(request_id, [gen]), plan, reasoning, pool.token_texts)
+    return ChatRun(target.lora_name or pool.name, GenerationGroup(request_id, [gen]), plan, reasoning,
+                   pool.token_texts)
 
 
 class _ChatView:

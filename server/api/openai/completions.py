@@ -20,7 +20,7 @@ from xinserve.server.api.tokenize.prompt_tokens import encode_prompt
 from xinserve.server.disagg.bootstrap import apply_bootstrap
 from xinserve.server.disagg.transfer_params import with_transfer_params
 from xinserve.server.errors import APIError
-from xinserve.server.http.auth import check_model_access, may_use
+from xinserve.server.http.auth import may_use
 from xinserve.server.http.limits import cap_max_tokens, check_completion
 
 router = APIRouter()
@@ -42,11 +42,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = request.app.state
     check_completion(body, state.config.limits)
     prompts = body.prompts()
-    check_model_access(request, body.model)
+    allowed = partial(may_use, request)
+    target = state.router.resolve(body.model, allowed)
     pool, worker, prompt_ids = await route_encoded(
-        state.router, body.model, body.n * len(prompts),
-        lambda p: [_prompt_ids(p.tokenizer, prompt, len(p.tokenizer)) for prompt in prompts],
-        may_use=partial(may_use, request),
+        state.router, target, body.n * len(prompts),
+        lambda p: [_prompt_ids(p.tokenizer, prompt, len(p.tokenizer)) for prompt in prompts], may_use=allowed,
     )
     body.check_vocab(int(worker.info["vocab_size"]))
     tokenizer = pool.tokenizer
@@ -58,6 +58,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         max_tokens = cap_max_tokens(max_tokens_for(len(ids), body.max_tokens, max_model_len,
                                                    prompt_param="prompt", param="max_tokens"), state.config.limits)
         params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs=body.prompt_logprobs)
+        params.lora_name = target.lora_name
         await apply_bootstrap(body, params, worker.info)
         gens.append(Generation(
             worker,
@@ -66,11 +67,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             params,
             tokenizer,
             timeout_s=state.config.server.request_timeout_s,
-            retry=partial(state.router.replacement, pool),
+            retry=partial(state.router.replacement, pool, lora_name=target.lora_name),
         ))
         echoes.append((prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if body.echo else "")
     # A text prompt is echoed as sent (no BOS), token ids as decoded with their special tokens.
-    view = _CompletionView(body, pool.name, request_id, echoes, texts, [isinstance(p, str) for p in prompts])
+    view = _CompletionView(body, target.lora_name or pool.name, request_id, echoes, texts, [isinstance(p, str) for p in prompts])
     group = GenerationGroup(request_id, gens)
     return await respond(request, group, bool(body.stream), view.frames, view.body, push=partial(view.push, group))
 

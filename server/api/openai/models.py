@@ -1,10 +1,11 @@
-"""GET /v1/models and GET /v1/models/{id}: every configured model the key may use, with its context length."""
+"""GET /v1/models and GET /v1/models/{id}: every configured model the key may use, with its context length,
+and each model's LoRA adapters (server/lora/) as models of their own, ``parent`` naming the base model."""
 
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from xinserve.server.errors import APIError
 from xinserve.server.http.auth import may_use
 from xinserve.server.pool.model_pool import ModelPool
 
@@ -19,17 +20,24 @@ def model_card(pool: ModelPool, created: int) -> dict[str, Any]:
     return card
 
 
+def adapter_card(pool: ModelPool, name: str, created: int) -> dict[str, Any]:
+    """A LoRA adapter as vLLM lists one: ``root`` its directory, ``parent`` the model it runs on."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "xinserve",
+            "root": pool.adapters[name], "parent": pool.name}
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     state = request.app.state
     pools = [p for p in state.router.pools.values() if may_use(request, p.name)]
-    return {"object": "list", "data": [model_card(p, state.created) for p in pools]}
+    cards = [card for p in pools
+             for card in (model_card(p, state.created), *(adapter_card(p, a, state.created) for a in p.adapters))]
+    return {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     state = request.app.state
-    pool = state.router.pools.get(model_id)
-    if pool is None or not may_use(request, model_id):
-        raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
-    return model_card(pool, state.created)
+    target = state.router.resolve(model_id, partial(may_use, request))
+    pool = state.router.pools[target.base]
+    return model_card(pool, state.created) if target.lora_name is None else adapter_card(pool, model_id, state.created)

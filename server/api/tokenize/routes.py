@@ -9,6 +9,7 @@ text mode sends that text back for scoring.
 """
 
 import asyncio
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,6 +22,7 @@ from xinserve.server.errors import APIError
 from xinserve.server.http.auth import may_use
 from xinserve.server.http.limits import check_chat
 from xinserve.server.pool.model_pool import ModelPool
+from xinserve.server.pool.router import not_found
 
 router = APIRouter()
 
@@ -46,14 +48,15 @@ class DetokenizeRequest(_Body):
 
 
 def _pool(request: Request, model: str | None) -> ModelPool:
-    """The named model's pool, or the first the key may use; 404 as for an unknown model, 503 while
-    its tokenizer loads."""
-    pools = request.app.state.router.pools
+    """The named model's pool (a LoRA adapter's: its base model's tokenizer), or the first the key may
+    use; 404 as for an unknown model, 503 while its tokenizer loads."""
+    models = request.app.state.router
+    allowed = partial(may_use, request)
     if model is None:
-        model = next((name for name in pools if may_use(request, name)), None)
-    pool = pools.get(model) if model is not None else None
-    if pool is None or not may_use(request, model):
-        raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+        model = next((name for name in models.pools if allowed(name)), None)
+        if model is None:
+            raise not_found(str(model))
+    pool = models.pools[models.resolve(model, allowed).base]
     if pool.tokenizer is None:
         raise APIError(503, f"The tokenizer of '{model}' is still loading (or failed); see /health.",
                        code="model_unavailable")

@@ -9,12 +9,12 @@ import pytest
 from tests.server.pool.routing_fakes import Pool, Worker, any_model, router
 from xinserve.server.api.prompt import route_encoded
 from xinserve.server.errors import APIError
-from xinserve.server.pool.router import Router
+from xinserve.server.pool.router import Router, Target
 
 
 async def start(r: Router, encode) -> str:
     """One request: route, then start (which is what raises the worker's load)."""
-    _, worker, _ = await route_encoded(r, "m", 1, encode, may_use=any_model)
+    _, worker, _ = await route_encoded(r, Target("m", "m"), 1, encode, may_use=any_model)
     worker.load += 1
     return worker.label
 
@@ -37,7 +37,7 @@ def test_encoding_runs_off_the_event_loop():
                 ticks += 1
 
         task = asyncio.ensure_future(ticker())
-        _, _, ids = await route_encoded(router(Pool("m", [Worker("a")])), "m", 1, slow_encode,
+        _, _, ids = await route_encoded(router(Pool("m", [Worker("a")])), Target("m", "m"), 1, slow_encode,
                                         may_use=any_model)
         task.cancel()
         return ticks, ids
@@ -69,7 +69,7 @@ def test_looking_up_the_pool_does_not_take_a_round_robin_turn():
     async def main() -> list[str]:
         labels = []
         for _ in range(4):
-            _, worker, _ = await route_encoded(r, "m", 1, lambda pool: [1], may_use=any_model)
+            _, worker, _ = await route_encoded(r, Target("m", "m"), 1, lambda pool: [1], may_use=any_model)
             labels.append(worker.label)
         return labels
 
@@ -86,7 +86,7 @@ def test_a_pool_going_down_while_encoding_reencodes_for_the_fallback():
         main_worker.ready = False  # the model's only worker dies while its tokenizer runs
         return f"ids by {pool.name}"
 
-    pool, worker, ids = asyncio.run(route_encoded(r, "m", 1, encode, may_use=any_model))
+    pool, worker, ids = asyncio.run(route_encoded(r, Target("m", "m"), 1, encode, may_use=any_model))
     assert (pool.name, worker.label, ids) == ("f", "fb", "ids by f")
     assert seen == ["m", "f"]
 
@@ -99,5 +99,5 @@ def test_no_ready_pool_is_a_503_without_encoding():
         raise AssertionError("encoded for a model with no ready worker")
 
     with pytest.raises(APIError) as info:
-        asyncio.run(route_encoded(router(Pool("m", [worker])), "m", 1, encode, may_use=any_model))
+        asyncio.run(route_encoded(router(Pool("m", [worker])), Target("m", "m"), 1, encode, may_use=any_model))
     assert info.value.status == 503

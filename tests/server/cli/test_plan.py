@@ -1,12 +1,15 @@
-"""``xinserve plan``: the table, ``--json`` with the issue's six keys, exit 1 with the reason when the model
+"""``xinserve plan``: the table, ``--json`` with its keys, exit 1 with the reason when the model
 does not fit, 2 for a bad argument; a directory holding only config.json is enough."""
 
 import json
 import shutil
 
+import torch
+
 from xinserve.server.cli.main import main
 
-KEYS = {"parameters", "weight_bytes_per_device", "kv_bytes_per_token_per_device", "max_sequences", "fits", "reason"}
+KEYS = {"parameters", "weight_bytes_per_device", "lora_bytes_per_device", "kv_bytes_per_token_per_device", "max_sequences",
+        "fits", "reason"}
 
 
 def config_only(tiny_models, tmp_path, arch: str) -> str:
@@ -77,3 +80,21 @@ def test_disaggregation_table_and_its_bad_arguments(tiny_models, tmp_path, capsy
                           (["--output-len", "5"], "--output-len needs --prompt-len")):
         assert main(["plan", "--model", path, *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_lora_slots_are_counted_beside_the_weights(tiny_models, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from xinserve.engines.lora.memory import lora_slot_bytes
+
+    path = config_only(tiny_models, tmp_path, "llama")
+    base = plan_json(capsys, path, "--max-model-len", "512")
+    lora = plan_json(capsys, path, "--max-model-len", "512", "--max-loras", "4", "--max-lora-rank", "32")
+    slot = lora_slot_bytes(AutoConfig.from_pretrained(path), 32, torch.float32, tensor_parallel_size=2)
+    assert base["lora_bytes_per_device"] == 0 and lora["lora_bytes_per_device"] == 4 * slot > 0
+    assert lora["weight_bytes_per_device"] == base["weight_bytes_per_device"]
+    assert lora["max_sequences"] < base["max_sequences"]  # the KV pool is what is left after both
+    main(["plan", "--model", path, "--max-loras", "2"])
+    assert "LoRA slots per device" in capsys.readouterr().out
+    assert main(["plan", "--model", path, "--max-loras", "-1"]) == 2
+    assert "--max-loras must be at least 0" in capsys.readouterr().err

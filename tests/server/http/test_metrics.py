@@ -9,6 +9,7 @@ from xinserve.server.http.metrics import (
     EngineStatsCollector,
     KeyMetrics,
     LimitedKeyView,
+    LoraMetrics,
     RequestMetrics,
     observe_many,
 )
@@ -105,15 +106,36 @@ def test_the_vllm_prefix_names_every_metric_as_vllm_does():
     assert samples["vllm:api_key_requests_total"][("glm", None, None, None)] == 1
 
 
-def test_the_lora_info_gauge_has_vllms_labels_and_no_adapters():
+def test_the_lora_info_gauge_carries_each_workers_adapters_in_vllms_labels():
+    stats = EngineStats(3, 2, 0.5, 0, 0, 0, 0, 0, running_lora_adapters=["sql", "chat"],
+                        waiting_lora_adapters=["math"], max_lora=4)
+    workers = [Worker("glm", "npu:0", True, stats), Worker("glm", "npu:1", True, None),
+               Worker("glm", "npu:2", False, stats)]  # no stats yet; not serving
     registry = CollectorRegistry()
-    registry.register(EngineStatsCollector({"glm": Pool([Worker("glm", "npu:0", True, None)])}, "vllm"))
+    registry.register(EngineStatsCollector({"glm": Pool(workers)}, "vllm"))
     (family,) = [f for f in text_string_to_metric_families(generate_latest(registry).decode())
                  if f.name == "vllm:lora_requests_info"]
-    (sample,) = family.samples
-    assert sample.labels == {"model_name": "glm", "worker": "npu:0", "max_lora": "0", "running_lora_adapters": "",
-                             "waiting_lora_adapters": ""}
-    assert sample.value > 1.7e9  # when it was reported, as vLLM's
+    by_worker = {s.labels.pop("worker"): s for s in family.samples}
+    assert by_worker["npu:0"].labels == {"model_name": "glm", "max_lora": "4", "running_lora_adapters": "sql,chat",
+                                         "waiting_lora_adapters": "math"}
+    for idle in ("npu:1", "npu:2"):
+        assert by_worker[idle].labels == {"model_name": "glm", "max_lora": "0", "running_lora_adapters": "",
+                                          "waiting_lora_adapters": ""}
+    assert all(s.value > 1.7e9 for s in family.samples)  # when it was read, as vLLM's
+
+
+def test_per_adapter_counters_are_labelled_by_adapter_and_base_model():
+    registry = CollectorRegistry()
+    loras = LoraMetrics(registry, "vllm")
+    loras.observe("sql", "glm", 5, 7)
+    loras.observe("sql", "glm", 1, 2)
+    loras.observe("chat", "glm", 3, 0)
+    samples = {(s.name, s.labels["lora_name"]): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in f.samples if s.name.endswith("_total")}
+    assert samples == {("vllm:lora_requests_total", "sql"): 2, ("vllm:lora_prompt_tokens_total", "sql"): 6,
+                       ("vllm:lora_generation_tokens_total", "sql"): 9, ("vllm:lora_requests_total", "chat"): 1,
+                       ("vllm:lora_prompt_tokens_total", "chat"): 3, ("vllm:lora_generation_tokens_total", "chat"): 0}
 
 
 def test_a_limited_key_sees_only_its_models_series_and_its_own_key_counters():

@@ -16,7 +16,17 @@ from xinserve.engines.core.outputs import EngineStats, RequestFailure, StepOutpu
 from xinserve.engines.core.sampling_params import SamplingParams
 from xinserve.server.worker import messages
 from xinserve.server.worker.engine_worker import ASYNC_GIL_SWITCH_INTERVAL_S, WorkerLoop
-from xinserve.server.worker.messages import Abort, Add, Failed, Outputs, Shutdown, Stats
+from xinserve.server.worker.messages import (
+    Abort,
+    Add,
+    Failed,
+    LoadLora,
+    LoraDone,
+    Outputs,
+    Shutdown,
+    Stats,
+    UnloadLora,
+)
 
 
 class ScriptedEngine:
@@ -24,6 +34,20 @@ class ScriptedEngine:
         self.seqs: dict[tuple[str, int], list] = {}  # (id, index) -> [produced, max_tokens]
         self.fail_next_step = False
         self.aborted: list[tuple[str, int | None]] = []
+        self.loras: set[str] = set()
+
+    def add_lora(self, name, path) -> None:
+        if path == "/crash":
+            raise RuntimeError("out of host memory")
+        if "rank" in path:
+            raise ValueError(f"LoRA adapter {path!r}: rank 64 is more than max_lora_rank 16")
+        self.loras.add(name)
+
+    def remove_lora(self, name) -> None:
+        self.loras.remove(name)  # KeyError when not loaded, as the engine's
+
+    def lora_names(self) -> list[str]:
+        return sorted(self.loras)
 
     def add_request(self, request_id, prompt_token_ids, params) -> None:
         if not prompt_token_ids:
@@ -250,3 +274,19 @@ def test_async_loop_shortens_the_gil_switch_interval_while_it_runs():
     ctx.term()
     assert stepper.intervals and set(stepper.intervals) == {min(before, ASYNC_GIL_SWITCH_INTERVAL_S)}
     assert sys.getswitchinterval() == before
+
+
+def test_lora_updates_are_answered_in_order_and_the_loop_lives_on(loop_io):
+    _, post, until, thread = loop_io
+    for message in (LoadLora(1, "sql", "/sql"), LoadLora(2, "big", "/rank-64"), LoadLora(3, "x", "/crash"),
+                    UnloadLora(4, "sql"), UnloadLora(5, "sql")):
+        post(message)
+    got = [m for m in until(lambda m: isinstance(m, LoraDone) and m.op == 5) if isinstance(m, LoraDone)]
+    assert [(m.op, m.adapters) for m in got] == [(1, ["sql"]), (2, ["sql"]), (3, ["sql"]), (4, []), (5, [])]
+    assert [m.error for m in got if m.op in (1, 4, 5)] == [None, None, None]  # unloading twice: gone is gone
+    refused, crashed = got[1].error, got[2].error
+    assert refused.status == 400 and "rank 64 is more than max_lora_rank 16" in refused.message
+    assert crashed.status == 500 and "RuntimeError: out of host memory" in crashed.message
+    post(add("after", [1], max_tokens=1))
+    until(finished("after"))
+    assert thread.is_alive()
