@@ -25,3 +25,10 @@ def test_the_marker_pattern_finds_what_git_writes():
     conflict = b"a\n<<<<<<< HEAD\nours\n=======\ntheirs\n>>>>>>> branch\n"
     assert len(MARKER.findall(conflict)) == 3
     assert not MARKER.search(b"a heading\n=======\n".replace(b"=======\n", b"======== x\n"))
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest imports test files by their base name (no packages under tests/): a second file of the same name
+    fails to collect when both run in one process."""
+    names = [path.name for path in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []

@@ -1,4 +1,4 @@
-"""What every multi-LoRA implementation's tests check (tests/kernels/triton/test_lora.py,
+"""What every multi-LoRA implementation's tests check (tests/kernels/triton/test_triton_lora.py,
 tests/kernels/ascend/test_npu_lora.py): shrink then expand against the float32 reference."""
 
 from collections.abc import Callable
