@@ -13,6 +13,7 @@ from xinserve.engines.core.detokenizer import IncrementalDetokenizer
 from xinserve.engines.core.engine import LLMEngine
 from xinserve.engines.core.outputs import CompletionOutput, RequestOutput
 from xinserve.engines.core.sampling_params import SamplingParams
+from xinserve.engines.pooling.params import PoolingParams
 
 Prompt = str | list[int]
 
@@ -92,6 +93,34 @@ class LLM:
             for failure in step.failures:  # the engine ended every choice of it
                 self._fail(results[failure.request_id], failure.message, detokenizers)
         return list(results.values())
+
+    def encode(self, prompts: Prompt | Seq[Prompt], params: PoolingParams | None = None) -> list[list[float]]:
+        """A pooling model's output for every prompt (text or token ids), in prompt order: an embedding
+        (task embed) or the label probabilities / score (task classify). Raises ValueError for a prompt
+        the engine refuses, RuntimeError for one that failed."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or PoolingParams(task=self.engine.pooler.spec.task if self.engine.pooler else "embed")
+        outputs: dict[str, list[float] | None] = {}
+        for prompt in prompts:
+            request_id = str(self._counter)
+            self._counter += 1
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.engine.add_pooling_request(request_id, ids, params)
+            outputs[request_id] = None
+        while self.engine.has_unfinished_requests():
+            step = self.engine.step()
+            for out in step.outputs:
+                outputs[out.request_id] = out.pooled
+            if step.failures:
+                raise RuntimeError(f"request {step.failures[0].request_id} failed: {step.failures[0].message}")
+        return list(outputs.values())
+
+    def embed(self, prompts: Prompt | Seq[Prompt], dimensions: int | None = None) -> list[list[float]]:
+        return self.encode(prompts, PoolingParams("embed", dimensions))
+
+    def classify(self, prompts: Prompt | Seq[Prompt]) -> list[list[float]]:
+        return self.encode(prompts, PoolingParams("classify"))
 
     @staticmethod
     def _fail(result: RequestOutput, message: str,
