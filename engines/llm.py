@@ -13,6 +13,7 @@ from xinserve.engines.core.detokenizer import IncrementalDetokenizer
 from xinserve.engines.core.engine import LLMEngine
 from xinserve.engines.core.outputs import CompletionOutput, RequestOutput
 from xinserve.engines.core.sampling_params import SamplingParams
+from xinserve.engines.pooling.engine_step import add_pooling_request
 from xinserve.engines.pooling.params import PoolingParams
 
 Prompt = str | list[int]
@@ -106,7 +107,7 @@ class LLM:
             request_id = str(self._counter)
             self._counter += 1
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self.engine.add_pooling_request(request_id, ids, params)
+            add_pooling_request(self.engine, request_id, ids, params)
             outputs[request_id] = None
         while self.engine.has_unfinished_requests():
             step = self.engine.step()

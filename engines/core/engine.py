@@ -26,7 +26,7 @@ from xinserve.engines.kv.host_tier import make_host_tier
 from xinserve.engines.kv.mooncake_connector import make_remote_connector
 from xinserve.engines.parallel.tp_runner import make_runner
 from xinserve.engines.platforms import get_platform
-from xinserve.engines.pooling.engine_step import add_pooling_request, make_pooler, pooling_step, with_runner
+from xinserve.engines.pooling.engine_step import make_pooler, pooling_step, with_runner
 from xinserve.engines.speculative.config import parse_speculative_config
 from xinserve.engines.speculative.proposer import make_proposer
 from xinserve.engines.structured.compiler import GrammarCompiler, PendingGrammar
@@ -157,6 +157,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ValueError when it could never run (the server answers 400)."""
+        if self.pooler is not None:
+            raise ValueError(f"this model is served for pooling ({self.config.convert}), not generation")
         if request_id in self.requests or request_id in self.scheduler.held_blocks:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -199,8 +201,6 @@ class LLMEngine:
         if not always_plain_greedy(params):
             self.sampling_requests.add(request_id)
         self.prompt_tokens_total += len(prompt_token_ids)
-
-    add_pooling_request = add_pooling_request  # a pooling engine's prefill-only request (engines/pooling/)
 
     def _check_kv_transfer(self, params: SamplingParams) -> None:
         """A request that hands its KV to another instance, or takes it from one (vLLM's kv_transfer_params)."""

@@ -50,6 +50,15 @@ class PoolerSpec:
             raise ValueError(f"dimensions must be at most the model's hidden size {self.hidden_size}, got {dims}")
 
 
+def pooling_info(spec: PoolerSpec, id2label: dict[int, str] | None) -> dict[str, Any]:
+    """What the HTTP process needs of a pooling worker (its ``Ready`` info): the task, the embedding size,
+    the Matryoshka sizes (None: none; []: any), a classifier's label names."""
+    labels = [id2label[i] for i in sorted(id2label)] if id2label and spec.score_tokens is None else None
+    return {"task": spec.task, "labels": labels, "method": spec.method, "normalize": spec.normalize, "hidden_size": spec.hidden_size,
+            "matryoshka_dimensions": None if spec.matryoshka_dimensions is None else list(spec.matryoshka_dimensions),
+            "score_tokens": None if spec.score_tokens is None else list(spec.score_tokens)}
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from xinserve.engines import LLM
 from xinserve.engines.core.sampling_params import SamplingParams
 from xinserve.engines.core.sequence import Sequence
+from xinserve.engines.pooling.engine_step import add_pooling_request
 from xinserve.engines.pooling.model_spec import PoolerSpec
 from xinserve.engines.pooling.params import PoolingParams
 from xinserve.engines.pooling.pooler import Pooler
@@ -131,16 +132,18 @@ def test_bad_pooling_requests_are_value_errors(embedding_dir, tiny_models):
     with LLM(str(embedding_dir), num_kv_blocks=4, block_size=8) as llm:
         engine = llm.engine
         with pytest.raises(ValueError, match="empty"):
-            engine.add_pooling_request("a", [], PoolingParams())
+            add_pooling_request(engine, "a", [], PoolingParams())
         with pytest.raises(ValueError, match="maximum context length is 32 tokens"):
-            engine.add_pooling_request("b", [5] * 33, PoolingParams())
+            add_pooling_request(engine, "b", [5] * 33, PoolingParams())
         with pytest.raises(ValueError, match=r"must be in \[0, 1000\)"):
-            engine.add_pooling_request("c", [5, 1000], PoolingParams())
+            add_pooling_request(engine, "c", [5, 1000], PoolingParams())
         with pytest.raises(ValueError, match="serves embed, not classify"):
-            engine.add_pooling_request("d", [5], PoolingParams("classify"))
-        engine.add_pooling_request("e", [5] * 32, PoolingParams())  # a whole context is fine: nothing decodes
+            add_pooling_request(engine, "d", [5], PoolingParams("classify"))
+        add_pooling_request(engine, "e", [5] * 32, PoolingParams())  # a whole context is fine: nothing decodes
         assert len(llm.embed([[5, 6, 7]])[0]) == 64
+        with pytest.raises(ValueError, match=r"served for pooling \(embed\), not generation"):
+            engine.add_request("g", [5], SamplingParams())
     with LLM(str(tiny_models("qwen3")), num_kv_blocks=8) as generating:
         assert generating.engine.config.runner == "generate"
         with pytest.raises(ValueError, match="served for generation"):
-            generating.engine.add_pooling_request("f", [5], PoolingParams())
+            add_pooling_request(generating.engine, "f", [5], PoolingParams())
