@@ -123,10 +123,11 @@ class EngineConfig:
         "the KV cache's storage dtype (vLLM's flag): auto (or None) = the model's dtype; bfloat16 / float16 halve a float32 "
         "model's KV bytes; int8 / fp8_e4m3 (alias fp8) store 8-bit codes with a float32 scale per token and head "
         "(kernels/kv_quant.py); attention accumulates in float32", choices=KV_CACHE_DTYPE_NAMES))
-    runner: str = field(default="auto", metadata=setting(
+    runner: str | None = field(default=None, metadata=setting(
         "what the model is served for (vLLM's flag): generate (text) or pooling (embeddings, classification, "
         "scores: one prefill per input, no decode; engines/pooling/); auto: pooling for a sentence-transformers "
-        "directory (modules.json), a *ForSequenceClassification or a bare *Model architecture, else generate",
+        "directory (modules.json), a *ForSequenceClassification or a bare *Model architecture, else generate; "
+        "unset: auto",
         choices=RUNNERS))
     convert: str | None = field(default=None, metadata=setting(
         "a pooling runner's task (vLLM's flag): embed (a vector per input) or classify (label probabilities; "

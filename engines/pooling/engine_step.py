@@ -5,7 +5,7 @@ are freed at once, its full blocks staying in the prefix cache)."""
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -17,11 +17,9 @@ from xinserve.engines.core.sequence import Sequence
 from xinserve.engines.pooling.model_spec import read_pooler_spec, resolve_runner
 from xinserve.engines.pooling.params import PoolingParams
 from xinserve.engines.pooling.pooler import Pooler
+from xinserve.engines.worker.runner import ModelRunner
 
-if TYPE_CHECKING:
-    from xinserve.engines.core.engine import LLMEngine
-    from xinserve.engines.worker.runner import ModelRunner
-
+# ``engine``: the ``LLMEngine`` (engines/core/engine.py) these functions serve, which imports this module.
 logger = logging.getLogger(__name__)
 
 # The scheduler's bookkeeping reads a request's SamplingParams; a pooling request samples nothing.
@@ -31,7 +29,7 @@ _PREFILL_ONLY = SamplingParams(temperature=0, max_tokens=1)
 def with_runner(config: EngineConfig) -> EngineConfig:
     """``config`` with its runner and convert decided (engines/pooling/model_spec.py). A pooling engine
     never decodes: no compiled decode buckets, no step run ahead of its tokens; one rank for now."""
-    runner, convert = resolve_runner(config.model, config.runner, config.convert)
+    runner, convert = resolve_runner(config.model, config.runner or "auto", config.convert)
     if runner == "generate":
         return replace(config, runner=runner)
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1 or config.speculative_config is not None:
@@ -42,7 +40,7 @@ def with_runner(config: EngineConfig) -> EngineConfig:
                    enable_prefix_caching=config.enable_prefix_caching and not spec.reads_every_row)
 
 
-def make_pooler(engine: "LLMEngine") -> Pooler | None:
+def make_pooler(engine: Any) -> Pooler | None:
     """The pooler of an engine whose config says runner pooling; None for a generating one."""
     config = engine.config
     if config.runner != "pooling":
@@ -60,7 +58,7 @@ def make_pooler(engine: "LLMEngine") -> Pooler | None:
     return Pooler(spec, engine.runner.model, token_ids)
 
 
-def add_pooling_request(engine: "LLMEngine", request_id: str, prompt_token_ids: list[int],
+def add_pooling_request(engine: Any, request_id: str, prompt_token_ids: list[int],
                         params: PoolingParams) -> None:
     """Queue a pooling request. Raises ValueError when it could never run (the server answers 400)."""
     pooler = engine.pooler
@@ -84,7 +82,7 @@ def add_pooling_request(engine: "LLMEngine", request_id: str, prompt_token_ids: 
     engine.prompt_tokens_total += len(prompt_token_ids)
 
 
-def pooling_step(engine: "LLMEngine") -> StepResult:
+def pooling_step(engine: Any) -> StepResult:
     """Schedule -> forward and pool -> the scheduler's bookkeeping; each prompt computed to its end is
     finished with its pooled output. A failing step runs its sequences one by one (the one that fails
     alone is failed)."""
@@ -109,7 +107,7 @@ def pooling_step(engine: "LLMEngine") -> StepResult:
     return result
 
 
-def _one_by_one(engine: "LLMEngine", scheduled: list[ScheduledSeq], done: list,
+def _one_by_one(engine: Any, scheduled: list[ScheduledSeq], done: list,
                 failures: list[RequestFailure]) -> list[ScheduledSeq]:
     """Run each sequence alone; a failing one's request is aborted and reported. Returns those that ran."""
     ran = []
@@ -125,7 +123,7 @@ def _one_by_one(engine: "LLMEngine", scheduled: list[ScheduledSeq], done: list,
 
 
 @torch.inference_mode()
-def _forward(runner: "ModelRunner", pooler: Pooler, scheduled: list[ScheduledSeq]) -> list[tuple[Sequence, list[float]]]:
+def _forward(runner: ModelRunner, pooler: Pooler, scheduled: list[ScheduledSeq]) -> list[tuple[Sequence, list[float]]]:
     """One forward over the step's rows; each sequence's rows go to the pooler. Returns the outputs of
     the sequences whose prompts end in this step."""
     with runner.step_lock:
