@@ -67,19 +67,23 @@ def _read_json(path: Path) -> Any:
 
 
 def architecture(model_dir: str) -> str:
-    config = _read_json(Path(model_dir) / "config.json")
-    return ((config.get("architectures") or [""])[0]) if isinstance(config, dict) else ""
+    """``config.json``'s first architecture; "" when there is none or no readable file (the loader says why)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    return str((config.get("architectures") or [""])[0]) if isinstance(config, dict) else ""
 
 
 def resolve_runner(model_dir: str, runner: str, convert: str | None) -> tuple[str, str | None]:
     """(runner, convert) with "auto" and an unset convert decided from the directory."""
     arch = architecture(model_dir)
     is_classifier = arch.endswith("ForSequenceClassification")
+    pooling_only = is_classifier or (arch.endswith("Model") and not arch.endswith("ForCausalLM"))
     if runner == "auto":
-        pooling_only = is_classifier or (arch.endswith("Model") and not arch.endswith("ForCausalLM"))
         runner = "pooling" if pooling_only or convert or (Path(model_dir) / "modules.json").is_file() else "generate"
     if runner == "generate":
-        if is_classifier or not arch.endswith("ForCausalLM"):
+        if pooling_only:
             raise ValueError(f"{arch} has no LM head to generate with: serve it with runner pooling")
         return runner, None
     return runner, convert or ("classify" if is_classifier else "embed")

@@ -5,6 +5,7 @@ again (a 400 where the model declares no Matryoshka support)."""
 
 import base64
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from xinserve.engines.pooling.params import PoolingParams
 from xinserve.server.api.common import ClientDisconnected
 from xinserve.server.api.pooling.inputs import input_list
-from xinserve.server.api.pooling.run import run_pooling, usage
+from xinserve.server.api.pooling.run import PoolingRun, run_pooling, usage
 
 router = APIRouter()
 
@@ -42,26 +43,28 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
     return vector
 
 
-@router.post("/v1/embeddings", response_model=None)
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any] | Response:
+async def _respond(body: EmbeddingRequest, request: Request, prefix: str,
+                   item: Callable[[int, list[float] | str], dict[str, Any]],
+                   head: Callable[[PoolingRun], dict[str, Any]]) -> dict[str, Any] | Response:
+    """Run the request and answer ``head(run)`` with ``data``: ``item(index, encoded vector)`` per input."""
     try:
-        run = await run_pooling(request, body.model, input_list(body.input), body.params(), prefix="embd",
+        run = await run_pooling(request, body.model, input_list(body.input), body.params(), prefix=prefix,
                                 truncate_prompt_tokens=body.truncate_prompt_tokens)
     except ClientDisconnected:
         return Response(status_code=499)
-    data = [{"object": "embedding", "embedding": encode(vector, body.encoding_format), "index": i}
-            for i, vector in enumerate(run.outputs)]
-    return {"object": "list", "data": data, "model": run.model, "usage": usage(run)}
+    data = [item(i, encode(vector, body.encoding_format)) for i, vector in enumerate(run.outputs)]
+    return {**head(run), "data": data, "usage": usage(run)}
+
+
+@router.post("/v1/embeddings", response_model=None)
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any] | Response:
+    return await _respond(body, request, "embd",
+                          lambda i, vector: {"object": "embedding", "embedding": vector, "index": i},
+                          lambda run: {"object": "list", "model": run.model})
 
 
 @router.post("/pooling", response_model=None)
 async def create_pooling(body: EmbeddingRequest, request: Request) -> dict[str, Any] | Response:
-    try:
-        run = await run_pooling(request, body.model, input_list(body.input), body.params(), prefix="pool",
-                                truncate_prompt_tokens=body.truncate_prompt_tokens)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    data = [{"index": i, "object": "pooling", "data": encode(vector, body.encoding_format)}
-            for i, vector in enumerate(run.outputs)]
-    return {"id": run.request_id, "object": "list", "created": int(time.time()), "model": run.model, "data": data,
-            "usage": usage(run)}
+    return await _respond(body, request, "pool", lambda i, vector: {"index": i, "object": "pooling", "data": vector},
+                          lambda run: {"id": run.request_id, "object": "list", "created": int(time.time()),
+                                       "model": run.model})

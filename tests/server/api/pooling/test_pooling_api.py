@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from tests.engines.pooling.model_dirs import make_classifier, make_embedding_model, make_reranker
 from tests.server.conftest import serve_config
 
+pytestmark = pytest.mark.slow  # a server of four models (one CPU worker each)
+
 KEY = "sk-pooling-all-5c1e"
 EMBED_ONLY_KEY = "sk-pooling-embed-77a0"  # limited to the model "embed"
 TEXTS = ["hello world", "the harbour fog rolled slowly over the boats", "a", "bread and salt " * 5]
