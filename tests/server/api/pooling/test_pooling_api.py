@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from tests.engines.pooling.model_dirs import make_classifier, make_embedding_model, make_reranker
-from tests.server.conftest import serve_config
+from tests.server.conftest import serve_config, wait_for
 
 pytestmark = pytest.mark.slow  # a server of four models (one CPU worker each)
 
@@ -165,10 +165,17 @@ def test_hostile_inputs_are_openai_4xx(http, path, body, status, needle):
 def test_long_input_truncated_and_the_workers_live_on(http, server):
     r = http.post("/v1/embeddings", json={"model": "embed", "input": "bread " * 200, "truncate_prompt_tokens": -1})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 128
-    health = http.get("/health").json()
-    assert health["status"] == "ok" and all(w["restarts"] == 0 for w in health["workers"]), health
     ok = http.post("/v1/embeddings", json={"model": "embed", "input": TEXTS[0]})
     assert ok.status_code == 200
+
+    def idle() -> dict | None:  # every request done, every KV block free again, no worker restarted
+        health = http.get("/health").json()
+        workers = health["workers"]
+        settled = all(w["num_requests_running"] == w["num_requests_waiting"] == 0 and w["kv_cache_usage"] == 0
+                      for w in workers)
+        return health if settled and health["status"] == "ok" and all(w["restarts"] == 0 for w in workers) else None
+
+    assert wait_for(idle, timeout=10), http.get("/health").json()
 
 
 def test_keys_scope_the_pooling_models(server):
