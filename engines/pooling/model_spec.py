@@ -102,10 +102,15 @@ def _sentence_transformers_pooling(model_dir: Path) -> tuple[str | None, bool]:
             normalize = True
         elif kind.endswith(".Pooling"):
             method = _pooling_mode(_read_json(model_dir / module.get("path", "") / "config.json"))
+        elif not kind.endswith(".Transformer"):  # a Dense projection, ...: its output would differ
+            raise ValueError(f"sentence-transformers module {kind!r} is not supported; supported: Transformer, "
+                             "Pooling, Normalize")
     return method, normalize
 
 
 def _pooling_mode(config: dict[str, Any]) -> str:
+    if config.get("include_prompt", True) is False:
+        raise ValueError("sentence-transformers pooling with include_prompt false is not supported")
     mode = config.get("pooling_mode") or next((m for key, m in _OLD_MODE_KEYS.items() if config.get(key)), None)
     if mode not in POOLING_METHODS:
         raise ValueError(f"sentence-transformers pooling {mode or config!r} is not supported; supported: "

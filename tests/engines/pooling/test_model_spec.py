@@ -52,6 +52,12 @@ def test_unsupported_pooling_is_refused_by_name(tmp_path):
     modules = [_pooling_module(tmp_path, {"pooling_mode": "max"})]
     with pytest.raises(ValueError, match="'max' is not supported"):
         read_pooler_spec(_model(tmp_path, "Qwen3Model", modules), "embed", None)
+    modules = [_pooling_module(tmp_path, {"pooling_mode": "mean", "include_prompt": False})]
+    with pytest.raises(ValueError, match="include_prompt false is not supported"):
+        read_pooler_spec(_model(tmp_path, "Qwen3Model", modules), "embed", None)
+    modules = [{"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+    with pytest.raises(ValueError, match="'sentence_transformers.models.Dense' is not supported"):
+        read_pooler_spec(_model(tmp_path, "Qwen3Model", modules), "embed", None)
 
 
 def test_without_sentence_transformers_config_a_decoder_pools_its_last_token_normalized(tmp_path):
