@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from xinserve.engines import LLM
 from xinserve.engines.core.sampling_params import SamplingParams
@@ -147,3 +147,23 @@ def test_bad_pooling_requests_are_value_errors(embedding_dir, tiny_models):
         assert generating.engine.config.runner == "generate"
         with pytest.raises(ValueError, match="served for generation"):
             add_pooling_request(generating.engine, "f", [5], PoolingParams())
+
+
+def test_a_causal_lm_served_for_embeddings_pools_its_last_hidden_state(tiny_models):
+    # GTE-Qwen2 / Qwen3-Embedding checkpoints that keep a ForCausalLM architecture: --runner pooling,
+    # the LM head left unread, the final norm's last row normalized.
+    path = tiny_models("qwen3")
+    hf = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with LLM(str(path), runner="pooling", num_kv_blocks=32, block_size=8) as llm:
+        assert llm.engine.config.convert == "embed"
+        got = np.array(llm.embed(TEXTS))
+    for row, text in zip(got, TEXTS):
+        with torch.no_grad():
+            last = hf(**tokenizer(text, return_tensors="pt")).last_hidden_state[0, -1]
+        assert np.abs(row - torch.nn.functional.normalize(last, dim=0).numpy()).max() < 1e-5
+
+
+def test_a_pooling_runner_is_one_rank_for_now(embedding_dir):
+    with pytest.raises(ValueError, match="built for one rank"):
+        LLM(str(embedding_dir), tensor_parallel_size=2)
