@@ -50,7 +50,9 @@ async def run_pooling(
     check_model_access(request, model)
     check_inputs(inputs, state.config.limits, param)
     encode = encode or (lambda tokenizer: tokenize(tokenizer, inputs, param))
-    pool, worker, ids = await route_encoded(state.router, model, len(inputs), lambda p: encode(p.tokenizer),
+    # Admitted as one request: a worker's capacity (max_num_seqs + max_waiting_requests) bounds requests,
+    # while up to limits.max_pooling_inputs inputs of one request queue in its scheduler.
+    pool, worker, ids = await route_encoded(state.router, model, 1, lambda p: encode(p.tokenizer),
                                             may_use=partial(may_use, request))
     info = worker.info.get("pooling")
     if info is None or info["task"] != params.task:

@@ -162,6 +162,13 @@ def test_hostile_inputs_are_openai_4xx(http, path, body, status, needle):
     assert needle in error["message"] and set(error) == {"message", "type", "param", "code"}
 
 
+def test_more_inputs_than_a_worker_holds_requests_in_one_request(http):
+    # 400 inputs: more than max_num_seqs + max_waiting_requests (64 + 256), fewer than max_pooling_inputs
+    r = http.post("/v1/embeddings", json={"model": "embed", "input": [f"word {i}" for i in range(400)]})
+    assert r.status_code == 200, r.text
+    assert [d["index"] for d in r.json()["data"]] == list(range(400))
+
+
 def test_long_input_truncated_and_the_workers_live_on(http, server):
     r = http.post("/v1/embeddings", json={"model": "embed", "input": "bread " * 200, "truncate_prompt_tokens": -1})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 128
