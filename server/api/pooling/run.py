@@ -66,7 +66,13 @@ async def run_pooling(
     names = [f"{run.request_id}-{i}" for i in range(len(ids))]
     try:
         streams = [worker.add(name, item, params) for name, item in zip(names, ids)]
-        items = await run_until_disconnect(request, asyncio.gather(*(s.queue.get() for s in streams)))
+        timeout_s = state.config.server.request_timeout_s
+        items = await run_until_disconnect(request, asyncio.wait_for(
+            asyncio.gather(*(s.queue.get() for s in streams)), timeout_s))
+    except TimeoutError:
+        _abort(worker, names)
+        log_fields(request, run, "error 504")
+        raise APIError(504, f"The request timed out after {timeout_s:g}s.", code="timeout") from None
     except ClientDisconnected:
         _abort(worker, names)
         log_fields(request, run, "disconnected")
