@@ -24,6 +24,8 @@ QUANTIZATION_METHODS = ("fp8", "w8a8", "compressed-tensors", "ascend", "gptq", "
 # pins that), written out here because that module imports torch and the HTTP process reads this config
 # before it spawns its workers (server/http/heavy_imports.py).
 KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "int8")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner (less draft)
+CONVERTS = ("embed", "classify")  # vLLM's --convert for a pooling runner
 
 
 def setting(help: str, *, ge: int | None = None, gt: float | None = None, le: float | None = None,
@@ -131,6 +133,20 @@ class EngineConfig:
         "LoRA adapters kept loaded on the host (least recently used idle ones let go); default max_loras", ge=1))
     lora_modules: dict[str, str] | None = field(default=None, metadata=setting(
         "LoRA adapters loaded at start: name -> PEFT directory"))
+    runner: str | None = field(default=None, metadata=setting(
+        "what the model is served for (vLLM's flag): generate (text) or pooling (embeddings, classification, "
+        "scores: one prefill per input, no decode; engines/pooling/); auto: pooling for a sentence-transformers "
+        "directory (modules.json), a *ForSequenceClassification or a bare *Model architecture, else generate; "
+        "unset: auto",
+        choices=RUNNERS))
+    convert: str | None = field(default=None, metadata=setting(
+        "a pooling runner's task (vLLM's flag): embed (a vector per input) or classify (label probabilities; "
+        "a cross-encoder's relevance score); default: classify for a *ForSequenceClassification, else embed",
+        choices=CONVERTS))
+    classifier_from_token: str | None = field(default=None, metadata=setting(
+        "with convert classify on a causal LM (a Qwen3-Reranker): the two tokens false,true (e.g. no,yes) whose "
+        "last-token logits give the score sigmoid(logit[true] - logit[false]) (vLLM's hf_overrides "
+        "classifier_from_token)"))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -149,6 +165,10 @@ class EngineConfig:
             raise ValueError("kv_transfer_config and kv_offloading_size cannot be combined yet (one KV connector)")
         if self.enable_lora:
             check_lora(self)
+        if self.runner == "generate" and (self.convert is not None or self.classifier_from_token is not None):
+            raise ValueError("convert and classifier_from_token need runner pooling (or auto)")
+        if self.classifier_from_token is not None and self.convert == "embed":
+            raise ValueError("classifier_from_token scores with convert classify, not embed")
         if self.kv_offloading_size is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs enable_prefix_caching: the tier is keyed by its block hashes")
 

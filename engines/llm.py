@@ -15,6 +15,8 @@ from xinserve.engines.core.engine import LLMEngine
 from xinserve.engines.core.outputs import CompletionOutput, RequestOutput
 from xinserve.engines.core.sampling_params import SamplingParams
 from xinserve.engines.lora.request import LoRARequest
+from xinserve.engines.pooling.engine_step import add_pooling_request
+from xinserve.engines.pooling.params import PoolingParams
 
 Prompt = str | list[int]
 
@@ -108,6 +110,33 @@ class LLM:
         for request in {r for r in requests if r is not None and r.lora_name not in self.engine.lora_names()}:
             self.engine.add_lora(request.lora_name, request.lora_path)
         return [p if r is None else replace(p, lora_name=r.lora_name) for p, r in zip(params_list, requests)]
+    def encode(self, prompts: Prompt | Seq[Prompt], params: PoolingParams | None = None) -> list[list[float]]:
+        """A pooling model's output for every prompt (text or token ids), in prompt order: an embedding
+        (task embed) or the label probabilities / score (task classify). Raises ValueError for a prompt
+        the engine refuses, RuntimeError for one that failed."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or PoolingParams(task=self.engine.pooler.spec.task if self.engine.pooler else "embed")
+        outputs: dict[str, list[float] | None] = {}
+        for prompt in prompts:
+            request_id = str(self._counter)
+            self._counter += 1
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            add_pooling_request(self.engine, request_id, ids, params)
+            outputs[request_id] = None
+        while self.engine.has_unfinished_requests():
+            step = self.engine.step()
+            for out in step.outputs:
+                outputs[out.request_id] = out.pooled
+            if step.failures:
+                raise RuntimeError(f"request {step.failures[0].request_id} failed: {step.failures[0].message}")
+        return list(outputs.values())
+
+    def embed(self, prompts: Prompt | Seq[Prompt], dimensions: int | None = None) -> list[list[float]]:
+        return self.encode(prompts, PoolingParams("embed", dimensions))
+
+    def classify(self, prompts: Prompt | Seq[Prompt]) -> list[list[float]]:
+        return self.encode(prompts, PoolingParams("classify"))
 
     @staticmethod
     def _fail(result: RequestOutput, message: str,

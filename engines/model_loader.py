@@ -18,6 +18,7 @@ from xinserve.engines.models import MODEL_REGISTRY
 from xinserve.engines.models.config_check import read_model_config, unsupported_config_fields
 from xinserve.engines.models.expert_parallel import make_exchange, place_experts
 from xinserve.engines.models.mtp import attach_mtp, mtp_parameter_name
+from xinserve.engines.models.pooling_heads import bare_decoder, model_class
 from xinserve.engines.models.tensor_parallel import (
     Collectives,
     check_tensor_parallel,
@@ -55,6 +56,7 @@ def load_model(
     quantization: str | None = None,
     choose_ep_exchange: Callable[[ModelShapes, torch.dtype], str] | None = None,
     mtp: bool = False,
+    convert: str | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:
     """Load the model at ``path`` onto ``device`` in ``dtype`` (None: the config's dtype, else
     float32), in eval mode without gradients. ``choose_ops`` picks the kernels for the model's
@@ -68,7 +70,8 @@ def load_model(
     exchange for the shapes and dtype (kernels/ep_dispatch.py); None: the all-to-all reference."""
     config = read_model_config(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
-    if architecture not in MODEL_REGISTRY:
+    model_cls = model_class(MODEL_REGISTRY, architecture)
+    if model_cls is None:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
         )
@@ -79,7 +82,8 @@ def load_model(
     dtype = dtype or _config_dtype(config)
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: float32, float16, bfloat16")
-    model_cls = MODEL_REGISTRY[architecture]
+    if convert == "embed" and architecture in MODEL_REGISTRY:
+        model_cls = bare_decoder(model_cls)
     shapes = model_cls.kernel_shapes(config)
     name = f"{architecture} at {path!r}"
     reader = checkpoint_reader(path, config, quantization, model_cls.FLOAT_WEIGHTS)

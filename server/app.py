@@ -22,6 +22,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 
 from xinserve.server.api import anthropic, health
 from xinserve.server.api.openai import chat, completions, models
+from xinserve.server.api.pooling import classify, embeddings, rerank, score
 from xinserve.server.api.responses import routes as responses_api
 from xinserve.server.api.responses.store import ResponseStore
 from xinserve.server.api.sglang import routes as sglang_worker
@@ -102,6 +103,8 @@ def create_app(config: AppConfig, log_level: int = logging.INFO) -> FastAPI:
     app.include_router(models.router, dependencies=guarded)
     app.include_router(anthropic.router, dependencies=guarded)
     app.include_router(tokenize.router, dependencies=guarded)
+    for pooling in (embeddings, classify, score, rerank):
+        app.include_router(pooling.router, dependencies=guarded)
     app.include_router(responses_api.router, dependencies=guarded)
     app.include_router(sglang_worker.router, dependencies=guarded)
     lora_routes.install(app, guarded)  # only when runtime LoRA updates are allowed

@@ -155,6 +155,9 @@ class LimitsSettings(_Section):
     # (measured 0.16 ms at 256 characters, 0.8 s at 100,000), and it runs in the HTTP process.
     max_stop_chars: int = Field(256, ge=1)
     max_n: int = Field(128, ge=1)
+    # Inputs of one pooling request (embeddings, classify, score's and rerank's texts): OpenAI's limit on
+    # an embeddings request's array (server/api/pooling/).
+    max_pooling_inputs: int = Field(2048, ge=1)
     # Tokens one request may ask for; None: only the model's context length bounds it.
     max_tokens: int | None = Field(None, ge=1)
 

@@ -31,6 +31,7 @@ from xinserve.engines.model_loader import _checkpoint_names, _config_dtype
 from xinserve.engines.models import MODEL_REGISTRY
 from xinserve.engines.models.config_check import read_model_config
 from xinserve.engines.models.mtp import attach_mtp
+from xinserve.engines.models.pooling_heads import model_class
 from xinserve.engines.models.tensor_parallel import check_model_splits, shard_model
 from xinserve.kernels.kv_quant import KV_CACHE_DTYPES, storage_dtype
 from xinserve.kernels.ops import REFERENCE_OPS
@@ -126,10 +127,11 @@ def read_config(path: str) -> tuple[Any, type[nn.Module], str]:
     the file (and the field) when it is missing or cannot make one of our models."""
     config = read_model_config(path)
     architecture = (getattr(config, "architectures", None) or [None])[0]
-    if architecture not in MODEL_REGISTRY:
+    model_cls = model_class(MODEL_REGISTRY, architecture)  # a pooling form (Qwen3Model) too
+    if model_cls is None:
         raise ValueError(f"unsupported architecture {architecture!r} in {str(Path(path) / 'config.json')!r}; "
                          f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
-    return config, MODEL_REGISTRY[architecture], f"{architecture} at {path!r}"
+    return config, model_cls, f"{architecture} at {path!r}"
 
 
 def meta_model(config: Any, model_cls: type[nn.Module], dtype: torch.dtype, tp: int,

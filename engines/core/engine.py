@@ -27,6 +27,7 @@ from xinserve.engines.kv.mooncake_connector import make_remote_connector
 from xinserve.engines.lora.registry import LoraRegistry
 from xinserve.engines.parallel.tp_runner import make_runner
 from xinserve.engines.platforms import get_platform
+from xinserve.engines.pooling.engine_step import make_pooler, pooling_step, with_runner
 from xinserve.engines.speculative.config import parse_speculative_config
 from xinserve.engines.speculative.proposer import make_proposer
 from xinserve.engines.structured.compiler import GrammarCompiler, PendingGrammar
@@ -40,12 +41,13 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self.config = config = with_runner(config)
         self.platform = get_platform(config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         block_size = config.block_size or self.platform.default_block_size
         self.eos_token_ids = self._eos_token_ids()
         self.runner = make_runner(config, self.platform, block_size, sorted(self.eos_token_ids))
+        self.pooler = make_pooler(self)  # a pooling engine's (engines/pooling/); None when it generates
         max_model_len = self._max_model_len(self.runner.hf_config.max_position_embeddings)
         num_blocks = config.num_kv_blocks or self._profile_num_blocks(block_size, max_model_len)
         # A sequence can never outgrow the whole pool: cap the context so it always fits alone.
@@ -170,6 +172,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ValueError when it could never run (the server answers 400)."""
+        if self.pooler is not None:
+            raise ValueError(f"this model is served for pooling ({self.config.convert}), not generation")
         if request_id in self.requests or request_id in self.scheduler.held_blocks:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -255,6 +259,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def step(self) -> StepResult:
+        if self.pooler is not None:
+            return pooling_step(self)
         failures = self._admit_compiled() if self._compiling else []
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)

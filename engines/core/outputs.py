@@ -38,6 +38,8 @@ class StepOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # With the last output of a request whose KV another instance reads (vLLM's field; engines/kv/connector.py).
     kv_transfer_params: dict[str, Any] | None = None
+    # A pooling request's one output (engines/pooling/): its embedding, or its label probabilities / score.
+    pooled: list[float] | None = None
 
 
 @dataclass(slots=True)

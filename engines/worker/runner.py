@@ -57,7 +57,8 @@ class ModelRunner:
         self.model, self.hf_config = load_model(
             config.model, parse_dtype(config.dtype), self.device, partial(self._choose_kernels, config),
             group, expert_parallel=config.enable_expert_parallel, pipeline=pipeline, quantization=config.quantization,
-            choose_ep_exchange=partial(self._choose_ep_exchange, config), mtp=config.uses_mtp)
+            choose_ep_exchange=partial(self._choose_ep_exchange, config), mtp=config.uses_mtp,
+            convert=config.convert if config.runner == "pooling" else None)
         self.dtype = next(self.model.parameters()).dtype
         # Only pipeline stage 0 computes logits (it holds the LM head).
         self.computes_logits = pipeline is None or pipeline.layout.first

@@ -22,7 +22,6 @@ from typing import Any
 import zmq
 
 from xinserve.engines.core.outputs import EngineStats
-from xinserve.engines.core.sampling_params import SamplingParams
 from xinserve.server.pool import heartbeat
 from xinserve.server.pool.fanout import Fanout, RequestStream
 from xinserve.server.pool.restart_policy import RestartBackoff
@@ -147,13 +146,13 @@ class WorkerClient:
                     self.device)
         asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_exit)
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: messages.RequestParams) -> RequestStream:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight on {self.label}")
         # Encoded before anything is counted: a value the wire format cannot carry leaks no load.
         handle = self.requests.new_handle()  # the worker's name for the request (server/pool/fanout.py)
         frame = messages.encode(messages.add_request(handle, prompt_token_ids, params))
-        stream = self.requests.open(request_id, params.n, handle)
+        stream = self.requests.open(request_id, getattr(params, "n", 1), handle)  # a pooling request: one output
         if self._refusal is not None:
             self.requests.fail(request_id, RequestError(self._refusal, unavailable=True))
         elif not self._post_frame(frame):

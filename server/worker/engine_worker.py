@@ -33,6 +33,7 @@ from xinserve.engines.worker.process_exit import leave_quickly
 from xinserve.server.worker import messages
 from xinserve.server.worker.messages import (
     Add,
+    AddPooling,
     Failed,
     InfoUpdate,
     LoadLora,
@@ -123,7 +124,7 @@ class WorkerLoop:
             self.send.send(messages.encode(message), copy=False)
 
     def _handle(self, message: messages.ToWorker) -> None:
-        if isinstance(message, Add):
+        if isinstance(message, (Add, AddPooling)):
             self._add(message)
         elif isinstance(message, messages.Abort):
             emitted = message.emitted or [None] * len(message.targets)
@@ -154,9 +155,15 @@ class WorkerLoop:
                                  f"{type(exc).__name__}: {exc}")
         return LoraDone(message.op, error, sorted(self.engine.lora_names()))
 
-    def _add(self, message: Add) -> None:
+    def _add(self, message: Add | AddPooling) -> None:
         try:
-            self.engine.add_request(message.request_id, message.prompt_token_ids, messages.engine_params(message))
+            if isinstance(message, AddPooling):  # torch is imported by now: the engine is loaded
+                from xinserve.engines.pooling.engine_step import add_pooling_request
+
+                add_pooling_request(self.engine, message.request_id, message.prompt_token_ids,
+                                    messages.engine_params(message))
+            else:
+                self.engine.add_request(message.request_id, message.prompt_token_ids, messages.engine_params(message))
         except ValueError as exc:  # the engine's way of saying "this request can never run"
             self._emit(Failed(message.request_id, RequestError(str(exc), client_fault=True)))
             return
@@ -270,6 +277,7 @@ class WorkerLoop:
 
 def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]:
     # Imported here, in the worker: the HTTP process imports this module (for run_worker) without torch.
+    from xinserve.engines.pooling.model_spec import pooling_info
     from xinserve.engines.quantization.install import weights_report
 
     tokenizer = engine.tokenizer
@@ -300,6 +308,9 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
         "weights": weights_report(engine.runner.model),
         # the LoRA adapters it loaded at start (lora_modules); LoraDone messages update the server's view
         "lora_adapters": sorted(engine.lora_names()) if engine.config.enable_lora else [],
+        # a pooling engine's task, pooling and Matryoshka sizes (engines/pooling/); None: it generates
+        "pooling": None if engine.pooler is None else pooling_info(
+            engine.pooler.spec, getattr(engine.runner.hf_config, "id2label", None)),
     }
 
 

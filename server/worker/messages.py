@@ -17,6 +17,7 @@ import msgspec
 
 from xinserve.engines.core.outputs import EngineStats, StepOutput
 from xinserve.engines.core.sampling_params import DETOKENIZER_FIELDS, SamplingParams
+from xinserve.engines.pooling.params import PoolingParams
 
 
 class RequestError(msgspec.Struct, array_like=True, frozen=True):
@@ -49,6 +50,20 @@ class Add(msgspec.Struct, array_like=True, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     params: EngineSampling
+
+
+RequestParams = SamplingParams | PoolingParams  # a generation's, or a pooling request's (engines/pooling/)
+# ``PoolingParams`` as one positional record, generated from the dataclass as ``EngineSampling`` is.
+EnginePooling = msgspec.defstruct("EnginePooling", [(f.name, f.type) for f in fields(PoolingParams)], array_like=True)
+
+
+class AddPooling(msgspec.Struct, array_like=True, tag="pool"):
+    """A new prefill-only request of a pooling engine (engines/pooling/); one ``StepOutput`` with
+    ``pooled`` answers it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: EnginePooling
 
 
 class Abort(msgspec.Struct, array_like=True, tag="abort"):
@@ -130,7 +145,7 @@ class LoraDone(msgspec.Struct, array_like=True, tag="lora_done"):
     adapters: list[str]
 
 
-ToWorker = Add | Abort | Shutdown | LoadLora | UnloadLora
+ToWorker = Add | AddPooling | Abort | Shutdown | LoadLora | UnloadLora
 FromWorker = Ready | LoadFailed | Outputs | Failed | Stats | InfoUpdate | LoraDone
 
 _encoder = msgspec.msgpack.Encoder()
@@ -156,15 +171,20 @@ def decode_to_worker(frame: bytes) -> ToWorker:
         return _decode_to_worker(frame)
     except msgspec.ValidationError as exc:
         raw = msgspec.msgpack.decode(frame)
-        if isinstance(raw, list) and len(raw) > 1 and raw[0] == "add" and isinstance(raw[1], str):
+        if isinstance(raw, list) and len(raw) > 1 and raw[0] in ("add", "pool") and isinstance(raw[1], str):
             raise MalformedAdd(raw[1], f"malformed request fields: {exc}") from None
         raise
 
 
-def add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Add:
+def add_request(request_id: str, prompt_token_ids: list[int], params: RequestParams) -> Add | AddPooling:
+    """The message that adds a request: a generation (``SamplingParams``) or a pooling one."""
+    if isinstance(params, PoolingParams):
+        return AddPooling(request_id, prompt_token_ids, EnginePooling(*(getattr(params, f.name) for f in fields(params))))
     return Add(request_id, prompt_token_ids, EngineSampling(*(getattr(params, f.name) for f in _ENGINE_FIELDS)))
 
 
-def engine_params(message: Add) -> SamplingParams:
-    """The engine's ``SamplingParams`` of an ``Add``, not validated again (the HTTP edge did)."""
+def engine_params(message: Add | AddPooling) -> SamplingParams | PoolingParams:
+    """The engine's params of an ``Add`` (not validated again: the HTTP edge did) or an ``AddPooling``."""
+    if isinstance(message, AddPooling):
+        return PoolingParams(**msgspec.structs.asdict(message.params))
     return SamplingParams.trusted(**msgspec.structs.asdict(message.params))

@@ -17,6 +17,7 @@ import aiohttp
 from xinserve.server.cli.bad_input import BadInput, read_text
 from xinserve.server.cli.bench import dataset, report
 from xinserve.server.cli.bench.client import RequestResult, one_request
+from xinserve.server.cli.bench.embeddings import embeddings_benchmark
 from xinserve.server.cli.bench.load import Level, levels, run_level
 from xinserve.server.cli.bench.plot import plot
 from xinserve.server.cli.bench.stats import by_category, summarize
@@ -41,7 +42,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model name (default: the first of GET /models)")
     p.add_argument("--api-key", default=os.environ.get("XINSERVE_API_KEY"),
                    help="sent as a bearer token (default: $XINSERVE_API_KEY)")
-    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--endpoint", choices=["chat", "completions", "embeddings"], default="chat",
+                   help="embeddings: /v1/embeddings at each --batch-size (server/cli/bench/embeddings.py)")
+    p.add_argument("--batch-size", type=_ints, help="embeddings: inputs per request, one level each (default 1,8,32,128)")
     p.add_argument("--num-prompts", type=int, help="requests per load level (default: 64, or the dataset's size)")
     p.add_argument("--concurrency", type=_ints, help="requests in flight, one level each: 1,8,32 (default 8)")
     p.add_argument("--request-rate", type=_rates,
@@ -95,6 +98,9 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if model is None:
             async with client.get(f"{base}/models", raise_for_status=True) as response:
                 model = (await response.json())["data"][0]["id"]
+        if args.endpoint == "embeddings":
+            return {"label": args.label or args.base_url, "model": model, "machine": machine(), "mode": "embeddings",
+                    "config": _config(args), "runs": await embeddings_benchmark(client, base, model, args)}
         url = f"{base}/chat/completions" if args.endpoint == "chat" else f"{base}/completions"
         # Built before any is sent, so a dataset that does not fit the endpoint fails at once.
         requests = [(dataset.payload(p, model, args.endpoint, args.output_tokens, not args.no_ignore_eos),
@@ -112,9 +118,12 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if "categories" in run:
                 print(report.category_table(run["categories"]))
             runs.append(run)
-    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "bench_command")}
     return {"label": args.label or args.base_url, "model": model, "machine": machine(),
-            "config": config, "runs": runs}
+            "config": _config(args), "runs": runs}
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("api_key", "bench_command")}
 
 
 def machine() -> dict[str, Any]:
@@ -152,11 +161,11 @@ def run(args: argparse.Namespace) -> int:
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         print(f"xinserve bench: cannot reach {args.base_url}: {exc}")
         return 1
-    if len(result["runs"]) > 1:
+    if len(result["runs"]) > 1 and result.get("mode") != "embeddings":
         print(report.levels_table([result]))
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=2, default=str))
-    if args.plot:
+    if args.plot and result.get("mode") != "embeddings":
         print(f"wrote {plot([result], args.plot)}")
     return 0 if all(r["failed"] == 0 for r in result["runs"]) else 1

@@ -7,6 +7,7 @@ import pytest
 
 from xinserve.engines.core.outputs import EngineStats, StepOutput, TokenLogprob
 from xinserve.engines.core.sampling_params import DETOKENIZER_FIELDS, SamplingParams
+from xinserve.engines.pooling.params import PoolingParams
 from xinserve.server.worker import messages
 from xinserve.server.worker.messages import (
     Abort,
@@ -95,3 +96,14 @@ def test_an_error_is_the_clients_or_ours():
 def test_a_malformed_frame_is_refused_by_its_type():
     with pytest.raises(msgspec.ValidationError):
         messages.decode_to_worker(msgspec.msgpack.encode(["add", "r", "not token ids", []]))
+
+
+def test_a_pooling_request_and_its_output_cross_as_they_were():
+    params = PoolingParams("embed", dimensions=16, normalize=False)
+    add = messages.add_request("r", [5, 6], params)
+    decoded = messages.decode_to_worker(messages.encode(add))
+    assert isinstance(decoded, messages.AddPooling) and messages.engine_params(decoded) == params
+    out = Outputs([StepOutput("r", 0, [], True, "stop", pooled=[0.25, -1.5])])
+    assert messages.decode_from_worker(messages.encode(out)) == out
+    with pytest.raises(messages.MalformedAdd, match="malformed request fields"):
+        messages.decode_to_worker(msgspec.msgpack.encode(["pool", "r", [5], ["embed", "sixteen", None, True]]))
