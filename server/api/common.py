@@ -91,10 +91,10 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
 def log_fields(request: Request, gen: Any, status: str) -> None:
     """Fill in the fields of the request's log line (written by the request-log middleware).
 
-    ``gen``: a ``GenerationGroup`` (its request id, worker, adapter and token counts).
+    ``gen``: a ``GenerationGroup`` or a ``PoolingRun`` (its request id, worker, adapter and token counts).
     """
     fields = {"id": gen.request_id, "model": gen.worker.model_name, "worker": gen.worker.label}
-    lora = gen.gens[0].params.lora_name
+    lora = gen.lora_name
     if lora is not None:  # the LoRA adapter it ran with, for the line and the per-adapter counters
         fields["lora"] = lora
     request.state.log = {**fields, "prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,

@@ -35,6 +35,10 @@ class GenerationGroup:
         return self.gens[0].worker  # read late: a retry may have moved it
 
     @property
+    def lora_name(self) -> str | None:
+        return self.gens[0].params.lora_name  # the LoRA adapter it runs with (None: the base model)
+
+    @property
     def prompt_tokens(self) -> int:
         return sum(g.prompt_tokens for g in self.gens)
 

@@ -16,7 +16,7 @@ from xinserve.server.api.common import ClientDisconnected, log_fields, new_reque
 from xinserve.server.api.pooling.inputs import Input, check_inputs, fit_context, tokenize
 from xinserve.server.api.prompt import route_encoded
 from xinserve.server.errors import APIError
-from xinserve.server.http.auth import check_model_access, may_use
+from xinserve.server.http.auth import may_use
 from xinserve.server.pool.worker_client import WorkerClient
 from xinserve.server.worker.messages import RequestError
 
@@ -35,6 +35,7 @@ class PoolingRun:
     prompt_tokens: int
     completion_tokens: int = 0
     labels: list[str] | None = None  # a classifier's label names
+    lora_name: None = None  # pooling runs on the base model only (its log line names no adapter)
 
 
 async def run_pooling(
@@ -47,13 +48,17 @@ async def run_pooling(
     further checks of the model (beyond its task); ``encode(tokenizer)``: the engine inputs when they are
     not ``inputs`` tokenised one by one (a cross-encoder's pairs). ``ClientDisconnected`` when the client left."""
     state = request.app.state
-    check_model_access(request, model)
+    allowed = partial(may_use, request)
+    target = state.router.resolve(model, allowed)  # 404 for an unknown model or one the key may not use
+    if target.lora_name is not None:
+        raise APIError(400, f"'{model}' is a LoRA adapter: pooling requests run on the base model only.",
+                       param="model", code="model_not_supported")
     check_inputs(inputs, state.config.limits, param)
     encode = encode or (lambda tokenizer: tokenize(tokenizer, inputs, param))
     # Admitted as one request: a worker's capacity (max_num_seqs + max_waiting_requests) bounds requests,
     # while up to limits.max_pooling_inputs inputs of one request queue in its scheduler.
-    pool, worker, ids = await route_encoded(state.router, model, 1, lambda p: encode(p.tokenizer),
-                                            may_use=partial(may_use, request))
+    pool, worker, ids = await route_encoded(state.router, target, 1, lambda p: encode(p.tokenizer),
+                                            may_use=allowed)
     info = worker.info.get("pooling")
     if info is None or info["task"] != params.task:
         raise APIError(400, f"The model '{model}' does not support the {API_NAMES[params.task]} API (it is served "
