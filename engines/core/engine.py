@@ -17,6 +17,7 @@ from xinserve.engines.core.outputs import (
     StepResult,
     spec_decode_stats,
 )
+from xinserve.engines.core.request_checks import check_prompt, check_token_fields
 from xinserve.engines.core.sampling_params import SamplingParams
 from xinserve.engines.core.scheduler import SampledTokens, ScheduledSeq, Scheduler, num_pending
 from xinserve.engines.core.sequence import Sequence, SequenceStatus
@@ -31,7 +32,6 @@ from xinserve.engines.pooling.engine_step import make_pooler, pooling_step, with
 from xinserve.engines.speculative.config import parse_speculative_config
 from xinserve.engines.speculative.proposer import make_proposer
 from xinserve.engines.structured.compiler import GrammarCompiler, PendingGrammar
-from xinserve.engines.structured.schema import check_json_schema
 from xinserve.engines.worker import thread_split
 from xinserve.engines.worker.runner import always_plain_greedy
 from xinserve.engines.worker.warmup import Warmup
@@ -115,10 +115,8 @@ class LLMEngine:
         if requested is None:
             return max_position_embeddings
         if requested > max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {requested} is more than this model's max_position_embeddings "
-                f"{max_position_embeddings}"
-            )
+            raise ValueError(f"max_model_len {requested} is more than this model's max_position_embeddings "
+                             f"{max_position_embeddings}")
         return requested
 
     def _profile_num_blocks(self, block_size: int, max_model_len: int) -> int:
@@ -176,27 +174,8 @@ class LLMEngine:
             raise ValueError(f"this model is served for pooling ({self.config.convert}), not generation")
         if request_id in self.requests or request_id in self.scheduler.held_blocks:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens, but this model's context is "
-                f"{self.max_model_len} tokens and at least one must be left to generate"
-            )
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        # Fields that index the vocabulary inside the step would fail every request in the batch.
-        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
-        if max(params.logprobs or 0, params.prompt_logprobs or 0) > self.vocab_size:
-            raise ValueError(f"logprobs and prompt_logprobs must be at most the vocabulary size {self.vocab_size}")
-        if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size})")
-        if params.json_schema is not None:
-            check_json_schema(params.json_schema)
-        after = params.json_schema_after_token
-        if after is not None and not 0 <= after < self.vocab_size:
-            raise ValueError(f"json_schema_after_token must be in [0, {self.vocab_size})")
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        check_token_fields(params, self.vocab_size)
         if params.kv_transfer_params is not None:
             self._check_kv_transfer(params)
         now = time.monotonic()
