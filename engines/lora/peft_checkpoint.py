@@ -75,18 +75,18 @@ def read_adapter(path: str, targets: ModelTargets, max_lora_rank: int) -> Adapte
     pairs = _pairs(path, tensors, targets, expert_parameters(path, config))
     adapter = AdapterWeights(str(directory), rank=0)
     for module, (a, b) in sorted(pairs.items()):
-        parameter = module.rsplit(".", 1)[1]
-        if ".experts." in module:  # every expert's factors in one pair
+        expert = ".experts." in module  # the routed experts: every expert's factors in one pair
+        if expert:
             a, b = split_experts(path, module, a, b, _rank(config, module), targets.num_experts,
-                                 *targets.expert_shapes[parameter])
+                                 *targets.expert_shapes[module.rsplit(".", 1)[1]])
         r = a.shape[-2]
         if r > max_lora_rank:
             raise ValueError(f"LoRA adapter {path!r}: {module} has rank {r}, more than max_lora_rank "
                              f"{max_lora_rank} (raise --max-lora-rank)")
         scale = _alpha(config, module) / (math.sqrt(r) if config.get("use_rslora") else r)
-        if ".experts." in module:
+        adapter.rank = max(adapter.rank, r)
+        if expert:
             adapter.modules[module] = (a.float().contiguous(), (b.float() * scale).contiguous())
-            adapter.rank = max(adapter.rank, r)
             continue
         in_features, out_features = targets.shape(module)
         if a.shape != (r, in_features) or b.shape != (out_features, r):
@@ -99,7 +99,6 @@ def read_adapter(path: str, targets: ModelTargets, max_lora_rank: int) -> Adapte
         # a fused checkpoint projection: each part its rows of B and the whole (shared) A
         for part, rows in zip(parts, b.split([targets.shapes[p][1] for p in parts])):
             adapter.modules[f"{prefix}.{part}"] = (a, rows.contiguous())
-        adapter.rank = max(adapter.rank, r)
     if not adapter.modules:
         raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
     return adapter
