@@ -1,5 +1,5 @@
-"""A model's adapter slots on one device (one rank): the ``LoraStacks`` of every served projection, the
-step's per-row slot buffer they read, the host copies of the loaded adapters, and which adapter each
+"""A model's adapter slots on one device (one rank): the ``LoraStacks`` of every served projection (and the
+``ExpertLoraStacks`` of every mixture-of-experts layer whose routed experts are served), the step's per-row slot buffer they read, the host copies of the loaded adapters, and which adapter each
 slot holds.
 
 Which adapter goes in which slot is the scheduler's choice (engines/lora/slot_table.py); a step carries
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from xinserve.engines.lora.expert_stacks import ExpertLoraStacks
 from xinserve.engines.lora.peft_checkpoint import AdapterWeights, read_adapter
 from xinserve.engines.lora.stacks import LoraStacks
 from xinserve.engines.lora.targets import ModelTargets
@@ -31,7 +32,8 @@ class DeviceAdapters:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.step_slots = torch.full((max_rows,), -1, dtype=torch.int64, device=self.device)  # [max rows]
-        self.stacks: list[tuple[str, LoraStacks]] = []  # (module prefix "layers.<i>.self_attn.", stacks)
+        # (module prefix "layers.<i>.self_attn.", stacks); a MoE layer's experts: ("layers.<i>.mlp.experts.", ...)
+        self.stacks: list[tuple[str, LoraStacks | ExpertLoraStacks]] = []
         for i, layer in enumerate(model.model.layers):
             modules = [("self_attn", layer.self_attn, ("qkv_proj", "o_proj"))]
             if isinstance(layer.mlp, GatedMLP):
@@ -41,6 +43,10 @@ class DeviceAdapters:
                     stacks = self._stacks(getattr(parent, name), PROJECTIONS[name], max_loras, ops)
                     getattr(parent, name).lora = stacks
                     self.stacks.append((f"layers.{i}.{block}.", stacks))
+            if i in self.targets.expert_layers:
+                layer.mlp.lora = ExpertLoraStacks(layer.mlp.experts, max_loras, max_rank, self.step_slots,
+                                                  self.device, self.dtype)
+                self.stacks.append((f"layers.{i}.mlp.experts.", layer.mlp.lora))
         self.host: dict[int, AdapterWeights] = {}  # adapter id -> its host copy
         self.written: list[int | None] = [None] * max_loras  # the adapter id each slot holds on the device
 
@@ -88,4 +94,10 @@ class DeviceAdapters:
 
     def slot_bytes(self) -> int:
         """One slot's bytes on this device, over every layer."""
-        return sum((s.a_stack[0].nbytes + s.b_stack[0].nbytes) for _, s in self.stacks)
+        return sum(s.slot_bytes() for _, s in self.stacks)
+
+    @property
+    def serves_experts(self) -> bool:
+        """Whether the routed experts run with adapters (engines/lora/expert_stacks.py): a host loop, which a
+        captured graph would freeze."""
+        return bool(self.targets.expert_layers)

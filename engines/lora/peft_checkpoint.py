@@ -2,10 +2,12 @@
 tensors, each module's scaling folded into its B, or refused by name with a ValueError.
 
 What is served: LoRA (not DoRA) on q/k/v/o_proj of the attention and gate/up/down_proj of dense MLP
-layers (GLM-4's fused gate_up_proj too), rank at most ``max_lora_rank`` (each module's rank is its lora_A's rows, so PEFT's
-``rank_pattern`` is honoured as written), ``lora_alpha`` with ``alpha_pattern``, rsLoRA. Refused: targets
-other than those (lm_head, embed_tokens, a mixture-of-experts layer's experts or router), trained
-biases, ``modules_to_save``, ``use_dora``, trainable tokens, layer replication, ``target_parameters``.
+layers (GLM-4's fused gate_up_proj too), ``target_parameters`` on the routed experts' gate_up_proj and
+down_proj (engines/lora/expert_checkpoint.py), rank at most ``max_lora_rank`` (each module's rank is its
+lora_A's rows, per expert for the experts, so PEFT's ``rank_pattern`` is honoured as written),
+``lora_alpha`` with ``alpha_pattern``, rsLoRA. Refused: targets other than those (lm_head, embed_tokens,
+per-expert modules, shared experts, the router), trained biases, ``modules_to_save``, ``use_dora``,
+trainable tokens, layer replication.
 """
 
 import json
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from xinserve.engines.lora.expert_checkpoint import expert_parameter, expert_parameters, split_experts
 from xinserve.engines.lora.targets import CHECKPOINT_FUSED, PEFT_MODULES, ModelTargets
 
 CONFIG_FILE = "adapter_config.json"
@@ -30,7 +33,6 @@ UNSERVED_SETTINGS = {
     "lora_bias": "LoRA biases (lora_bias)",
     "trainable_token_indices": "trainable tokens (trainable_token_indices)",
     "layer_replication": "layer_replication",
-    "target_parameters": "target_parameters (parameter-level LoRA, e.g. MoE experts)",
     "fan_in_fan_out": "fan_in_fan_out",
     "use_qalora": "QA-LoRA (use_qalora)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
@@ -40,7 +42,8 @@ UNSERVED_SETTINGS = {
 @dataclass(slots=True)
 class AdapterWeights:
     """One adapter on the host: per module ("layers.<i>.<proj>", PEFT's projection name) A [r, in] and
-    B [out, r] with the scaling folded in, both float32, full (unsharded) shapes."""
+    B [out, r] with the scaling folded in, both float32, full (unsharded) shapes; per routed experts'
+    parameter ("layers.<i>.mlp.experts.<gate_up_proj|down_proj>") A [E, r, in] and B [E, out, r]."""
 
     path: str
     rank: int  # the largest module rank
@@ -69,26 +72,33 @@ def read_adapter(path: str, targets: ModelTargets, max_lora_rank: int) -> Adapte
         tensors = load_file(str(weights_file))
     except Exception as exc:  # noqa: BLE001  safetensors raises its own error types for a bad file
         raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} cannot be read ({exc})") from None
-    pairs = _pairs(path, tensors, targets)
+    pairs = _pairs(path, tensors, targets, expert_parameters(path, config))
     adapter = AdapterWeights(str(directory), rank=0)
     for module, (a, b) in sorted(pairs.items()):
-        r = a.shape[0]
+        expert = ".experts." in module  # the routed experts: every expert's factors in one pair
+        if expert:
+            a, b = split_experts(path, module, a, b, _rank(config, module), targets.num_experts,
+                                 *targets.expert_shapes[module.rsplit(".", 1)[1]])
+        r = a.shape[-2]
         if r > max_lora_rank:
             raise ValueError(f"LoRA adapter {path!r}: {module} has rank {r}, more than max_lora_rank "
                              f"{max_lora_rank} (raise --max-lora-rank)")
+        scale = _alpha(config, module) / (math.sqrt(r) if config.get("use_rslora") else r)
+        adapter.rank = max(adapter.rank, r)
+        if expert:
+            adapter.modules[module] = (a.float().contiguous(), (b.float() * scale).contiguous())
+            continue
         in_features, out_features = targets.shape(module)
         if a.shape != (r, in_features) or b.shape != (out_features, r):
             raise ValueError(f"LoRA adapter {path!r}: {module} has lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)}, this model needs ({r}, {in_features}) and ({out_features}, {r}): "
                              "was it trained on another base model?")
-        scale = _alpha(config, module) / (math.sqrt(r) if config.get("use_rslora") else r)
         a, b = a.float().contiguous(), b.float() * scale
         prefix, proj = module.rsplit(".", 1)
         parts = CHECKPOINT_FUSED.get(proj, (proj,))
         # a fused checkpoint projection: each part its rows of B and the whole (shared) A
         for part, rows in zip(parts, b.split([targets.shapes[p][1] for p in parts])):
             adapter.modules[f"{prefix}.{part}"] = (a, rows.contiguous())
-        adapter.rank = max(adapter.rank, r)
     if not adapter.modules:
         raise ValueError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
     return adapter
@@ -111,9 +121,10 @@ def _check_config(path: str, config: dict) -> None:
                              f"(served: {', '.join(PEFT_MODULES)})")
 
 
-def _pairs(path: str, tensors: dict[str, torch.Tensor], targets: ModelTargets
+def _pairs(path: str, tensors: dict[str, torch.Tensor], targets: ModelTargets, experts: list[str]
            ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """module -> (lora_A, lora_B), every saved tensor accounted for."""
+    """module -> (lora_A, lora_B), every saved tensor accounted for; ``experts``: the experts' parameters
+    the adapter targets, innermost first."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = KEY.fullmatch(key)
@@ -121,7 +132,9 @@ def _pairs(path: str, tensors: dict[str, torch.Tensor], targets: ModelTargets
             raise ValueError(f"LoRA adapter {path!r}: weight {key!r} is not served (LoRA A/B of "
                              f"{', '.join(PEFT_MODULES)} in the decoder layers only)")
         layer, inner, half = int(match[1]), match[2], match[3]
-        module = targets.module_name(path, layer, inner)
+        parameter = expert_parameter(path, layer, inner, experts)
+        module = targets.module_name(path, layer, inner) if parameter is None else \
+            targets.expert_module(path, layer, parameter)
         halves.setdefault(module, {})[half] = tensor
     pairs = {}
     for module, found in halves.items():
@@ -132,10 +145,21 @@ def _pairs(path: str, tensors: dict[str, torch.Tensor], targets: ModelTargets
 
 
 def _alpha(config: dict, module: str) -> float:
-    """``alpha_pattern``'s value for ``module`` (PEFT matches a key against the end of the module's
-    name), else ``lora_alpha``."""
+    """``alpha_pattern``'s value for ``module``, else ``lora_alpha``."""
+    return float(_pattern_value(config, "alpha_pattern", module, config.get("lora_alpha", 8)))
+
+
+def _rank(config: dict, module: str) -> int:
+    """``rank_pattern``'s value for ``module``, else ``r``: the experts' factors hold E * r rows, so their
+    rank is read from the config, not the shapes."""
+    return int(_pattern_value(config, "rank_pattern", module, config.get("r", 8)))
+
+
+def _pattern_value(config: dict, patterns: str, module: str, default: float) -> float:
+    """The value of the first key of ``config[patterns]`` that matches ``module`` (PEFT matches a key
+    against the end of the module's name), else ``default``."""
     name = f"model.{module}"
-    for pattern, alpha in (config.get("alpha_pattern") or {}).items():
+    for pattern, value in (config.get(patterns) or {}).items():
         if re.fullmatch(rf"(.*\.)?{pattern}", name):
-            return float(alpha)
-    return float(config.get("lora_alpha", 8))
+            return value
+    return default

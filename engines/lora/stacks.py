@@ -56,3 +56,6 @@ class LoraStacks(nn.Module):
             r = a.shape[0]
             self.a_stack[slot, s * r0 : s * r0 + r].copy_(a[:, first_col : first_col + cols])
             self.b_stack[slot, local : local + rows, s * r0 : s * r0 + r].copy_(b[start : start + rows])
+
+    def slot_bytes(self) -> int:
+        return self.a_stack[0].nbytes + self.b_stack[0].nbytes

@@ -1,8 +1,10 @@
 """Which modules of a model an adapter may target, and their full (unsharded) shapes.
 
 An adapter's module is named as PEFT's key without its prefix: ``layers.<i>.self_attn.q_proj``,
-``layers.<i>.mlp.down_proj``. Attention projections are served on every layer, the MLP's on dense layers;
-a mixture-of-experts layer's experts, shared experts and router are refused by name.
+``layers.<i>.mlp.down_proj``; the routed experts' parameters ``layers.<i>.mlp.experts.gate_up_proj`` /
+``.down_proj`` (engines/lora/expert_checkpoint.py). Attention projections are served on every layer, the
+MLP's on dense layers, the routed experts' on mixture-of-experts layers whose experts are whole on this
+device (not tensor- or expert-parallel, not quantized); shared experts and the router are refused by name.
 """
 
 from dataclasses import dataclass
@@ -11,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from xinserve.engines.models.layers import Attention, GatedMLP
+from xinserve.engines.models.moe import Experts
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -28,6 +31,9 @@ class ModelTargets:
     num_layers: int
     dense_layers: frozenset[int]  # layers with a dense MLP (the others are mixture-of-experts)
     shapes: dict[str, tuple[int, int]]  # PEFT projection -> (in_features, out_features)
+    expert_layers: frozenset[int] = frozenset()  # mixture-of-experts layers whose routed experts are served
+    num_experts: int = 0
+    expert_shapes: dict[str, tuple[int, int]] | None = None  # experts' parameter -> one expert's (in, out)
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelTargets":
@@ -43,7 +49,12 @@ class ModelTargets:
         shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
                   "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
         dense = frozenset(i for i, layer in enumerate(layers) if isinstance(layer.mlp, GatedMLP))
-        return cls(len(layers), dense, shapes)
+        whole = [i for i, layer in enumerate(layers) if type(getattr(layer.mlp, "experts", None)) is Experts]
+        if not whole:
+            return cls(len(layers), dense, shapes)
+        num_experts, two_inter, _ = layers[whole[0]].mlp.experts.gate_up_proj.shape
+        expert_shapes = {"gate_up_proj": (hidden, two_inter), "down_proj": (two_inter // 2, hidden)}
+        return cls(len(layers), dense, shapes, frozenset(whole), num_experts, expert_shapes)
 
     def module_name(self, path: str, layer: int, inner: str) -> str:
         """``layers.<layer>.<inner>`` when served; ValueError naming it otherwise."""
@@ -56,10 +67,22 @@ class ModelTargets:
         if block == "mlp" and (proj in MLP_MODULES or proj in CHECKPOINT_FUSED) and layer in self.dense_layers:
             return name
         if block == "mlp" and layer not in self.dense_layers:
-            raise ValueError(f"LoRA adapter {path!r}: {name} is a mixture-of-experts module: LoRA on experts, "
-                             "shared experts or the router is not served (attention and dense MLP layers only)")
+            raise ValueError(f"LoRA adapter {path!r}: {name} is a mixture-of-experts module: LoRA on per-expert "
+                             "modules, shared experts or the router is not served (the routed experts are served "
+                             "as PEFT's target_parameters mlp.experts.gate_up_proj / down_proj)")
         raise ValueError(f"LoRA adapter {path!r}: target {name} is not served "
                          f"(served: {', '.join(PEFT_MODULES)})")
+
+    def expert_module(self, path: str, layer: int, parameter: str) -> str:
+        """``layers.<layer>.mlp.experts.<parameter>`` when this layer's routed experts are served; ValueError
+        naming why not otherwise."""
+        name = f"layers.{layer}.mlp.experts.{parameter}"
+        if layer not in self.expert_layers:
+            why = "not a mixture-of-experts layer" if layer in self.dense_layers or layer >= self.num_layers else \
+                "its experts are tensor-parallel, expert-parallel or quantized here (LoRA on experts is served " \
+                "on whole, unquantized experts only)"
+            raise ValueError(f"LoRA adapter {path!r}: {name} is not served: {why}")
+        return name
 
     def shape(self, module: str) -> tuple[int, int]:
         proj = module.rsplit(".", 1)[1]

@@ -85,6 +85,9 @@ class SparseMoeBlock(nn.Module):
             if moe.shared_intermediate_size else None
         )
         self.select_experts, self.fused_moe = ops.select_experts, ops.fused_moe
+        # adapter slots on the routed experts (engines/lora/expert_stacks.py): then they run with each row's
+        # adapter instead of ``fused_moe``
+        self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, Hd] -> [T, Hd]."""
@@ -92,7 +95,9 @@ class SparseMoeBlock(nn.Module):
         # where the architecture keeps its router so (GLM-4.5), as transformers does
         logits = F.linear(x.to(self.gate.weight.dtype), self.gate.weight).float()
         weights, ids = self.select_experts(logits, self.routing, self.gate.e_score_correction_bias)  # [T, K] each
-        if isinstance(self.experts, Experts):
+        if self.lora is not None:
+            out = self.lora(x, self.experts, weights, ids)
+        elif isinstance(self.experts, Experts):
             out = self.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         else:  # quantized experts (engines/quantization/experts.py) call their own kernel
             out = self.experts(x, weights, ids)

@@ -90,6 +90,10 @@ class ModelRunner:
         self.lora = None if not config.enable_lora else DeviceAdapters(
             self.model, config.max_loras, config.max_lora_rank,
             max(config.max_num_batched_tokens, self.max_decode_rows), self.kernels.ops)
+        if self.lora is not None and self.lora.serves_experts and platform.captures_graphs:
+            logger.info("%s decodes eagerly on %s: LoRA on its routed experts cannot be graph-captured yet",
+                        type(self.model).__name__, self.device)
+            self.compile_mode = "off"
         self.inputs = StepInputs(block_size, self.device, config.enable_lora)  # builds each step's StepBatch
 
     def _choose_kernels(self, config: EngineConfig, shapes: ModelShapes, dtype: torch.dtype) -> KernelOps:

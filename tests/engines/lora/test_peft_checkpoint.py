@@ -40,7 +40,7 @@ def test_scaling_is_folded_into_b_with_alpha_pattern_and_rslora(adapter_copy, ll
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"bias": "all"}, "trained biases"),
     ({"target_modules": ["q_proj", "lm_head"]}, "lm_head are not served"),
-    ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "target_parameters"),
+    ({"target_parameters": ["mlp.gate.weight"]}, "target_parameters .mlp.gate.weight. is not served"),
     ({"peft_type": "IA3"}, "peft_type 'IA3'"),
 ])
 def test_unserved_settings_are_refused_by_name(adapter_copy, llama_targets, changes, message):
