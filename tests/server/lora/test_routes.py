@@ -223,3 +223,14 @@ def test_an_adapter_request_counts_per_adapter_and_tokenizes_with_its_base(serve
                         "xinserve:lora_prompt_tokens_total": float(usage["prompt_tokens"]),
                         "xinserve:lora_generation_tokens_total": float(usage["completion_tokens"])}
 
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling", "/classify"])
+def test_a_pooling_request_naming_an_adapter_is_a_400_and_reaches_no_worker(served, path):
+    """Pooling runs on the base model only: an adapter named as its model is refused before any worker."""
+    app, workers = served
+    (r,) = call(app, ("POST", path, {"model": "sql", "input": "hi"}))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("model", "model_not_supported") and "LoRA adapter" in error["message"]
+    assert all(not w.added for ws in workers.values() for w in ws)
