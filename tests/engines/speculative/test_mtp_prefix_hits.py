@@ -42,7 +42,10 @@ def test_after_a_prefix_hit_the_mtp_state_is_what_a_fresh_prefill_computes(tiny_
         _seed_state(cached, FIRST)
         got = _seed_state(cached, SECOND)
         assert cached.engine.stats().prefix_cache_hits_total > 0  # the first block still hits
-        torch.testing.assert_close(got, want)
+        # The hit computes the suffix after cached blocks, the fresh run the whole prompt: other kernels and
+        # summation orders (1.6e-5 apart with AVX-512's kernels), while reading another prompt's MTP state would
+        # be off by the size of the values themselves.
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         # a draft that always matches is accepted whole after a (full) prefix hit too
         oracle = OracleMTP(SECOND + expected)
         cached.engine.runner._mtp, cached.engine.runner._draft_tokens = oracle.run, oracle.drafts

@@ -11,6 +11,7 @@ from xinserve.server.api.common import sse_response
 class _Group:
     request_id = "r"
     prompt_tokens = completion_tokens = 1
+    lora_name = None  # the base model (no LoRA adapter)
 
     class worker:  # a stand-in for the worker client: its two fields the log line reads
         model_name, label = "m", "cpu"

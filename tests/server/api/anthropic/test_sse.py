@@ -13,6 +13,7 @@ class _Gen:
     request_id = "msg_1"
     worker = SimpleNamespace(model_name="m", label="cpu")
     prompt_tokens, completion_tokens = 3, 1
+    lora_name = None  # the base model (no LoRA adapter)
 
     def __init__(self) -> None:
         self.aborted = self.observed = False
