@@ -108,7 +108,7 @@ def sglang_gateway(prefill: Any, decode: Any, log_dir: Path) -> Iterator[str]:
             [str(Path(sys.executable).with_name("sglang-router")), "launch", "--host", "127.0.0.1", "--port",
              str(port), "--pd-disaggregation", "--prefill", prefill.url, str(info["disaggregation_bootstrap_port"]),
              "--decode", decode.url, "--policy", "round_robin", "--health-check-interval-secs", "1",
-             "--log-level", "info"],
+             "--log-level", "info", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 

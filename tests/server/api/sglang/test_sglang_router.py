@@ -38,7 +38,10 @@ class Gateway:
                  # cache_aware: any difference in requests in flight counts as imbalance (the
                  # default, 64, needs more traffic than a test sends to ever use the second replica).
                  "--balance-abs-threshold", "0",
-                 "--health-check-timeout-secs", "2", "--log-level", "info"],
+                 "--health-check-timeout-secs", "2", "--log-level", "info",
+                 # its metrics listener on a port of its own: the default (29000) is taken by any other gateway
+                 # running at the same time (another test worker's), and the gateway panics on start
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
                 stdout=out, stderr=subprocess.STDOUT,
             )
 
