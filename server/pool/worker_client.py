@@ -1,8 +1,6 @@
-"""The HTTP process's handle on one engine worker process: it supervises the process.
-
-It spawns the worker, keeps its state (starting -> ready, or failed / dead / stopped) and its latest
-engine stats, and hands the worker's per-step ``Outputs`` to ``fanout``, which routes them to the requests'
-streams. Sending never blocks and never awaits.
+"""The HTTP process's handle on one engine worker process: it spawns and supervises it, keeps its state
+(starting -> ready, or failed / dead / stopped) and its latest engine stats, and hands the worker's per-step
+``Outputs`` to ``fanout``, which routes them to the requests' streams. Sending never blocks and never awaits.
 
 A process that dies is started again after a backoff (``restart_policy``), and the requests it held fail
 with a retryable error, which ``Generation`` retries elsewhere if they had produced no token yet. A worker
@@ -16,6 +14,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import select
 import time
 from typing import Any
 
@@ -296,17 +295,23 @@ class WorkerClient:
         self._unwatch_ranks()
         if self.state not in (READY, UNRESPONSIVE):  # stopping: rank 0 ends its group itself
             return
-        info = self.info["ranks"][rank]
-        why = f"rank {rank} of the group (pid {info['pid']} on {info['device']}) died"
-        self._lost_rank = (rank, why)
-        logger.error("worker %s/%s: %s; ending the replica", self.model_name, self.label, why)
+        logger.error("worker %s/%s: %s; ending the replica", self.model_name, self.label, self._rank_died(rank))
         if self._proc is not None and self._proc.is_alive():
             self._proc.kill()
+
+    def _rank_died(self, rank: int) -> str:
+        info = self.info["ranks"][rank]
+        self._lost_rank = (rank, f"rank {rank} of the group (pid {info['pid']} on {info['device']}) died")
+        return self._lost_rank[1]
 
     def _on_exit(self) -> None:
         proc = self._proc
         assert proc is not None
         asyncio.get_running_loop().remove_reader(proc.sentinel)
+        # Rank 0 ends when a rank's death fails its collectives: that death may be seen here first.
+        dead = [rank for rank, fd in self._rank_watches.items() if select.select([fd], [], [], 0)[0]]
+        if dead and self._lost_rank is None and self.state in (READY, UNRESPONSIVE):
+            self._rank_died(dead[0])
         self._unwatch_ranks()
         healthy_for = 0.0 if self._ready_since is None else time.monotonic() - self._ready_since
         self._has_served |= self._ready_since is not None
@@ -317,7 +322,7 @@ class WorkerClient:
         restart = self.state != FAILED or self._has_served
         if self.state != FAILED:
             self.state = DEAD
-            self.last_error = "worker process exited"
+            self.last_error = self._lost_rank[1] if self._lost_rank else "worker process exited"
         self.requests.fail_all(RequestError(f"worker {self.label} of {self.model_name} died", unavailable=True,
                                             retryable=True))
         self.loras.fail_pending(f"worker {self.label} of {self.model_name} died")
