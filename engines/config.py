@@ -86,6 +86,10 @@ class EngineConfig:
         "report ready once the model is loaded and the eager path warmed, then compile the CPU decode buckets "
         "and build C++ kernels not built yet in a background thread, swapping each in between steps "
         "(engines/worker/warmup.py); off: do both before ready"))
+    ready_when_warm: bool = field(default=False, metadata=setting(
+        "a server's worker reports ready only once its warm-up settled (kernels built, decode buckets compiled "
+        "or loaded; /health stays 503 \"starting\" meanwhile, with the progress): for autoscaled replicas, which "
+        "are judged by their first minutes; off: ready first, warm in the background"))
     max_cpu_threads: int | None = field(default=None, metadata=setting(
         "a CPU engine times its decode step at start with its torch threads and with this many and keeps the faster, "
         "cached per machine and shape under $XINSERVE_CACHE_DIR (engines/worker/thread_split.py); the server sets it to "

@@ -4,9 +4,11 @@ import itertools
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
+from functools import partial
 
 from transformers import AutoTokenizer, GenerationConfig
 
+from xinserve.engines.compile.spec import CompileSpec
 from xinserve.engines.config import EngineConfig
 from xinserve.engines.core.async_scheduling import AsyncScheduling, overlappable
 from xinserve.engines.core.kv_cache import BlockManager
@@ -57,7 +59,8 @@ class LLMEngine:
         # Torch threads timed before the warm-up thread competes for the cores (engines/worker/thread_split.py).
         self.thread_choice = thread_split.for_engine(config, self.platform, self.runner, self.max_model_len)
         # Deferred C++ kernel builds, then the CPU decode buckets: after ready unless asked otherwise.
-        self.warmup = Warmup(self.runner, config.warm_up_in_background)
+        self.warmup = Warmup(self.runner, config.warm_up_in_background, partial(
+            CompileSpec.of, config, self.runner, self.max_model_len, self.runner.compile_mode))
         # A KV connector (engines/kv/connector.py): the host tier below the pool (kv_offloading_size) or
         # another instance's pool (kv_transfer_config); and KV events for routers (kv_events_config).
         self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size,
