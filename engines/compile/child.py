@@ -70,6 +70,7 @@ def compile_buckets(spec: CompileSpec, directory, sizes: list[int]) -> None:
     from xinserve.engines.worker.decode_buckets import DecodeBuffers
 
     os.environ["XINSERVE_KERNEL_TIMING"] = "off"  # every kernel is forced to the worker's choice anyway
+    torch.set_num_threads(spec.threads)
     platform = get_platform(spec.config.device)
     runner = make_runner(spec.config, platform, spec.block_size, list(spec.eos_token_ids))
     with torch.inference_mode(spec.kv_inference):  # made as the worker's was: the guards check its dispatch keys

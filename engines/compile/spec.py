@@ -21,6 +21,12 @@ import torch
 from xinserve.engines.config import EngineConfig
 from xinserve.kernels.cache_dir import cache_dir
 
+# Settings that never change a compiled decode step: left out of the key, so that a server's workers and
+# ``xinserve warmup`` (which set some of them differently) share the artifacts.
+NOT_IN_KEY = ("tokenizer", "seed", "parallel", "enforce_eager", "warm_up_in_background", "ready_when_warm",
+              "max_cpu_threads", "async_scheduling", "kv_events_config", "kv_offloading_size", "kv_transfer_config",
+              "data_parallel_rank", "max_cpu_loras", "lora_modules", "kv_cache_memory_fraction",
+              "enable_prefix_caching", "max_num_batched_tokens", "classifier_from_token")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the xinserve package: engines/, kernels/ under it
 TRACED_FOLDERS = ("engines", "kernels")
 
@@ -35,7 +41,8 @@ class CompileSpec:
     max_model_len: int
     sizes: tuple[int, ...]  # the buckets, in the order to compile them
     mode: str  # "on" | "auto" (engines/worker/graphs.py effective_mode)
-    kv_inference: bool  # whether the worker's KV cache is an inference tensor (the guards check its dispatch keys)
+    kv_inference: bool  # whether the worker's KV cache is an inference tensor (the child makes its own alike)
+    threads: int  # the worker's torch threads: inductor writes the count into its OpenMP loops
 
     @classmethod
     def of(cls, config: EngineConfig, runner, max_model_len: int, mode: str) -> "CompileSpec":
@@ -44,11 +51,11 @@ class CompileSpec:
         child_config = replace(config, compile="off", warm_up_in_background=False, ready_when_warm=False,
                                kernels=dict(runner.kernels.chosen), num_kv_blocks=runner.scratch_block)
         return cls(child_config, runner.block_size, tuple(runner.eos_token_ids), max_model_len, tuple(sizes), mode,
-                   runner.kv_cache.is_inference())
+                   runner.kv_cache.is_inference(), torch.get_num_threads())
 
     def key(self) -> str:
-        settings = dataclasses.asdict(self.config)
-        text = json.dumps({"config": settings, "model": _model_files_digest(self.config.model),
+        settings = {name: value for name, value in dataclasses.asdict(self.config).items() if name not in NOT_IN_KEY}
+        text = json.dumps({"config": settings, "threads": self.threads, "model": _model_files_digest(self.config.model),
                            "block_size": self.block_size, "max_model_len": self.max_model_len,
                            "sizes": sorted(self.sizes), "mode": self.mode, "kv_inference": self.kv_inference, "torch": torch.__version__,
                            "python": sys.version, "cpu": _cpu_flags(), "code": source_digest()},
