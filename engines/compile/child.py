@@ -7,8 +7,9 @@ printing one JSON line per event on stdout for the worker: {"bucket": n, "event"
 {"bucket": n, "event": "done", **manifest entry}. A bucket another process finished already is
 reported done at once.
 
-It runs at the lowest CPU priority there is (SCHED_IDLE, else nice 19), which inductor's C++ compiler
-processes inherit: it takes only what the serving process leaves idle. It is tied to its parent like
+While its worker serves (ready first), it runs at the lowest CPU priority there is (SCHED_IDLE, else
+nice 19), which inductor's C++ compiler processes inherit: it takes only what the serving process leaves
+idle (and whatever else runs on the machine: under other load it waits). It is tied to its parent like
 the C++ kernel build (kernels/cpu/build_process.py): the parent's exit ends it and its compilers.
 """
 
@@ -47,18 +48,18 @@ def emit(size: int, event: str, **entry) -> None:
 
 def main() -> None:
     tie_to_parent(int(sys.argv[1]))
-    priority = lower_priority()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [compile child] %(message)s")
     with open(sys.argv[2], "rb") as handle:
         spec: CompileSpec = pickle.load(handle)
+    priority = lower_priority() if spec.low_priority else "normal priority"
     directory = spec.directory()
-    logger.info("compiling decode buckets %s into %s (%s)", list(spec.sizes), directory, priority)
+    logger.info("compiling decode buckets %s into %s (%s)", list(spec.order), directory, priority)
     with artifacts.lock(directory):
         done = artifacts.read_manifest(directory)
-        for size in spec.sizes:
+        for size in spec.order:
             if size in done:
                 emit(size, "done", **done[size])
-        todo = [size for size in spec.sizes if size not in done]
+        todo = [size for size in spec.order if size not in done]
         if todo:
             compile_buckets(spec, directory, todo)
 

@@ -39,19 +39,25 @@ class CompileSpec:
     block_size: int
     eos_token_ids: tuple[int, ...]
     max_model_len: int
-    sizes: tuple[int, ...]  # the buckets, in the order to compile them
+    sizes: tuple[int, ...]  # every bucket (the step buffers are laid out for all of them)
+    order: tuple[int, ...]  # the buckets to compile, in order (not in the key)
     mode: str  # "on" | "auto" (engines/worker/graphs.py effective_mode)
     kv_inference: bool  # whether the worker's KV cache is an inference tensor (the child makes its own alike)
     threads: int  # the worker's torch threads: inductor writes the count into its OpenMP loops
+    # Compile at the lowest CPU priority: the worker serves meanwhile (ready first). Not when nothing is served
+    # until the compile ends (ready_when_warm, ``xinserve warmup``): it would only wait longer. Not in the key.
+    low_priority: bool
 
     @classmethod
     def of(cls, config: EngineConfig, runner, max_model_len: int, mode: str) -> "CompileSpec":
         """The spec of ``runner``'s buckets with its kernels as chosen now (after any swap)."""
-        sizes = runner.decode_graphs.compile_order()
+        graphs = runner.decode_graphs
         child_config = replace(config, compile="off", warm_up_in_background=False, ready_when_warm=False,
                                kernels=dict(runner.kernels.chosen), num_kv_blocks=runner.scratch_block)
-        return cls(child_config, runner.block_size, tuple(runner.eos_token_ids), max_model_len, tuple(sizes), mode,
-                   runner.kv_cache.is_inference(), torch.get_num_threads())
+        return cls(child_config, runner.block_size, tuple(runner.eos_token_ids), max_model_len,
+                   tuple(graphs.buffers.sizes), tuple(graphs.compile_order()), mode,
+                   runner.kv_cache.is_inference(), torch.get_num_threads(),
+                   config.warm_up_in_background and not config.ready_when_warm)
 
     def key(self) -> str:
         settings = {name: value for name, value in dataclasses.asdict(self.config).items() if name not in NOT_IN_KEY}

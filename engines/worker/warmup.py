@@ -135,15 +135,15 @@ class Warmup:
         directory = spec.directory()
         self.phase = "loading"
         finished = artifacts.read_manifest(directory)
-        for size in spec.sizes:
+        for size in spec.order:
             if size in finished and not self.stopping.is_set():
                 self._take(graphs, directory, size, finished[size])
-        missing = [size for size in spec.sizes if size not in finished]
+        missing = [size for size in spec.order if size not in finished]
         if not missing or self.stopping.is_set():
             return
         self.phase = "compiling"
         logger.info("compiling decode buckets %s in a child process into %s", missing, directory)
-        self.child = CompileChild(replace(spec, sizes=tuple(missing)))
+        self.child = CompileChild(replace(spec, order=tuple(missing)))
         for event in self.child.events():
             size = event["bucket"]
             if self.stopping.is_set():
