@@ -76,3 +76,15 @@ def online_softmax_step(q, k, v, visible, qk_scale, row_max, row_sum, acc):
     row_sum = row_sum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return new_max, row_sum, acc
+
+
+@triton.jit
+def rounded(x, dtype: tl.constexpr):
+    """float32 ``x`` rounded to nearest-even in ``dtype``, as torch rounds. bfloat16 is rounded on the bits:
+    Triton's interpreter truncates float32 to bfloat16 (a compiled kernel rounds to nearest either way), and
+    a fused kernel that rounds where the reference rounds must round the same way to agree with it."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # round the low 16 bits away, ties to even
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    return x.to(dtype)
