@@ -66,7 +66,7 @@ def top_k_top_p_workload(fn: dict[str, Callable], shapes: ModelShapes, device: t
     # logits are float32 in the sampler whatever the model's dtype; mixed settings, as a batch has them
     logits = 3 * _randn(DECODE_TOKENS, shapes.vocab_size, dtype=torch.float32, device=device)
     rows = torch.arange(DECODE_TOKENS, device=device)[:, None]
-    top_k = torch.where(rows % 2 == 0, 50, 0).to(torch.int64)
+    top_k = torch.where(rows % 2 == 0, min(50, shapes.vocab_size), 0).to(torch.int64)
     top_p = torch.where(rows % 3 == 0, 1.0, 0.9).to(torch.float32)
     return lambda: fn["top_k_top_p"](logits, top_k, top_p)
 
