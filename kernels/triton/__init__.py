@@ -15,10 +15,10 @@ from xinserve.kernels.triton.activation import silu_and_mul
 from xinserve.kernels.triton.decode_attention import paged_decode_attention
 from xinserve.kernels.triton.kv_write import write_kv
 from xinserve.kernels.triton.lora import lora_expand, lora_shrink
-from xinserve.kernels.triton.prefill_attention import paged_prefill_attention
-from xinserve.kernels.triton.quant_gemm import prepare_quant_weight, quant_linear
 from xinserve.kernels.triton.norm import MAX_SIZE as RMS_NORM_MAX_SIZE
 from xinserve.kernels.triton.norm import rms_norm
+from xinserve.kernels.triton.prefill_attention import paged_prefill_attention
+from xinserve.kernels.triton.quant_gemm import prepare_quant_weight, quant_linear
 from xinserve.kernels.triton.rotary import rotary_cos_sin, rotary_embedding
 from xinserve.kernels.triton.sampling import top_k_top_p
 

@@ -12,8 +12,8 @@ import torch
 
 import triton
 import triton.language as tl
-from xinserve.kernels.triton.common import rounded
 from xinserve.kernels.references.dense import rotary_cos_sin
+from xinserve.kernels.triton.common import rounded
 
 
 @triton.jit
