@@ -1,8 +1,9 @@
 """One prepared run on a CUDA GPU: the kernel registry's choice on this GPU, the Triton kernels
 against the references at realistic shapes, greedy generation on the GPU against transformers, then
 decode attention timed against the reference, then decode with CUDA graphs per bucket against
-eager (tokens and step time). Prints a table, writes
-benchmarks/results/cuda_check.json, and exits 1 when a kernel or the generation disagrees (2 when
+eager (tokens and step time), then each fused elementwise Triton kernel (RMSNorm, rotary, SiLU-and-mul,
+top-k / top-p) checked, replayed from a CUDA graph and timed against the reference
+(tests/gpu/fused_checks.py). Prints a table, writes benchmarks/results/cuda_check.json, and exits 1 when a kernel or the generation disagrees (2 when
 there is no CUDA GPU). Runs in well under five minutes on one GPU.
 
     python tests/gpu/check_cuda.py
@@ -25,6 +26,7 @@ import triton
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's packages
 
+from tests.gpu import fused_checks
 from xinserve.engines.platforms.cuda import KERNEL_PREFERENCE as CUDA_KERNELS
 from xinserve.kernels import triton as triton_ops
 from xinserve.kernels.attention_metadata import build_decode_gather
@@ -334,6 +336,8 @@ def render(result: dict) -> str:
     lines += ["", "Triton LoRA ops replayed from a CUDA graph with new slots (bf16, in 4096 / out 6144 / rank 48): "
               + ", ".join(f"{r['rows']} rows err {r['max_abs_err']:.1e}" for r in lora["rows"])
               + (" ok" if lora["ok"] else " MISMATCH")]
+    lines += fused_checks.render({key.removeprefix("fused_"): value for key, value in result.items()
+                                  if key.startswith("fused_")})
     return "\n".join(lines)
 
 
@@ -354,6 +358,10 @@ def main() -> int:
         result["decode_timing"] = time_decode(device)
         result["cuda_graphs"] = cuda_graphs(device)
         result["lora_graphs"] = lora_graphs(device)
+        result["fused_rms_norm"] = fused_checks.check_fused_op("rms_norm", device, cuda_ms)
+        result["fused_rotary"] = fused_checks.check_fused_op("rotary", device, cuda_ms)
+        result["fused_silu_and_mul"] = fused_checks.check_fused_op("silu_and_mul", device, cuda_ms)
+        result["fused_top_k_top_p"] = fused_checks.check_fused_op("top_k_top_p", device, cuda_ms)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(render(result))
@@ -369,7 +377,12 @@ def main() -> int:
         print("MISMATCH decode with CUDA graphs differs from eager", file=sys.stderr)
     if not result["lora_graphs"]["ok"]:
         print(f"MISMATCH LoRA ops replayed from a CUDA graph: {result['lora_graphs']['rows']}", file=sys.stderr)
-    return 1 if failed or not greedy["ok"] or not result["cuda_graphs"]["ok"] or not result["lora_graphs"]["ok"] else 0
+    fused_failed = [key for key, value in result.items() if key.startswith("fused_") and not value["ok"]]
+    for key in fused_failed:
+        print(f"MISMATCH {key}: {[row for row in result[key]['rows'] if not row['ok']]}, graph replay equal: "
+              f"{result[key]['graph_replay_equal']}", file=sys.stderr)
+    checks_ok = greedy["ok"] and result["cuda_graphs"]["ok"] and result["lora_graphs"]["ok"] and not fused_failed
+    return 1 if failed or not checks_ok else 0
 
 
 if __name__ == "__main__":
