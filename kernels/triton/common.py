@@ -22,6 +22,11 @@ def tile(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def warps_for(tile_elements: int) -> int:
+    """Warps for a program that holds a tile of this many elements: about 16 per thread, 1 to 16 warps."""
+    return min(16, max(1, tile_elements // 512))
+
+
 def cache_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, ...]:
     """The one layout of both paged caches ([N, BS, KVH, D] views of one KV tensor): the kernels address
     a key and its value with the same offsets."""

@@ -10,7 +10,7 @@ import torch
 
 import triton
 import triton.language as tl
-from xinserve.kernels.triton.common import rounded
+from xinserve.kernels.triton.common import rounded, warps_for
 
 
 @triton.jit
@@ -42,11 +42,6 @@ def _rms_norm_kernel(
 MAX_SIZE = 32768  # one row lives in a program's registers: past this it would spill
 
 
-def row_warps(size: int) -> int:
-    """Warps for a program holding one row of ``size`` elements: about 16 elements per thread, 1 to 16 warps."""
-    return min(16, max(1, triton.next_power_of_2(size) // 512))
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t as [A, inner, size] with unit stride on the last dim, a view where its strides allow."""
     if t.stride(-1) != 1:
@@ -68,11 +63,12 @@ def rms_norm(
     res = _rows(residual) if residual is not None else rows
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     added = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    size_tile = triton.next_power_of_2(size)
     if x.numel():
         _rms_norm_kernel[(rows.shape[0] * rows.shape[1],)](
             rows, res, weight.contiguous(), out, added,
             rows.shape[1], rows.stride(0), rows.stride(1), res.stride(0), res.stride(1),
             size, eps,
-            HAS_RESIDUAL=residual is not None, SIZE_TILE=triton.next_power_of_2(size), num_warps=row_warps(size),
+            HAS_RESIDUAL=residual is not None, SIZE_TILE=size_tile, num_warps=warps_for(size_tile),
         )
     return out if residual is None else (out, added)

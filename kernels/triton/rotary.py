@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 from xinserve.kernels.references.dense import rotary_cos_sin
-from xinserve.kernels.triton.common import rounded
+from xinserve.kernels.triton.common import rounded, warps_for
 
 
 @triton.jit
@@ -79,6 +79,7 @@ def rotary_embedding(
     rotary_dim = table.shape[-1]
     q_out = torch.empty(query.shape, dtype=torch.promote_types(query.dtype, table.dtype), device=query.device)
     k_out = torch.empty(key.shape, dtype=torch.promote_types(key.dtype, table.dtype), device=key.device)
+    heads_tile, dim_tile = triton.next_power_of_2(max(num_heads, key.shape[1])), triton.next_power_of_2(head_dim)
     if num_tokens:
         _rotary_kernel[(num_tokens, 2)](
             query, key, q_out, k_out, table,
@@ -86,8 +87,7 @@ def rotary_embedding(
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
             table.stride(0), table.stride(1),
             num_heads, key.shape[1], rotary_dim, head_dim,
-            IS_NEOX=is_neox, HEADS_TILE=triton.next_power_of_2(max(num_heads, key.shape[1])),
-            DIM_TILE=triton.next_power_of_2(head_dim),
+            IS_NEOX=is_neox, HEADS_TILE=heads_tile, DIM_TILE=dim_tile, num_warps=warps_for(heads_tile * dim_tile),
         )
     return q_out, k_out
 
