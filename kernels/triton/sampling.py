@@ -39,6 +39,14 @@ def _keys(x):
 
 
 @triton.jit
+def _tile(base, start, offsets, vocab_size):
+    """Logits [start, start + ROW_TILE) of a row (-inf past its end), their keys (int64) and which are real."""
+    valid = start + offsets < vocab_size
+    x = tl.load(base + start + offsets, mask=valid, other=float("-inf"))
+    return x, _keys(x).to(tl.int64), valid
+
+
+@triton.jit
 def _pivots(lo, hi, PIVOTS: tl.constexpr):
     """PIVOTS keys spread over (lo, hi], the last one hi (int64, no overflow for int32 keys)."""
     j = tl.arange(1, PIVOTS + 1).to(tl.int64)
@@ -69,7 +77,7 @@ def _top_k_top_p_kernel(
     # pass: the row's largest logit
     row_max = tl.full((), float("-inf"), tl.float32)
     for start in range(0, vocab_size, ROW_TILE):
-        x = tl.load(base + start + offsets, mask=start + offsets < vocab_size, other=float("-inf"))
+        x, _, _ = _tile(base, start, offsets, vocab_size)
         row_max = tl.maximum(row_max, tl.max(x, axis=0))
     max_key = _keys(row_max).to(tl.int64)
 
@@ -81,8 +89,7 @@ def _top_k_top_p_kernel(
             pivots = _pivots(lo, hi, PIVOTS)
             counts = tl.zeros((PIVOTS,), tl.int64)
             for start in range(0, vocab_size, ROW_TILE):
-                valid = start + offsets < vocab_size
-                key = _keys(tl.load(base + start + offsets, mask=valid, other=float("-inf"))).to(tl.int64)
+                _, key, valid = _tile(base, start, offsets, vocab_size)
                 above = valid[:, None] & (key[:, None] >= pivots[None, :])  # [ROW_TILE, PIVOTS]
                 counts += tl.sum(above.to(tl.int64), axis=0)
             lo, hi = _narrow(lo, hi, pivots, counts >= k, PIVOTS)
@@ -91,9 +98,8 @@ def _top_k_top_p_kernel(
     # pass: the kept logits' mass (exp relative to the row's max, which top-k always keeps)
     mass = tl.zeros((), tl.float32)
     for start in range(0, vocab_size, ROW_TILE):
-        valid = start + offsets < vocab_size
-        x = tl.load(base + start + offsets, mask=valid, other=float("-inf"))
-        kept = valid & (_keys(x).to(tl.int64) >= top_k_cut)
+        x, key, valid = _tile(base, start, offsets, vocab_size)
+        kept = valid & (key >= top_k_cut)
         mass += tl.sum(tl.where(kept, tl.exp(x - row_max), 0.0), axis=0)
 
     # top-p cut: the largest u in [top-k cut, max] whose kept logits below it weigh <= (1 - p) of the mass
@@ -104,9 +110,7 @@ def _top_k_top_p_kernel(
         pivots = _pivots(lo, hi, PIVOTS)
         below = tl.zeros((PIVOTS,), tl.float32)
         for start in range(0, vocab_size, ROW_TILE):
-            valid = start + offsets < vocab_size
-            x = tl.load(base + start + offsets, mask=valid, other=float("-inf"))
-            key = _keys(x).to(tl.int64)
+            x, key, valid = _tile(base, start, offsets, vocab_size)
             weight = tl.where(valid & (key >= top_k_cut), tl.exp(x - row_max), 0.0)
             below += tl.sum(tl.where(key[:, None] < pivots[None, :], weight[:, None], 0.0), axis=0)
         lo, hi = _narrow(lo, hi, pivots, below <= budget, PIVOTS)  # p > 1: no pivot holds, all of top-k stays
@@ -115,9 +119,8 @@ def _top_k_top_p_kernel(
     # pass: the filtered row
     out_base = out_ptr + row * vocab_size
     for start in range(0, vocab_size, ROW_TILE):
-        valid = start + offsets < vocab_size
-        x = tl.load(base + start + offsets, mask=valid, other=float("-inf"))
-        tl.store(out_base + start + offsets, tl.where(_keys(x).to(tl.int64) >= cut, x, float("-inf")), mask=valid)
+        x, key, valid = _tile(base, start, offsets, vocab_size)
+        tl.store(out_base + start + offsets, tl.where(key >= cut, x, float("-inf")), mask=valid)
 
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
