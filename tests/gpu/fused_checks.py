@@ -51,12 +51,16 @@ def _silu_inputs(tokens: int, dtype: torch.dtype, device: torch.device) -> tuple
 
 
 def _sampling_inputs(tokens: int, dtype: torch.dtype, device: torch.device) -> tuple:
-    # float32 logits whatever the model's dtype; distinct in a row (the reference breaks top-p ties by its
-    # sort order); rows of mixed settings: keep all, k = 1, k = 50 with p = 0.9, p = 0.8 alone
-    logits = torch.stack([torch.randperm(VOCAB, device=device) for _ in range(tokens)]).float() * (12 / VOCAB) - 6
+    # float32 logits whatever the model's dtype: 3 x the normal quantiles, shuffled per row (distinct: the
+    # reference breaks top-p ties by its sort order). Rows of mixed settings: keep all, k = 1, k = 50 with
+    # p = 0.9, p = 0.5 alone. A cut at 0.5 falls among tokens of probability ~6e-4, far above what float32
+    # sums over the vocabulary err by (a cut at 0.8 or 0.9 alone would fall among ~1e-5: a coin toss
+    # between two correct sums); the reference runs in float64.
+    quantiles = torch.special.ndtri((torch.arange(VOCAB, device=device, dtype=torch.float64) + 0.5) / VOCAB)
+    logits = (3 * quantiles[torch.stack([torch.randperm(VOCAB, device=device) for _ in range(tokens)])]).float()
     rows = torch.arange(tokens, device=device)[:, None] % 4
     top_k = torch.tensor([0, 1, 50, 0], device=device)[rows]
-    top_p = torch.tensor([1.0, 1.0, 0.9, 0.8], device=device)[rows]
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.5], device=device)[rows]
     return logits, top_k, top_p
 
 
@@ -68,8 +72,8 @@ CASES: dict[str, Case] = {
 }
 
 
-def _widened(args: tuple) -> tuple:
-    return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+def _widened(args: tuple, dtype: torch.dtype) -> tuple:
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 def _replays(fn: Callable, make: Callable, tokens: int, device: torch.device) -> bool:
@@ -99,9 +103,11 @@ def check_fused_op(name: str, device: torch.device, cuda_ms: Callable[..., float
         for tokens in TOKENS:
             torch.manual_seed(tokens)
             args = make(tokens, dtype, device)
-            # top-k / top-p keeps logits as they are or -inf: exact; the others within the registry's tolerance
-            tolerance = 0.0 if name == "top_k_top_p" else TOLERANCE[dtype]
-            error = max_error(fn(*args), ref(*_widened(args)))
+            # top-k / top-p keeps logits as they are or -inf: exact, against a float64 reference; the others
+            # within the registry's tolerance of a float32 one
+            exact = name == "top_k_top_p"
+            tolerance = 0.0 if exact else TOLERANCE[dtype]
+            error = max_error(fn(*args), ref(*_widened(args, torch.float64 if exact else torch.float32)))
             rows.append({"op": name, "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
                          "max_abs_err": error, "tolerance": tolerance, "ok": error <= tolerance})
     replayed = _replays(fn, make, 32, device)
