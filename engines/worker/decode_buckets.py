@@ -101,10 +101,17 @@ class DecodeBuffers:
             decode_gather=gather,
         )
 
-    def fill(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> bool:
+    def fill(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+             host_seq_lens: np.ndarray) -> bool:
         """Copy a pure-decode step (n rows) into the buffers and pad up to ``size``, its bucket
         (``bucket_for``); False when the step does not fit (a block table wider than W), and the
-        caller runs it eagerly."""
+        caller runs it eagerly. ``host_seq_lens``: [n] int32, the rows' context lengths on the host
+        (the step's ``HostInputs``): nothing here reads a device value back, so a fill never waits for
+        the device (async scheduling fills step N+1 while N runs) and allocates nothing.
+
+        Padding rows do no real work: a context of one token in the scratch block (their table is the
+        scratch block only), so a kernel that splits each context by its own length reads one block
+        for them whatever the bucket's table width (max_model_len) is."""
         n = input_ids.shape[0]
         tables = metadata.block_tables  # [n, w] int32
         if tables.shape[1] > self.width:
@@ -122,10 +129,7 @@ class DecodeBuffers:
         v["block_tables"][n:size] = self.scratch_block
         v["seq_lens"][:n] = _host_view(metadata.seq_lens, xp)
         v["seq_lens"][n:size] = 1
-        gather = metadata.decode_gather
-        # A step prepared without its gather plan (async scheduling, engines/worker/step_inputs.py) is on the CPU,
-        # its seq_lens on the host.
-        self._host_seq_lens[:n] = (metadata.seq_lens if gather is None else gather.host_seq_lens).numpy()
+        self._host_seq_lens[:n] = host_seq_lens
         self._host_seq_lens[n:size] = 1
         v["block_ids"][: size * self.width] = v["block_tables"][:size].reshape(-1)
         xp.less(v["_arange"], v["seq_lens"][:size, None], out=v["mask"][:size, 0, 0])
