@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -229,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: the script end to end")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    shm = Path("/dev/shm")
+    shm = Path("/dev/shm")  # memory: the 8B checkpoint (16 GB) writes and loads in seconds, where it has room
+    roomy = shm.is_dir() and shutil.disk_usage(shm).free > 40 << 30
     parser.add_argument("--model-dir", type=Path,
-                        default=(shm if shm.is_dir() else Path(tempfile.gettempdir())) / "xinserve-bench-cuda")
+                        default=(shm if roomy else Path(tempfile.gettempdir())) / "xinserve-bench-cuda")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma separated; default: all")
     args = parser.parse_args(argv)
     plan = SMOKE if args.cpu_smoke else GPU
@@ -249,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch, torch.inference_mode():
         run_section(result, budget, plan, "matmul_floor", floor_section, plan, dtype, device)
         floors = {(r["shape"], r["batch"]): r["floor_ms"] for r in sections["matmul_floor"].get("rows", [])}
-        write_checkpoint(paths[first], SHAPES[first], dtype, device)  # ~10 s for the 1B shape
+        try:
+            write_checkpoint(paths[first], SHAPES[first], dtype, device)  # ~10 s for the 1B shape
+        except Exception as exc:  # noqa: BLE001  the sections that need it fail, each saying so
+            result["checkpoint_error"] = f"{type(exc).__name__}: {exc}"[:500]
         run_section(result, budget, plan, "offline_1b", offline_section, plan, first, paths[first], floors)
         run_section(result, budget, plan, "buckets", buckets_section, plan, paths[first])
         run_section(result, budget, plan, "host_phases", phases_section, plan, paths[first])
