@@ -131,10 +131,10 @@ def test_decode_split_k_combines_partials_like_one_pass(monkeypatch: pytest.Monk
         combines.clear()
 
 
-def test_decode_default_split_len_splits_few_long_contexts_only() -> None:
-    assert decode_attention.default_split_len(8192, 1, 8) == 8192 // decode_attention.MAX_SPLITS
-    assert decode_attention.default_split_len(8192, 64, 8) == 8192
-    assert decode_attention.default_split_len(40, 1, 1) == decode_attention.TOKENS_TILE
+def test_decode_default_splits_fill_the_device_only_for_few_sequences() -> None:
+    assert decode_attention.default_num_splits(8192, 1, 8) == decode_attention.MAX_SPLITS
+    assert decode_attention.default_num_splits(8192, 64, 8) == 1
+    assert decode_attention.default_num_splits(40, 1, 1) == 1  # one tile: nothing to split
 
 
 def test_decode_bf16_within_bf16_tolerance() -> None:
