@@ -27,7 +27,8 @@ import triton
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]  # this checkout's packages, graph_buckets.py
 
-import fused_checks  # noqa: E402  tests/gpu/fused_checks.py, on the path above
+import fused_checks  # tests/gpu/fused_checks.py, on the path above
+
 from xinserve.engines.platforms.cuda import KERNEL_PREFERENCE as CUDA_KERNELS
 from xinserve.kernels import triton as triton_ops
 from xinserve.kernels.attention_metadata import build_decode_gather
