@@ -100,6 +100,10 @@ class EngineConfig:
         "step N+1 is scheduled and prepared while step N runs, its input ids taken from N's sampled tensor "
         "(engines/core/async_scheduling.py; CPU, one rank, no speculative decoding; requests with log-probs, "
         "penalties or structured output step synchronously); off: one step at a time, blocking on a full socket"))
+    async_scheduling_on_accelerators: bool = field(default=False, metadata=setting(
+        "async scheduling (above) on an accelerator too (CUDA, Ascend, MUSA; one rank): on accelerators: measured by "
+        "the device script (tests/gpu/bench_cuda.py, its async section, docs/performance.md) and off until a run "
+        "there measures it faster; the CPU schedules ahead whatever this says"))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
         "speculative decoding, as vLLM spells it (JSON on the command line): "
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '

@@ -231,8 +231,10 @@ class LLMEngine:
 
     def async_steps(self) -> "AsyncScheduling | None":
         """A stepper that schedules step N+1 while step N runs (engines/core/async_scheduling.py), or None where
-        this engine cannot: speculative decoding, a host KV tier, several ranks, a device other than the CPU."""
-        if (self.proposer is not None or self.kv_connector is not None or not self.platform.schedules_ahead
+        this engine does not: speculative decoding, a host KV tier, several ranks, an accelerator without
+        ``async_scheduling_on_accelerators`` (its default is the device script's measurement)."""
+        schedules_ahead = self.platform.schedules_ahead or self.config.async_scheduling_on_accelerators
+        if (self.proposer is not None or self.kv_connector is not None or not schedules_ahead
                 or self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1):
             return None
         return AsyncScheduling(self)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from xinserve.engines.compile.decode_step import decode_step
@@ -130,17 +131,19 @@ class DecodeGraphs:
         return self.bucket_runs.total()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-            logits_indices: torch.Tensor | None, verifies: bool = False) -> torch.Tensor | None:
+            host_seq_lens: np.ndarray, logits_indices: torch.Tensor | None,
+            verifies: bool = False) -> torch.Tensor | None:
         """The logits of a pure-decode step's sampled rows, or None when its bucket runs eagerly
-        (the caller then runs the step as it is). ``verifies``: the step checks drafts (counted for
-        /health and tests: ``verify_runs``)."""
+        (the caller then runs the step as it is). ``host_seq_lens``: [rows] int32, the rows' context
+        lengths on the host. ``verifies``: the step checks drafts (counted for /health and tests:
+        ``verify_runs``)."""
         num_rows = input_ids.shape[0]
         self.hidden = None
         size = bucket_for(num_rows, self.buffers.sizes)
         if size is not None:
             self.demand[size] += 1
         step = self.steps.get(size)  # None too for a step larger than every bucket (size None)
-        if step is None or not self.buffers.fill(size, input_ids, positions, metadata):
+        if step is None or not self.buffers.fill(size, input_ids, positions, metadata, host_seq_lens[:num_rows]):
             return None
         try:
             outputs = step()
