@@ -49,13 +49,13 @@ class CompileSpec:
     low_priority: bool
 
     @classmethod
-    def of(cls, config: EngineConfig, runner, max_model_len: int, mode: str) -> "CompileSpec":
+    def of(cls, config: EngineConfig, runner, max_model_len: int) -> "CompileSpec":
         """The spec of ``runner``'s buckets with its kernels as chosen now (after any swap)."""
         graphs = runner.decode_graphs
         child_config = replace(config, compile="off", warm_up_in_background=False, ready_when_warm=False,
                                kernels=dict(runner.kernels.chosen), num_kv_blocks=runner.scratch_block)
         return cls(child_config, runner.block_size, tuple(runner.eos_token_ids), max_model_len,
-                   tuple(graphs.buffers.sizes), tuple(graphs.compile_order()), mode,
+                   tuple(graphs.buffers.sizes), tuple(graphs.compile_order()), runner.compile_mode,
                    runner.kv_cache.is_inference(), torch.get_num_threads(),
                    config.warm_up_in_background and not config.ready_when_warm)
 

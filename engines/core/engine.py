@@ -4,11 +4,9 @@ import itertools
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
-from functools import partial
 
 from transformers import AutoTokenizer, GenerationConfig
 
-from xinserve.engines.compile.spec import CompileSpec
 from xinserve.engines.config import EngineConfig
 from xinserve.engines.core.async_scheduling import AsyncScheduling, overlappable
 from xinserve.engines.core.kv_cache import BlockManager
@@ -59,8 +57,7 @@ class LLMEngine:
         # Torch threads timed before the warm-up thread competes for the cores (engines/worker/thread_split.py).
         self.thread_choice = thread_split.for_engine(config, self.platform, self.runner, self.max_model_len)
         # Deferred C++ kernel builds, then the CPU decode buckets: after ready unless asked otherwise.
-        self.warmup = Warmup(self.runner, config.warm_up_in_background, partial(
-            CompileSpec.of, config, self.runner, self.max_model_len, self.runner.compile_mode))
+        self.warmup = Warmup.for_engine(config, self.runner, self.max_model_len)
         # A KV connector (engines/kv/connector.py): the host tier below the pool (kv_offloading_size) or
         # another instance's pool (kv_transfer_config); and KV events for routers (kv_events_config).
         self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size,
@@ -230,9 +227,8 @@ class LLMEngine:
                 self._finish(seq, "abort")
 
     def async_steps(self) -> "AsyncScheduling | None":
-        """A stepper that schedules step N+1 while step N runs (engines/core/async_scheduling.py), or None where
-        this engine does not: speculative decoding, a host KV tier, several ranks, an accelerator without
-        ``async_scheduling_on_accelerators`` (its default is the device script's measurement)."""
+        """A stepper that schedules step N+1 while step N runs (engines/core/async_scheduling.py), or None where this
+        engine does not: speculative decoding, a host KV tier, several ranks, an accelerator without its setting."""
         schedules_ahead = self.platform.schedules_ahead or self.config.async_scheduling_on_accelerators
         if (self.proposer is not None or self.kv_connector is not None or not schedules_ahead
                 or self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1):

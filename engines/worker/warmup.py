@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -62,6 +63,11 @@ class Warmup:
             self.thread.start()
         else:
             self._work()
+
+    @classmethod
+    def for_engine(cls, config, runner, max_model_len: int) -> "Warmup":
+        """An engine's warm-up: in the background unless ``warm_up_in_background`` is off."""
+        return cls(runner, config.warm_up_in_background, partial(CompileSpec.of, config, runner, max_model_len))
 
     def stop(self) -> None:
         """Start nothing more (the engine is closing); a compile child is ended."""
