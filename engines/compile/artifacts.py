@@ -1,8 +1,9 @@
 """A bucket directory (engines/compile/spec.py): ``manifest.json`` says each finished bucket's outcome,
 ``bucket-<size>.bin`` holds a compiled bucket (``torch.compile(...).aot_compile``, saved whole: dynamo's
 guards and bytecode with inductor's code; the C++ it compiled sits in inductor's cache, which the
-loader shares), and ``lock`` is held by the one child compiling into it (replicas sharing a volume
-take turns; the later ones find the buckets done).
+loader shares). ``lock-bucket-<size>`` is held by the one process compiling that bucket, ``lock-manifest``
+while the manifest is rewritten (sibling children and replicas sharing a volume split the buckets; the
+later ones find them done).
 
 Manifest entry per bucket: {"state": "compiled" | "eager" | "failed", "error": why eager or failed,
 "compile_s", "eager_ms", "compiled_ms"}.
@@ -33,20 +34,21 @@ def read_manifest(directory: Path) -> dict[int, dict]:
 
 
 def record(directory: Path, size: int, entry: dict) -> None:
-    """Add one bucket's outcome (the caller holds ``lock``); replaced whole, so a reader never sees half."""
-    entries = read_manifest(directory)
-    entries[size] = entry
-    text = json.dumps({str(s): e for s, e in sorted(entries.items())}, indent=1)
-    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as handle:
-        handle.write(text)
-    os.replace(handle.name, directory / MANIFEST)
+    """Add one bucket's outcome; replaced whole, so a reader never sees half."""
+    with lock(directory, "manifest"):
+        entries = read_manifest(directory)
+        entries[size] = entry
+        text = json.dumps({str(s): e for s, e in sorted(entries.items())}, indent=1)
+        with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as handle:
+            handle.write(text)
+        os.replace(handle.name, directory / MANIFEST)
 
 
 @contextmanager
-def lock(directory: Path) -> Iterator[None]:
-    """Holds the directory alone (an ``flock``: released by the kernel when its holder dies)."""
+def lock(directory: Path, name: str) -> Iterator[None]:
+    """Holds ``name`` in the directory alone (an ``flock``: released by the kernel when its holder dies)."""
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "lock", "w") as handle:
+    with open(directory / f"lock-{name}", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
 

@@ -2,10 +2,10 @@
 
 Rebuilds the worker's runner from the spec (engines/compile/spec.py: the same model, settings, kernels
 and KV pool shape; the pool is allocated, never touched but for the padding rows' scratch block), then
-compiles each bucket of the spec in order into the bucket directory (engines/compile/artifacts.py),
+compiles each bucket of the spec's order into the bucket directory (engines/compile/artifacts.py),
 printing one JSON line per event on stdout for the worker: {"bucket": n, "event": "compiling"}, then
-{"bucket": n, "event": "done", **manifest entry}. A bucket another process finished already is
-reported done at once.
+{"bucket": n, "event": "done", **manifest entry}. Each bucket is compiled under a lock of its own: a
+bucket another process (a sibling child, a replica on the same cache) finished is reported done at once.
 
 While its worker serves (ready first), it runs at the lowest CPU priority there is (SCHED_IDLE, else
 nice 19), which inductor's C++ compiler processes inherit: it takes only what the serving process leaves
@@ -50,21 +50,26 @@ def main() -> None:
     tie_to_parent(int(sys.argv[1]))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [compile child] %(message)s")
     with open(sys.argv[2], "rb") as handle:
-        spec: CompileSpec = pickle.load(handle)
+        spec, directory = pickle.load(handle)
     priority = lower_priority() if spec.low_priority else "normal priority"
-    directory = spec.directory()
     logger.info("compiling decode buckets %s into %s (%s)", list(spec.order), directory, priority)
-    with artifacts.lock(directory):
-        done = artifacts.read_manifest(directory)
-        for size in spec.order:
-            if size in done:
-                emit(size, "done", **done[size])
-        todo = [size for size in spec.order if size not in done]
-        if todo:
-            compile_buckets(spec, directory, todo)
+    built = None  # (model, KV cache, step buffers), made for the first bucket that needs compiling
+    for size in spec.order:
+        # One compiler per bucket: sibling children and replicas sharing the cache split the work.
+        with artifacts.lock(directory, f"bucket-{size}"):
+            entry = artifacts.read_manifest(directory).get(size)
+            if entry is None:
+                built = built or build(spec)
+                emit(size, "compiling")
+                entry = compile_bucket(spec, directory, *built, size)
+                if parent_gone():  # its compilers were stopped: the outcome says nothing of the bucket
+                    sys.exit(1)
+                artifacts.record(directory, size, entry)
+        emit(size, "done", **entry)
 
 
-def compile_buckets(spec: CompileSpec, directory, sizes: list[int]) -> None:
+def build(spec: CompileSpec) -> tuple:
+    """The worker's model, a KV pool of its shape and the step buffers, as the worker made them."""
     # Imported here: the runner imports the model code, which this module's importers need not.
     from xinserve.engines.parallel.tp_runner import make_runner
     from xinserve.engines.platforms import get_platform
@@ -74,19 +79,12 @@ def compile_buckets(spec: CompileSpec, directory, sizes: list[int]) -> None:
     torch.set_num_threads(spec.threads)
     platform = get_platform(spec.config.device)
     runner = make_runner(spec.config, platform, spec.block_size, list(spec.eos_token_ids))
-    with torch.inference_mode(spec.kv_inference):  # made as the worker's was: the guards check its dispatch keys
+    with torch.inference_mode(spec.kv_inference):  # made as the worker's was: the compiled code is specialised to it
         runner.allocate_kv_cache(spec.config.num_kv_blocks)
-    model, kv_cache = runner.model, runner.kv_cache
     with torch.inference_mode():  # as the worker's buffers are made (engines/worker/graphs.py)
         buffers = DecodeBuffers(list(spec.sizes), spec.max_model_len, spec.block_size, runner.scratch_block,
                                 platform.device)
-    for size in sizes:
-        emit(size, "compiling")
-        entry = compile_bucket(spec, directory, model, kv_cache, buffers, size)
-        if parent_gone():  # its compilers were stopped: the outcome says nothing of the bucket
-            sys.exit(1)
-        artifacts.record(directory, size, entry)
-        emit(size, "done", **entry)
+    return runner.model, runner.kv_cache, buffers
 
 
 @torch.inference_mode()

@@ -16,11 +16,10 @@ from xinserve.engines.compile.spec import CompileSpec
 class CompileChild:
     """One child compiling ``spec``'s buckets; ``events()`` yields its JSON events until it exits."""
 
-    def __init__(self, spec: CompileSpec) -> None:
-        directory = spec.directory()
+    def __init__(self, spec: CompileSpec, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("wb", dir=directory, prefix="spec-", suffix=".pickle", delete=False) as handle:
-            pickle.dump(spec, handle)
+            pickle.dump((spec, directory), handle)  # the directory named once: the worker reads from where it writes
         self._spec_path = Path(handle.name)
         # stderr (its log) to a file: a pipe nobody reads while we wait on stdout could fill and stall it.
         self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115  closed by finish()

@@ -5,9 +5,10 @@ One thread does it all, in order: build each deferred kernel (in a child process
 again and swap the newly built ones into the model's layers; then the buckets. Kernels come first
 because a bucket compiled before a swap would call the old kernel.
 
-The buckets compile in a child process at the lowest CPU priority (engines/compile/child.py), which
-saves each as an artifact in the cache (engines/compile/artifacts.py); this thread loads each one as
-it is reported (tens of ms of Python, no compiling) and installs it under the runner's step lock, so
+The buckets compile in a child process (engines/compile/child.py): one at the lowest CPU priority
+beside a serving worker, else one per core (up to ``MAX_CHILDREN``: nothing is served meanwhile, as
+with ``ready_when_warm``), each saving its buckets as artifacts in the cache
+(engines/compile/artifacts.py); this thread loads each one as it is reported (tens of ms of Python, no compiling) and installs it under the runner's step lock, so
 it happens between steps and a step waits for the install only (one run of the bucket on padding).
 Buckets compiled before (a restart, ``xinserve warmup``, a replica sharing the cache volume) are
 loaded without a child; when all are, the engine loads them before it is ready (``settled`` at ready).
@@ -19,9 +20,10 @@ and ``xinserve warmup``). ``report()`` is what /health shows, with the progress.
 import importlib
 import logging
 import os
+import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 
@@ -37,6 +39,7 @@ from xinserve.kernels.registry import BUILT_FROM_SOURCE, KernelSelection, select
 logger = logging.getLogger(__name__)
 
 NICENESS = 10
+MAX_CHILDREN = 2
 
 
 class Warmup:
@@ -51,7 +54,7 @@ class Warmup:
         self.done = threading.Event()
         self.stopping = threading.Event()  # set by ``stop``: no further build or compile starts
         self.phase = "starting"  # for /health: "building kernels", "compiling", "loading", "settled"
-        self.child: CompileChild | None = None
+        self.children: list[CompileChild] = []
         self.thread: threading.Thread | None = None
         graphs = runner.decode_graphs
         compiles = graphs is not None and graphs.compiles and make_spec is not None
@@ -72,8 +75,8 @@ class Warmup:
     def stop(self) -> None:
         """Start nothing more (the engine is closing); a compile child is ended."""
         self.stopping.set()
-        if self.child is not None:
-            self.child.stop()
+        for child in self.children:
+            child.stop()
 
     def report(self) -> dict:
         """For /health: the compile mode, whether the warm-up is over (``settled``: kernels built,
@@ -137,7 +140,7 @@ class Warmup:
                     or "none (the current choice stays)")
 
     def _compile_buckets(self, graphs: DecodeGraphs, spec: CompileSpec) -> None:
-        """Load the buckets compiled before; start a child for the others and load each as it finishes."""
+        """Load the buckets compiled before; start children for the others and load each as it finishes."""
         directory = spec.directory()
         self.phase = "loading"
         finished = artifacts.read_manifest(directory)
@@ -148,9 +151,10 @@ class Warmup:
         if not missing or self.stopping.is_set():
             return
         self.phase = "compiling"
-        logger.info("compiling decode buckets %s in a child process into %s", missing, directory)
-        self.child = CompileChild(replace(spec, order=tuple(missing)))
-        for event in self.child.events():
+        count = children_for(spec, len(missing))
+        logger.info("compiling decode buckets %s in %d child process(es) into %s", missing, count, directory)
+        self.children = [CompileChild(replace(spec, order=tuple(missing[i::count])), directory) for i in range(count)]
+        for event in merged_events(self.children):
             size = event["bucket"]
             if self.stopping.is_set():
                 break
@@ -159,12 +163,13 @@ class Warmup:
                 self.version += 1
             elif event["event"] == "done" and graphs.states.get(size) in ("eager", "compiling"):
                 self._take(graphs, directory, size, event)
-        error = self.child.finish()
-        for size in missing:  # what the child left undone (it failed, or the engine is closing)
+        errors = [error for error in (child.finish() for child in self.children) if error is not None]
+        for size in missing:  # what the children left undone (one failed, or the engine is closing)
             if graphs.states[size] == "compiling" or (graphs.states[size] == "eager" and size not in graphs.errors):
-                graphs.states[size], graphs.errors[size] = "failed", error or "not compiled: the engine closed"
-        if error is not None:
-            logger.warning("the compile process failed (%s); buckets it did not finish run eagerly", error)
+                graphs.states[size] = "failed"
+                graphs.errors[size] = errors[0] if errors else "not compiled: the engine closed"
+        if errors:
+            logger.warning("the compile process failed (%s); buckets it did not finish run eagerly", errors[0])
         logger.info("decode buckets %s run compiled; the others eagerly", sorted(graphs.steps))
 
     def _take(self, graphs: DecodeGraphs, directory, size: int, entry: dict) -> None:
@@ -186,6 +191,40 @@ class Warmup:
                            type(exc).__name__, first_line(exc))
             graphs.states[size], graphs.errors[size] = "failed", first_line(exc)
         self.version += 1
+
+
+def children_for(spec: CompileSpec, buckets: int) -> int:
+    """Compile children to start: one beside a serving worker (it takes idle CPU only); otherwise one per
+    core, up to ``MAX_CHILDREN`` (each holds a copy of the model while it compiles)."""
+    if spec.low_priority:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(buckets, cores, MAX_CHILDREN))
+
+
+def merged_events(children: list[CompileChild]) -> Iterator[dict]:
+    """The children's events as they come, until every child has exited."""
+    events: queue.Queue = queue.Queue()
+
+    def read(child: CompileChild) -> None:
+        try:
+            for event in child.events():
+                events.put(event)
+        finally:
+            events.put(None)
+
+    for child in children:
+        threading.Thread(target=read, args=(child,), name="xinserve-compile-events", daemon=True).start()
+    running = len(children)
+    while running:
+        event = events.get()
+        if event is None:
+            running -= 1
+        else:
+            yield event
 
 
 def swap_ops(model: torch.nn.Module, old: KernelOps, new: KernelOps) -> None:

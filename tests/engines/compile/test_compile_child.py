@@ -95,9 +95,8 @@ def test_the_key_ignores_serving_settings_and_follows_what_shapes_the_step(tmp_p
 
 
 def test_the_manifest_is_replaced_whole_and_the_lock_is_exclusive(tmp_path):
-    with artifacts.lock(tmp_path):
-        artifacts.record(tmp_path, 4, {"state": "compiled", "error": None})
-        artifacts.record(tmp_path, 1, {"state": "eager", "error": "eager measured faster"})
+    artifacts.record(tmp_path, 4, {"state": "compiled", "error": None})
+    artifacts.record(tmp_path, 1, {"state": "eager", "error": "eager measured faster"})
     assert artifacts.read_manifest(tmp_path) == {1: {"state": "eager", "error": "eager measured faster"},
                                                  4: {"state": "compiled", "error": None}}
     assert json.loads((tmp_path / artifacts.MANIFEST).read_text())["4"]["state"] == "compiled"
@@ -105,11 +104,13 @@ def test_the_manifest_is_replaced_whole_and_the_lock_is_exclusive(tmp_path):
     (tmp_path / artifacts.MANIFEST).write_text("{half")  # unreadable: nothing is taken as done
     assert artifacts.read_manifest(tmp_path) == {}
     holder = "import sys, time\nfrom xinserve.engines.compile import artifacts\nfrom pathlib import Path\n" \
-             "with artifacts.lock(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(1.5)\n"
+             "with artifacts.lock(Path(sys.argv[1]), 'bucket-4'):\n    print('held', flush=True)\n    time.sleep(1.5)\n"
     other = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert other.stdout.readline().strip() == "held"
     start = time.monotonic()
-    with artifacts.lock(tmp_path):  # waits for the other process's turn
+    with artifacts.lock(tmp_path, "bucket-2"):  # another bucket: no wait
+        assert time.monotonic() - start < 0.5
+    with artifacts.lock(tmp_path, "bucket-4"):  # waits for the other process's turn
         waited = time.monotonic() - start
     other.wait()
     assert waited > 0.5

@@ -32,7 +32,7 @@ class BlockingChild:
     failing: ClassVar[set[int]] = set()
     released: ClassVar[bool] = False  # True: never wait
 
-    def __init__(self, spec) -> None:
+    def __init__(self, spec, directory) -> None:
         self.spec = spec
         self.calls: list[int] = []
         self.started = threading.Event()
@@ -49,6 +49,14 @@ class BlockingChild:
             assert time.monotonic() < deadline, "no compile child started"
             time.sleep(0.01)
         return cls.instances[-1]
+
+    def wait_compiling(self, warmup) -> None:
+        """Until the warm-up has taken this child's first "compiling" event (it reads events on a thread)."""
+        assert self.started.wait(TIMEOUT_S)
+        deadline = time.monotonic() + TIMEOUT_S
+        while "compiling" not in {b["state"] for b in warmup.report()["buckets"].values()}:
+            assert time.monotonic() < deadline, "no bucket compiling"
+            time.sleep(0.01)
 
     def events(self):
         for size in self.spec.order:

@@ -216,7 +216,7 @@ def test_a_restarted_engine_loads_its_buckets_before_ready_without_a_child(compi
     disk, so the engine loads them in its constructor (settled at ready, even warming in the background)
     and starts no compile process."""
     started = []
-    monkeypatch.setattr(xinserve.engines.worker.warmup, "CompileChild", lambda spec: started.append(spec))
+    monkeypatch.setattr(xinserve.engines.worker.warmup, "CompileChild", lambda spec, directory: started.append(spec))
     monkeypatch.setattr(xinserve.engines.worker.graphs, "bucket_sizes", lambda max_num_seqs: BUCKETS)
     llm = LLM(model, compile="on", warm_up_in_background=True, **OPTIONS)
     report = llm.engine.warmup.report()

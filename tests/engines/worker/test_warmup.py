@@ -59,7 +59,7 @@ def states(llm: LLM) -> dict[str, str]:
 def test_ready_before_buckets_compile_serving_greedy_tokens_then_swapping_them_in(model, eager, blocking):
     llm = LLM(model, compile="on", kernels=REFERENCE, **OPTIONS)  # returns while the first bucket is still compiling
     compiler = blocking.latest()
-    assert compiler.started.wait(TIMEOUT_S)
+    compiler.wait_compiling(llm.engine.warmup)
     assert states(llm) == {"1": "compiling", "4": "eager", "9": "eager"}
     graphs = llm.engine.runner.decode_graphs
     assert tokens(llm, 3) == tokens(eager, 3)  # served eagerly meanwhile, bucket 4 used
@@ -128,7 +128,7 @@ def test_ready_does_not_wait_for_the_cpp_build_which_swaps_in_between_steps(mode
 def test_the_worker_sends_bucket_states_and_its_health_shows_them(model, blocking):
     llm = LLM(model, compile="on", kernels=REFERENCE, **OPTIONS)
     compiler = blocking.latest()
-    assert compiler.started.wait(TIMEOUT_S)
+    compiler.wait_compiling(llm.engine.warmup)
     ctx = zmq.Context()
     try:
         pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
