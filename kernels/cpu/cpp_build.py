@@ -112,3 +112,11 @@ def _build_dir(key: str) -> Path:
 def built() -> bool:
     """Whether this source's extension is on disk for this machine (loading it then takes a moment)."""
     return (_build_dir(BUILD_KEY) / f"{MODULE_NAME}.so").is_file()
+
+
+if __name__ == "__main__":  # ``python -m xinserve.kernels.cpu.cpp_build``: build now (make's install step does)
+    try:
+        build()
+        print(f"C++ CPU kernels built in {_build_dir(BUILD_KEY)}")
+    except ImportError as exc:  # no compiler here: the engines serve the reference kernels
+        print(f"C++ CPU kernels not built ({exc}); the reference kernels serve")
