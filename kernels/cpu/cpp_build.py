@@ -115,8 +115,11 @@ def built() -> bool:
 
 
 if __name__ == "__main__":  # ``python -m xinserve.kernels.cpu.cpp_build``: build now (make's install step does)
+    # By its name: the build's child process imports ``xinserve.kernels.cpu.cpp_build:load``, not ``__main__``.
+    from xinserve.kernels.cpu import cpp_build
+
     try:
-        build()
+        cpp_build.build()
         print(f"C++ CPU kernels built in {_build_dir(BUILD_KEY)}")
     except ImportError as exc:  # no compiler here: the engines serve the reference kernels
         print(f"C++ CPU kernels not built ({exc}); the reference kernels serve")
