@@ -57,6 +57,19 @@ def save(compiled, directory: Path, size: int) -> None:
     compiled.save_compiled_function(str(artifact_path(directory, size)))
 
 
+def prepare_loading() -> None:
+    """What the first ``load`` in a process would do besides loading, done now (before ready: a serving
+    worker would otherwise pay it beside its steps): import dynamo and inductor (seconds of Python, the GIL
+    held), and inductor's probe of the CPU's vector instructions (it compiles test programs, ~3 s). Inductor
+    compiles in this process from now on, never in a pool of its own: a loaded bucket's code is in the cache."""
+    import torch._dynamo.aot_compile
+    import torch._inductor.compile_fx  # noqa: F401
+    from torch._inductor import config, cpu_vec_isa
+
+    config.compile_threads = 1
+    cpu_vec_isa.valid_vec_isa_list()
+
+
 def load(directory: Path, size: int) -> Callable:
     """The compiled bucket, called as ``decode_step`` is (engines/compile/decode_step.py). Costs tens of
     ms of Python (unpickling, the guards rebuilt, inductor's module loaded from its cache); the first

@@ -61,6 +61,8 @@ class Warmup:
         pending = bool(runner.kernels.deferred) or compiles
         # Every bucket compiled before: loaded now, before ready (a few seconds), rather than after.
         warm = not runner.kernels.deferred and compiles and self._all_on_disk()
+        if compiles:
+            artifacts.prepare_loading()
         if background and pending and not warm:
             self.thread = threading.Thread(target=self._run, name="xinserve-warmup", daemon=True)
             self.thread.start()
