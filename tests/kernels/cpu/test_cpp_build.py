@@ -72,11 +72,3 @@ def test_a_build_dies_with_its_parent_and_leaves_nothing_that_blocks_the_next(tm
         for process in working_in(tmp_path):  # what the old code left running, so it does not run on
             process.send_signal(signal.SIGKILL)
 
-
-def test_the_build_lives_in_the_xinserve_cache_dir_unless_torch_extensions_dir_says_otherwise(tmp_path, monkeypatch):
-    # One volume at $XINSERVE_CACHE_DIR carries a warm C++ build between pods (docs/operations.md).
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    assert cpp_build._build_dir("k") == tmp_path / "cache" / "torch_extensions" / "paged_decode_k"
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "elsewhere"))
-    assert cpp_build._build_dir("k") == tmp_path / "elsewhere" / "paged_decode_k"
