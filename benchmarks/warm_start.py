@@ -10,7 +10,8 @@ Three starts of the default ``xinserve serve`` (the embedded model), each on the
 - ``ready-first, empty caches``: the default (ready first, warm-up in the background), for comparison.
 
 The targets (issue 43, 2 cores, quiet machine): /health 200 within 40 s, first / settled output tok/s at
-least 0.85 at every level, no inter-token gap over 50 ms in the first run. Each level sends 4 x c
+least 0.85 at every level, no inter-token gap over 50 ms in the first run; each row lists the targets it
+missed. Each level sends 4 x c
 requests of 32 random words (about 32 tokens) for 128 tokens each (``ignore_eos``). ``--quick`` starts
 the servers with ``XINSERVE_COMPILE=off`` (no bucket to compile, as the test suite starts its servers) and
 forces the reference kernels where the C++ ones would be built (so nothing is left to warm up) and sends
@@ -102,17 +103,24 @@ def one_start(cache: Path, ready_when_warm: bool, args: argparse.Namespace) -> d
     return row
 
 
-def met(row: dict) -> bool:
-    """Whether a start meets every target."""
-    return row["health_200_s"] <= TARGETS["health_200_s"] and all(
-        level["first"]["failed"] == level["settled"]["failed"] == 0
-        and (level["first_over_settled"] or 0) >= TARGETS["first_over_settled"]
-        and (level["first"]["max_itl_ms"] or 0) <= TARGETS["max_itl_ms"] for level in row["levels"])
+def missed(row: dict) -> list[str]:
+    """The targets a start missed, each with its figure; empty when it met them all."""
+    out = [f"/health 200 {row['health_200_s']} s > {TARGETS['health_200_s']:g}"] \
+        if row["health_200_s"] > TARGETS["health_200_s"] else []
+    for level in row["levels"]:
+        c, first, ratio = level["concurrency"], level["first"], level["first_over_settled"]
+        if first["failed"] or level["settled"]["failed"]:
+            out.append(f"c={c} failed requests")
+        if ratio is None or ratio < TARGETS["first_over_settled"]:
+            out.append(f"c={c} first / settled {ratio} < {TARGETS['first_over_settled']:g}")
+        if first["max_itl_ms"] is None or first["max_itl_ms"] > TARGETS["max_itl_ms"]:
+            out.append(f"c={c} max ITL {first['max_itl_ms']} ms > {TARGETS['max_itl_ms']:g}")
+    return out
 
 
 def table(rows: list[dict]) -> str:
     headings = ("start", "/health 200 s", "settled at ready", "c", "first tok/s", "settled tok/s", "first / settled",
-                "max ITL ms first (settled)", "p99 ITL ms first (settled)", "targets met")
+                "max ITL ms first (settled)", "p99 ITL ms first (settled)", "missed targets")
     lines = []
     for row in rows:
         for level in row["levels"]:
@@ -120,7 +128,7 @@ def table(rows: list[dict]) -> str:
             lines.append((row["start"], row["health_200_s"], row["settled_at_ready"], level["concurrency"],
                           first["output_tok_s"], settled["output_tok_s"], level["first_over_settled"],
                           f"{first['max_itl_ms']} ({settled['max_itl_ms']})",
-                          f"{first['p99_itl_ms']} ({settled['p99_itl_ms']})", row["met"]))
+                          f"{first['p99_itl_ms']} ({settled['p99_itl_ms']})", "; ".join(row["missed"]) or "none"))
     return markdown_table(headings, lines)
 
 
@@ -129,10 +137,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="compile off, a few short requests at c=1 and 4")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to /health 200, and to settled")
     parser.add_argument("--out", type=Path, default=RESULTS / "warm_start.json")
+    parser.add_argument("--requests-per-c", type=int, default=4,
+                        help="requests per level: this many times its concurrency (4 x 1 at c=1 is about half a second)")
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)  # the benchmark smoke tests' common option
     args = parser.parse_args(argv)
     args.concurrency = [1, 4] if args.quick else [1, 8, 32]
-    args.requests_per_c, args.min_requests = (1, 2) if args.quick else (4, 4)
+    args.requests_per_c, args.min_requests = (1, 2) if args.quick else (args.requests_per_c, 4)
     args.input_words, args.output_tokens = (8, 8) if args.quick else (32, 128)
     return args
 
@@ -145,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             cache = Path(tmp) / caches
             cache.mkdir(exist_ok=True)
             row = {"start": name, "ready_when_warm": ready_when_warm, **one_start(cache, ready_when_warm, args)}
-            row["met"] = met(row)
+            row["missed"] = missed(row)
             rows.append(row)
             print(f"{name}: /health 200 after {row['health_200_s']} s", file=sys.stderr)
     with open("/proc/loadavg") as f:

@@ -31,4 +31,16 @@ def test_quick_run_times_each_start_and_its_levels_first_and_settled(run_quick) 
                 assert 0 <= run["p99_itl_ms"] <= run["max_itl_ms"]
             assert level["first_over_settled"] == pytest.approx(
                 level["first"]["output_tok_s"] / level["settled"]["output_tok_s"], abs=1e-3)
-        assert isinstance(row["met"], bool)
+        assert isinstance(row["missed"], list) and all(isinstance(m, str) for m in row["missed"])
+
+
+def test_a_row_names_each_target_it_missed_with_its_figure() -> None:
+    import warm_start
+
+    def level(c: int, ratio: float, max_itl: float) -> dict:
+        run = {"output_tok_s": 100.0, "failed": 0, "max_itl_ms": max_itl, "p99_itl_ms": 1.0}
+        return {"concurrency": c, "first": run, "settled": run, "first_over_settled": ratio}
+
+    assert warm_start.missed({"health_200_s": 12.0, "levels": [level(1, 0.85, 50.0), level(8, 1.1, 3.0)]}) == []
+    assert warm_start.missed({"health_200_s": 41.5, "levels": [level(1, 0.84, 50.0), level(8, 0.9, 62.5)]}) == [
+        "/health 200 41.5 s > 40", "c=1 first / settled 0.84 < 0.85", "c=8 max ITL 62.5 ms > 50"]
