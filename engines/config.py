@@ -86,6 +86,10 @@ class EngineConfig:
         "report ready once the model is loaded and the eager path warmed, then compile the CPU decode buckets "
         "and build C++ kernels not built yet in a background thread, swapping each in between steps "
         "(engines/worker/warmup.py); off: do both before ready"))
+    ready_when_warm: bool = field(default=False, metadata=setting(
+        "a server's worker reports ready only once its warm-up settled (kernels built, decode buckets compiled "
+        "or loaded; /health stays 503 \"starting\" meanwhile, with the progress): for autoscaled replicas, which "
+        "are judged by their first minutes; off: ready first, warm in the background"))
     max_cpu_threads: int | None = field(default=None, metadata=setting(
         "a CPU engine times its decode step at start with its torch threads and with this many and keeps the faster, "
         "cached per machine and shape under $XINSERVE_CACHE_DIR (engines/worker/thread_split.py); the server sets it to "
@@ -96,6 +100,10 @@ class EngineConfig:
         "step N+1 is scheduled and prepared while step N runs, its input ids taken from N's sampled tensor "
         "(engines/core/async_scheduling.py; CPU, one rank, no speculative decoding; requests with log-probs, "
         "penalties or structured output step synchronously); off: one step at a time, blocking on a full socket"))
+    async_scheduling_on_accelerators: bool = field(default=False, metadata=setting(
+        "async scheduling (above) on an accelerator too (CUDA, Ascend, MUSA; one rank): on accelerators: measured by "
+        "the device script (tests/gpu/bench_cuda.py, its async section, docs/performance.md) and off until a run "
+        "there measures it faster; the CPU schedules ahead whatever this says"))
     speculative_config: dict[str, Any] | None = field(default=None, metadata=setting(
         "speculative decoding, as vLLM spells it (JSON on the command line): "
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '

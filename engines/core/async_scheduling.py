@@ -14,7 +14,10 @@ Python work (resolving N, sending its outputs, taking new requests, scheduling a
 while the step's forward runs. What async cannot do runs synchronously (``LLMEngine.step``), one step
 at a time, whenever a request needs it: log-probs or prompt log-probs, penalties (they read the output
 tokens), structured output (the grammar advances with each token); ``LLMEngine.async_steps`` refuses
-engines with speculative decoding, a host KV tier, several ranks or a non-CPU device.
+engines with speculative decoding, a host KV tier or several ranks, and accelerators unless
+``async_scheduling_on_accelerators`` (the device script measures it: tests/gpu/bench_cuda.py). On an
+accelerator the step thread makes the engine's card current; its kernels, the next step's input copies and
+a decode bucket's buffer fill are ordered on the card's stream.
 A failed step is rolled back (its placeholders and computed tokens, and the step launched after it)
 and run again synchronously, where a failing request is found and failed alone.
 """
@@ -30,6 +33,7 @@ from xinserve.engines.core.outputs import StepResult
 from xinserve.engines.core.sampling_params import SamplingParams
 from xinserve.engines.core.scheduler import PLACEHOLDER, ScheduledSeq, num_pending
 from xinserve.engines.core.sequence import Sequence, SequenceStatus
+from xinserve.engines.platforms import is_host
 from xinserve.engines.worker.runner import _plain_greedy
 from xinserve.engines.worker.sampler import SamplingRow
 
@@ -56,14 +60,22 @@ class Launched:
     tokens: torch.Tensor | None = None  # [len(sampled)] int64 on the device, set when the step has run
 
 
+def _enter_step_thread(threads: int, device: torch.device) -> None:
+    torch.set_num_threads(threads)
+    if not is_host(device):
+        getattr(torch, device.type).set_device(device)
+
+
 class AsyncScheduling:
     """Drives an ``LLMEngine`` one step ahead; ``step()`` returns the outputs of the step before."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.runner = engine.runner
-        # A new thread starts with OpenMP's default thread count, not the engine's (engines/worker/thread_split.py).
-        self._executor = ThreadPoolExecutor(1, "xinserve-step", torch.set_num_threads, (torch.get_num_threads(),))
+        # A new thread starts with OpenMP's default thread count, not the engine's (engines/worker/thread_split.py),
+        # and with the accelerator's first card current, not the engine's.
+        self._executor = ThreadPoolExecutor(1, "xinserve-step", _enter_step_thread,
+                                            (torch.get_num_threads(), self.runner.device))
         self.inflight: Launched | None = None
         self.overlapped = 0  # steps scheduled while the one before was running
         self.synchronous = 0  # steps run by LLMEngine.step

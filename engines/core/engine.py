@@ -57,7 +57,7 @@ class LLMEngine:
         # Torch threads timed before the warm-up thread competes for the cores (engines/worker/thread_split.py).
         self.thread_choice = thread_split.for_engine(config, self.platform, self.runner, self.max_model_len)
         # Deferred C++ kernel builds, then the CPU decode buckets: after ready unless asked otherwise.
-        self.warmup = Warmup(self.runner, config.warm_up_in_background)
+        self.warmup = Warmup.for_engine(config, self.runner, self.max_model_len)
         # A KV connector (engines/kv/connector.py): the host tier below the pool (kv_offloading_size) or
         # another instance's pool (kv_transfer_config); and KV events for routers (kv_events_config).
         self.kv_tier = make_host_tier(config.kv_offloading_size, self.runner, block_size,
@@ -227,9 +227,10 @@ class LLMEngine:
                 self._finish(seq, "abort")
 
     def async_steps(self) -> "AsyncScheduling | None":
-        """A stepper that schedules step N+1 while step N runs (engines/core/async_scheduling.py), or None where
-        this engine cannot: speculative decoding, a host KV tier, several ranks, a device other than the CPU."""
-        if (self.proposer is not None or self.kv_connector is not None or not self.platform.schedules_ahead
+        """A stepper that schedules step N+1 while step N runs (engines/core/async_scheduling.py), or None where this
+        engine does not: speculative decoding, a host KV tier, several ranks, an accelerator without its setting."""
+        schedules_ahead = self.platform.schedules_ahead or self.config.async_scheduling_on_accelerators
+        if (self.proposer is not None or self.kv_connector is not None or not schedules_ahead
                 or self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1):
             return None
         return AsyncScheduling(self)

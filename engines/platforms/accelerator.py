@@ -50,7 +50,7 @@ def accelerator_record(kind: ModuleType, device: "torch.device", *, block_size: 
         splits_host_threads=kind.SPLITS_HOST_THREADS,
         builds_kernels_in_background=False,
         pins_host_memory=True,
-        schedules_ahead=False,  # async scheduling is not built or verified on accelerators
+        schedules_ahead=False,  # unless async_scheduling_on_accelerators: off until measured on the device
         dtypes=all_dtypes(),
         visible_devices_env=visible_devices_env,
         dist_backend=dist_backend,

@@ -91,7 +91,8 @@ class MTPModelRunner(ModelRunner):
         self._step = None  # set by the model's hook when the step runs eagerly
         logits = super().forward(batch)
         if self._step is None and self.decode_graphs is not None and self.decode_graphs.hidden is not None:
-            self._step = (batch.positions, batch.metadata, self.decode_graphs.hidden)  # it ran in a decode bucket
+            self.inputs.plan_gather(batch)  # it ran in a decode bucket, without the plan: the MTP layer runs eagerly
+            self._step = (batch.positions, batch.metadata, self.decode_graphs.hidden)
         return logits
 
     def _sample(self, batch: StepBatch, logits: torch.Tensor | None) -> list[SampledTokens]:

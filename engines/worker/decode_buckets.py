@@ -83,6 +83,9 @@ class DecodeBuffers:
         names = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "block_ids", "mask", "_arange")
         self._views = {name: _host_view(getattr(self, name), self._xp) for name in names}
         self._host_seq_lens = self.host_seq_lens.numpy()  # on the host on every device
+        # A number written into a slice: a torch ``view[...] = 0`` first makes a 0-dim tensor of it (an
+        # allocation per step); ``fill_`` takes the number as it is.
+        self._fill = _fill_array if self._xp is np else torch.Tensor.fill_
 
     def _metadata(self, size: int) -> AttentionMetadata:
         gather = DecodeGather(
@@ -101,31 +104,35 @@ class DecodeBuffers:
             decode_gather=gather,
         )
 
-    def fill(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> bool:
+    def fill(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+             host_seq_lens: np.ndarray) -> bool:
         """Copy a pure-decode step (n rows) into the buffers and pad up to ``size``, its bucket
         (``bucket_for``); False when the step does not fit (a block table wider than W), and the
-        caller runs it eagerly."""
+        caller runs it eagerly. ``host_seq_lens``: [n] int32, the rows' context lengths on the host
+        (the step's ``HostInputs``): nothing here reads a device value back, so a fill never waits for
+        the device (async scheduling fills step N+1 while N runs) and allocates nothing.
+
+        Padding rows do no real work: a context of one token in the scratch block (their table is the
+        scratch block only), so a kernel that splits each context by its own length reads one block
+        for them whatever the bucket's table width (max_model_len) is."""
         n = input_ids.shape[0]
         tables = metadata.block_tables  # [n, w] int32
         if tables.shape[1] > self.width:
             return False
         w = tables.shape[1]
-        v, xp = self._views, self._xp
+        v, xp, fill = self._views, self._xp, self._fill
         v["input_ids"][:n] = _host_view(input_ids, xp)
-        v["input_ids"][n:size] = 0
+        fill(v["input_ids"][n:size], 0)
         v["positions"][:n] = _host_view(positions, xp)
-        v["positions"][n:size] = 0
+        fill(v["positions"][n:size], 0)
         v["slot_mapping"][:n] = _host_view(metadata.slot_mapping, xp)
-        v["slot_mapping"][n:size] = self.scratch_block * self.block_size
+        fill(v["slot_mapping"][n:size], self.scratch_block * self.block_size)
         v["block_tables"][:n, :w] = _host_view(tables, xp)
-        v["block_tables"][:n, w:] = 0
-        v["block_tables"][n:size] = self.scratch_block
+        fill(v["block_tables"][:n, w:], 0)
+        fill(v["block_tables"][n:size], self.scratch_block)
         v["seq_lens"][:n] = _host_view(metadata.seq_lens, xp)
-        v["seq_lens"][n:size] = 1
-        gather = metadata.decode_gather
-        # A step prepared without its gather plan (async scheduling, engines/worker/step_inputs.py) is on the CPU,
-        # its seq_lens on the host.
-        self._host_seq_lens[:n] = (metadata.seq_lens if gather is None else gather.host_seq_lens).numpy()
+        fill(v["seq_lens"][n:size], 1)
+        self._host_seq_lens[:n] = host_seq_lens
         self._host_seq_lens[n:size] = 1
         v["block_ids"][: size * self.width] = v["block_tables"][:size].reshape(-1)
         xp.less(v["_arange"], v["seq_lens"][:size, None], out=v["mask"][:size, 0, 0])
@@ -150,3 +157,7 @@ class DecodeBuffers:
 def _host_view(tensor: torch.Tensor, xp) -> "np.ndarray | torch.Tensor":
     """``tensor`` as ``fill`` writes or reads it: a numpy view of its memory on the CPU, else itself."""
     return tensor.numpy() if xp is np else tensor
+
+
+def _fill_array(view: np.ndarray, value: int) -> None:
+    view.fill(value)

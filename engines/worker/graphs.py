@@ -1,13 +1,13 @@
 """Compiled and graph-captured decode steps, one per padded bucket (engines/worker/decode_buckets.py).
 
-- CPU: ``torch.compile`` (inductor, ``dynamic=False``) of the decode forward per bucket, one bucket
-  at a time by ``BucketCompiler`` on buffers of its own, so that it can run in a background thread
-  beside the steps (engines/worker/warmup.py); a compiled bucket is installed between steps. With
-  ``compile: auto`` a bucket stays compiled only where it measures faster than eager. Inductor's
-  cache lives in ``$XINSERVE_CACHE_DIR/inductor`` (default ``~/.cache/xinserve/inductor``) unless
-  TORCHINDUCTOR_CACHE_DIR says otherwise, so a restart loads the compiled code instead of compiling.
-  An installed bucket's graph is then called without dynamo's frame and guards where that returns
-  what the dynamo call did (engines/worker/direct_call.py).
+- CPU: ``torch.compile`` (inductor, ``dynamic=False``) of the decode step per bucket, in a child
+  process (engines/compile/child.py) that saves each compiled bucket as an artifact; the worker loads
+  it and installs it between steps (engines/worker/warmup.py), so compiling never holds the serving
+  process's GIL. With ``compile: auto`` a bucket stays compiled only where it measured faster than
+  eager. Inductor's cache lives in ``$XINSERVE_CACHE_DIR/inductor`` (default
+  ``~/.cache/xinserve/inductor``) unless TORCHINDUCTOR_CACHE_DIR says otherwise; the child and the
+  worker share it. An installed bucket is called without its guards (checked once, at install: its
+  inputs are the same buffers, parameters and cache at every step).
 - CUDA / Ascend / MUSA: each bucket's forward is captured once with the device's graph API
   (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``, ``torch.musa.MUSAGraph`` when torch_musa has
   it), largest bucket first so the smaller ones share its memory pool; a step copies its inputs
@@ -28,25 +28,22 @@ capture is logged and leaves that decode eager (never fatal). Each bucket has a 
 
 import logging
 import os
-import statistics
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from xinserve.engines.compile.decode_step import decode_step
 from xinserve.engines.config import COMPILE_ENV_VAR, COMPILE_MODES
 from xinserve.engines.platforms import Platform
 from xinserve.engines.worker.decode_buckets import DecodeBuffers, bucket_for, bucket_sizes
-from xinserve.engines.worker.direct_call import GraphRecorder, direct_call
 from xinserve.kernels.attention_metadata import AttentionMetadata
 from xinserve.kernels.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
-
-TIMING_ITERATIONS = 5
 
 
 def effective_mode(compile_mode: str | None) -> str:
@@ -66,84 +63,62 @@ def inductor_cache_dir() -> Path:
 
 
 def decode_forward(model: torch.nn.Module, kv_cache: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The function compiled or captured: (input_ids [B], positions [B], metadata) -> (logits [B, V],
-    the final hidden states [B, hidden], which the MTP drafter reads: engines/speculative/mtp_runner.py)."""
+    """What an accelerator captures: (input_ids [B], positions [B], metadata) -> (logits [B, V], the final
+    hidden states [B, hidden]) of ``decode_step`` (engines/compile/decode_step.py) on this model and cache."""
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # ``forward``, not ``__call__``: a runner's forward hooks (the MTP runner's) are neither traced
-        # into the bucket nor fired by a compile or timing run in the warm-up thread.
-        hidden = model.forward(input_ids, positions, kv_cache, metadata)
-        return model.compute_logits(hidden), hidden
+        return decode_step(model, kv_cache, input_ids, positions, metadata)
 
     return forward
+
+
+class StaleArtifact(ValueError):
+    """A compiled bucket that does not compute this worker's step (made for another model or settings)."""
 
 
 class DecodeGraphs:
     """The buckets that run compiled or captured; ``run`` takes a pure-decode step through them."""
 
     def __init__(self, buffers: DecodeBuffers, steps: dict[int, Callable[[], torch.Tensor]], kind: str,
-                 compiler: "BucketCompiler | None" = None) -> None:
+                 model: torch.nn.Module | None = None, kv_cache: torch.Tensor | None = None,
+                 compiles: bool = False) -> None:
         self.buffers = buffers
         self.steps = steps  # bucket -> runs the bucket on the buffers: (logits [bucket, V], hidden [bucket, Hd])
         self.kind = kind  # "compiled" | "captured", for logs and benchmarks
+        self.model = model
+        self.kv_cache = kv_cache
+        self.compiles = compiles  # CPU: buckets still to compile (engines/worker/warmup.py); captured ones never
         self.bucket_runs: Counter[int] = Counter()  # bucket -> steps it ran compiled or captured
-        self.compiler = compiler  # compiles the other buckets (engines/worker/warmup.py); None once captured
         self.states = {size: "compiled" if size in steps else "eager" for size in buffers.sizes}
         self.errors: dict[int, str] = {}  # bucket -> why it failed, or why it stays eager
-        # Expected use, for the order of compiling: pure-decode steps per bucket (compiled or not),
-        # and the latest step's bucket.
-        self.demand: Counter[int] = Counter()
-        self.last_bucket: int | None = None
+        self.demand: Counter[int] = Counter()  # pure-decode steps per bucket (compiled or not)
         self.hidden: torch.Tensor | None = None  # [rows, hidden] of the latest step run here; None if eager
         # Steps that verified drafts (decode rows of 1 + k per drafted sequence) per bucket, compiled or not.
         self.verify_runs: Counter[int] = Counter()
-        # bucket -> its compiled graph called without dynamo (engines/worker/direct_call.py); dropped when stale
-        self.direct: dict[int, Callable[[], list[torch.Tensor] | None]] = {}
-        self.direct_runs: Counter[int] = Counter()  # bucket -> steps that ran through ``direct``
 
-    def next_to_compile(self) -> int | None:
-        """The bucket to compile next: the latest step's, else the most used, else the smallest."""
+    def compile_order(self) -> list[int]:
+        """The buckets not compiled yet, the most used first, then the smallest."""
         waiting = [size for size, state in self.states.items() if state == "eager" and size not in self.errors]
-        if not waiting:
-            return None
-        if self.last_bucket in waiting:
-            return self.last_bucket
-        return max(waiting, key=lambda size: (self.demand[size], -size))
+        return sorted(waiting, key=lambda size: (-self.demand[size], size))
 
-    def install(self, size: int, compiled: Callable[..., torch.Tensor]) -> None:
-        """Bind a bucket's compiled function to the step buffers and run it once on padding (its
-        guards checked now, not in a step). Call between steps: the buffers are the steps'."""
+    def install(self, size: int, compiled: Callable) -> None:
+        """Bind a bucket's compiled step (engines/compile/artifacts.py ``load``) to the step buffers, the
+        model and the KV cache. Call between steps: the buffers are the steps'. It is run once on padding
+        and must agree with the eager step there, else StaleArtifact: its cache key
+        (engines/compile/spec.py) names the shapes and settings it was made for, and this check catches
+        what a key could miss. Its guards are not evaluated: they compare the dispatch keys the child's
+        tensors had under its tracing context, which differ from the worker's without changing the code."""
         inputs = self.buffers.inputs(size)
         self.buffers.pad(size)
-        want = compiled(*inputs)
-        self.steps[size] = _bind(compiled, inputs)
+        args = (self.model, self.kv_cache, *inputs)
+        compiled.disable_guard_check()
+        got, want = compiled(*args), decode_step(*args)
+        if not all(_close(a, b) for a, b in zip(got, want, strict=True)):
+            raise StaleArtifact("its output on padding differs from the eager step's (made for another model?)")
+        self.steps[size] = _bound_to_kernels(compiled, args, self.model)
         self.states[size] = "compiled"
-        self._install_direct(size, inputs, want)
-
-    def _install_direct(self, size: int, inputs: tuple, want: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Call the bucket's graph without dynamo from now on, where the compiler recorded exactly one
-        graph for it and that graph, called directly, returns what the dynamo call did."""
-        graphs = self.compiler.graphs.pop(size, None) if self.compiler is not None else None
-        if graphs is None or len(graphs) != 1:
-            return
-        graph, example_inputs = graphs[0]
-        call = direct_call(graph, example_inputs, self.compiler.buffers.inputs(size), inputs, self.compiler.model)
-        got = None if call is None else call()
-        if got is not None and len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)):
-            self.direct[size] = call
-        else:
-            logger.info("decode bucket %d runs through dynamo: its graph cannot be called directly", size)
-
-    def _outputs(self, size: int, step: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-        """A bucket's (logits, hidden): directly, else through dynamo (which recompiles what changed)."""
-        direct = self.direct.get(size)
-        outputs = None if direct is None else direct()
-        if outputs is None:
-            self.direct.pop(size, None)  # its kernels changed: dynamo's guards decide from now on
-            return step()
-        self.direct_runs[size] += 1
-        return outputs
+        self.errors.pop(size, None)
 
     def report(self) -> dict:
         """For /health: the kind and each bucket's state."""
@@ -156,26 +131,29 @@ class DecodeGraphs:
         return self.bucket_runs.total()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-            logits_indices: torch.Tensor | None, verifies: bool = False) -> torch.Tensor | None:
+            host_seq_lens: np.ndarray, logits_indices: torch.Tensor | None,
+            verifies: bool = False) -> torch.Tensor | None:
         """The logits of a pure-decode step's sampled rows, or None when its bucket runs eagerly
-        (the caller then runs the step as it is). ``verifies``: the step checks drafts (counted for
-        /health and tests: ``verify_runs``)."""
+        (the caller then runs the step as it is). ``host_seq_lens``: [rows] int32, the rows' context
+        lengths on the host. ``verifies``: the step checks drafts (counted for /health and tests:
+        ``verify_runs``)."""
         num_rows = input_ids.shape[0]
         self.hidden = None
         size = bucket_for(num_rows, self.buffers.sizes)
         if size is not None:
             self.demand[size] += 1
-            self.last_bucket = size
         step = self.steps.get(size)  # None too for a step larger than every bucket (size None)
-        if step is None or not self.buffers.fill(size, input_ids, positions, metadata):
+        if step is None or not self.buffers.fill(size, input_ids, positions, metadata, host_seq_lens[:num_rows]):
             return None
         try:
-            logits, hidden = self._outputs(size, step)
-        except Exception as exc:  # noqa: BLE001  a recompile or replay that fails: this bucket goes eager
+            outputs = step()
+            if outputs is None:
+                raise StaleArtifact("a layer's kernels changed since it was compiled")
+            logits, hidden = outputs
+        except Exception as exc:  # noqa: BLE001  a replay that fails: this bucket goes eager
             logger.warning("%s decode for bucket %d failed (%s: %s); it runs eagerly from now on",
                            self.kind, size, type(exc).__name__, first_line(exc))
             del self.steps[size]
-            self.direct.pop(size, None)
             self.states[size], self.errors[size] = "failed", first_line(exc)
             return None
         self.bucket_runs[size] += 1
@@ -183,6 +161,29 @@ class DecodeGraphs:
         self.hidden = hidden[:num_rows]
         logits = logits[:num_rows]  # padded rows are never sampled
         return logits if logits_indices is None else logits.index_select(0, logits_indices)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal up to the rounding of another summation order; a wrong artifact is off by the values' size."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    scale = want.float().abs().max().clamp(min=1.0)
+    return bool(((got.float() - want.float()).abs().max() <= 0.02 * scale).item())
+
+
+def _bound_to_kernels(compiled: Callable, args: tuple, model: torch.nn.Module | None) -> Callable:
+    """``compiled`` on ``args``; None once a layer's kernel ops are no longer those it was compiled with
+    (engines/worker/warmup.py swaps them between steps: the compiled code still calls the old ones)."""
+    modules = model.modules() if model is not None else ()
+    holders = [(module, module.ops) for module in modules if getattr(module, "ops", None) is not None]
+
+    def call() -> tuple[torch.Tensor, torch.Tensor] | None:
+        for module, ops in holders:
+            if module.ops is not ops:
+                return None
+        return compiled(*args)
+
+    return call
 
 
 @torch.inference_mode()
@@ -198,19 +199,18 @@ def build_decode_graphs(
     sizes: list[int] | None = None,
     capture_hooks: Sequence[Callable] = (),
 ) -> DecodeGraphs | None:
-    """Capture (accelerators) the decode forward per bucket now, or (CPU) the buckets with their
-    ``BucketCompiler``, every bucket eager until compiled; None when every bucket runs eagerly (mode
+    """Capture (accelerators) the decode forward per bucket now, or (CPU) the buckets to compile
+    (engines/worker/warmup.py), every bucket eager until installed; None when every bucket runs eagerly (mode
     "off", nothing captured). ``capture_hooks``: the chosen kernels' (``KernelSelection.capture_hooks``),
     around each capture."""
     if mode == "off":
         return None
     sizes = sizes or bucket_sizes(max_rows)
     buffers = DecodeBuffers(sizes, max_model_len, block_size, scratch_block, platform.device)
-    forward = decode_forward(model, kv_cache)
     if not platform.captures_graphs:
-        copy = DecodeBuffers(sizes, max_model_len, block_size, scratch_block, platform.device)
-        return DecodeGraphs(buffers, {}, "compiled", BucketCompiler(forward, copy, mode, platform, model))
-    steps = _capture(forward, buffers, platform, capture_hooks)
+        use_inductor_cache()  # before the compile child starts: it inherits the environment
+        return DecodeGraphs(buffers, {}, "compiled", model, kv_cache, compiles=True)
+    steps = _capture(decode_forward(model, kv_cache), buffers, platform, capture_hooks)
     if not steps:
         return None
     logger.info("decode buckets %s run captured; the others eagerly", sorted(steps))
@@ -221,58 +221,6 @@ def use_inductor_cache() -> str:
     """Point inductor's cache at ``$XINSERVE_CACHE_DIR/inductor`` unless TORCHINDUCTOR_CACHE_DIR is
     set already; returns the one in use."""
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
-
-
-class BucketCompiler:
-    """Compiles the decode forward for one bucket at a time (CPU), on buffers of its own (the steps'
-    stay the steps'), so it can run in a thread beside them; ``DecodeGraphs.install`` binds the
-    result to the step buffers."""
-
-    def __init__(self, forward: Callable, buffers: DecodeBuffers, mode: str, platform: Platform,
-                 model: torch.nn.Module | None = None) -> None:
-        use_inductor_cache()
-        self.forward = forward
-        self.model = model  # whose kernel ops a directly called graph checks (engines/worker/direct_call.py)
-        self.recorder = GraphRecorder()
-        self.graphs: dict[int, list] = {}  # bucket -> the graphs its compile recorded, until installed
-        self._compiled: Callable[..., torch.Tensor] | None = None
-        self.buffers = buffers
-        self.mode = mode
-        self.platform = platform
-
-    @property
-    def compiled(self) -> Callable[..., torch.Tensor]:
-        """The compiled forward, made on first use: dynamo and ``torch.compile`` import seconds of CPU
-        (dynamo, inductor), which belong in the warm-up thread, after ready, not in the constructor."""
-        if self._compiled is None:
-            # Every bucket of every engine in this process is a compiled variant of the one ``forward``
-            # code object (guarded on its shapes and its model): let each build add its own.
-            torch._dynamo.config.recompile_limit += len(self.buffers.sizes)
-            self._compiled = torch.compile(self.forward, dynamic=False, backend=self.recorder)
-        return self._compiled
-
-    @torch.inference_mode()
-    def __call__(self, size: int) -> Callable[..., torch.Tensor] | None:
-        """The compiled function for bucket ``size``, or None where eager measured faster (mode
-        "auto"). Raises what inductor raised."""
-        inputs = self.buffers.inputs(size)
-        self.buffers.pad(size)
-        start = time.perf_counter()
-        self.recorder.start()
-        self.compiled(*inputs)  # compiles (or loads from the cache)
-        self.graphs[size] = self.recorder.taken()
-        took = time.perf_counter() - start
-        if self.mode != "auto":
-            logger.info("decode bucket %d compiled in %.1f s", size, took)
-            return self.compiled
-        eager_s = _median_seconds(_bind(self.forward, inputs), self.platform)
-        compiled_s = _median_seconds(_bind(self.compiled, inputs), self.platform)
-        keep = compiled_s < eager_s
-        if not keep:
-            self.graphs.pop(size, None)  # nothing will install it
-        logger.info("decode bucket %d compiled in %.1f s: %.3f ms compiled vs %.3f ms eager -> %s",
-                    size, took, compiled_s * 1e3, eager_s * 1e3, "compiled" if keep else "eager")
-        return self.compiled if keep else None
 
 
 def _capture(forward: Callable, buffers: DecodeBuffers, platform: Platform, hooks: Sequence[Callable]) -> dict:
@@ -316,21 +264,6 @@ def _replayer(graph, out: torch.Tensor, before_replay: list[Callable[[], None]])
 
 def first_line(exc: Exception) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:200]
-
-
-def _bind(function: Callable, inputs: tuple) -> Callable[[], torch.Tensor]:
-    return lambda: function(*inputs)
-
-
-def _median_seconds(function: Callable[[], object], platform: Platform) -> float:
-    function()
-    times = []
-    for _ in range(TIMING_ITERATIONS):
-        start = time.perf_counter()
-        function()
-        platform.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 @torch.inference_mode()

@@ -197,7 +197,8 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SampledTokens]:
         """One step: its inputs, the forward (and the logits), one sample per sequence that reaches its end."""
         with self.step_lock:
-            batch = self._prepare(scheduled)
+            # A step a decode bucket runs never reads the gather plan: the eager path adds it (``forward``).
+            batch = self._prepare(scheduled, with_gather=self.decode_graphs is None)
             self.broadcast(batch)
             if batch.needs_prompt_logits:
                 return self._with_prompt_logprobs(batch)
@@ -277,8 +278,8 @@ class ModelRunner:
         sequence reaches its end this step)."""
         self.apply_lora(batch)
         if self.decode_graphs is not None and not batch.metadata.num_prefill_seqs and batch.sampled:
-            logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.logits_indices,
-                                            verifies=bool(batch.drafts))
+            logits = self.decode_graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.host.seq_lens,
+                                            batch.logits_indices, verifies=bool(batch.drafts))
             if logits is not None:
                 return logits
         self.inputs.plan_gather(batch)  # an eager step reads it

@@ -50,6 +50,11 @@ def build_in_child(build: str) -> None:
 _parent_gone = threading.Event()
 
 
+def parent_gone() -> bool:
+    """Whether the parent this process is tied to (``tie_to_parent``) has ended."""
+    return _parent_gone.is_set()
+
+
 def _end_build(*_) -> None:
     """Our parent is gone: stop the build (ninja, if it has started, stops its compilers)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -64,7 +69,8 @@ def _interrupt_group() -> None:
         time.sleep(PARENT_POLL_S)
 
 
-def _tie_to(parent: int) -> None:
+def tie_to_parent(parent: int) -> None:
+    """End this process (and its process group) when ``parent`` ends (see the module's docstring)."""
     signal.signal(signal.SIGTERM, _end_build)
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
     if libc is None or libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
@@ -80,7 +86,7 @@ def _poll_parent(parent: int) -> None:
 
 
 def main() -> None:
-    _tie_to(int(sys.argv[1]))
+    tie_to_parent(int(sys.argv[1]))
     module, function = sys.argv[2].split(":")
     build = getattr(importlib.import_module(module), function)
     if _parent_gone.is_set():  # while torch was imported: build nothing

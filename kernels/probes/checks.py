@@ -202,9 +202,19 @@ def probe_fused_moe(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs
     return max(errors)
 
 
+def _distinct_logits(x: ProbeInputs, rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, V] float32 on the device: 3 x the V normal quantiles, shuffled per row (all distinct)."""
+    quantiles = torch.special.ndtri((torch.arange(vocab_size, dtype=torch.float64) + 0.5) / vocab_size)
+    order = torch.stack([torch.randperm(vocab_size, generator=x.generator) for _ in range(rows)])
+    return (3 * quantiles[order]).float().to(x.device)
+
+
 def probe_top_k_top_p(fn: dict[str, Callable], shapes: ModelShapes, x: ProbeInputs) -> float:
-    # Logits are float32 in the sampler whatever the model's dtype.
-    logits = 3 * x.randn(4, shapes.vocab_size, dtype=torch.float32)
+    # Logits are float32 in the sampler whatever the model's dtype. No two in a row are equal: where the
+    # reference's top-p cut falls inside a group of equal logits, which of them its sort keeps is an
+    # accident of the sort (a vocabulary of 150k normal float32 samples holds ~100 equal pairs), and
+    # a candidate that keeps the whole group (kernels/triton/sampling.py) must not fail on that.
+    logits = _distinct_logits(x, 4, shapes.vocab_size)
     top_k = torch.tensor([[0], [5], [1], [min(50, shapes.vocab_size)]], dtype=torch.int64)
     top_p = torch.tensor([[1.0], [0.9], [0.5], [0.8]], dtype=torch.float32)
     got = fn["top_k_top_p"](logits, top_k.to(x.device), top_p.to(x.device))

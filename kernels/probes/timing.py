@@ -1,8 +1,9 @@
 """How fast each correct kernel candidate is at the model's shapes, so the registry can pick by
 speed instead of by list order (one chip of a fleet may then choose differently from another).
 
-Only ops whose cost grows with the context or the batch are timed, on one workload each shaped like
-a busy decode or prefill step of this model; a few iterations after a warm-up, the median kept.
+Only ops whose cost grows with the context or the batch (or a fused kernel may save a step's passes
+over: kernels/probes/elementwise_timing.py) are timed, on one workload each shaped like a busy decode or
+prefill step of this model; a few iterations after a warm-up, the median kept.
 Timings are cached in a JSON file keyed by everything that decides them (op, implementation, shapes,
 dtype, device name, torch version), so a restart or a second worker on the same card does not time
 again.
@@ -24,6 +25,7 @@ from xinserve.kernels import kv_quant
 from xinserve.kernels.attention_metadata import build_decode_gather
 from xinserve.kernels.cache_dir import cache_dir
 from xinserve.kernels.model_shapes import ModelShapes
+from xinserve.kernels.probes import elementwise_timing
 from xinserve.kernels.probes import linear as linear_probes
 from xinserve.kernels.probes import lora as lora_probes
 from xinserve.kernels.probes import quant as quant_probes
@@ -98,7 +100,7 @@ def _write_kv_workload(fn: dict[str, Callable], shapes: ModelShapes, device: tor
 
 
 WORKLOADS = {"decode_attention": _decode_workload, "prefill_attention": _prefill_workload, "write_kv": _write_kv_workload,
-             **quant_probes.WORKLOADS, **linear_probes.WORKLOADS, **lora_probes.WORKLOADS}
+             **quant_probes.WORKLOADS, **linear_probes.WORKLOADS, **lora_probes.WORKLOADS, **elementwise_timing.WORKLOADS}
 
 
 def measure(op: str, functions: dict[str, Callable], shapes: ModelShapes, device: torch.device,

@@ -22,6 +22,11 @@ def tile(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def warps_for(tile_elements: int) -> int:
+    """Warps for a program that holds a tile of this many elements: about 16 per thread, 1 to 16 warps."""
+    return min(16, max(1, tile_elements // 512))
+
+
 def cache_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, ...]:
     """The one layout of both paged caches ([N, BS, KVH, D] views of one KV tensor): the kernels address
     a key and its value with the same offsets."""
@@ -76,3 +81,15 @@ def online_softmax_step(q, k, v, visible, qk_scale, row_max, row_sum, acc):
     row_sum = row_sum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return new_max, row_sum, acc
+
+
+@triton.jit
+def rounded(x, dtype: tl.constexpr):
+    """float32 ``x`` rounded to nearest-even in ``dtype``, as torch rounds. bfloat16 is rounded on the bits:
+    Triton's interpreter truncates float32 to bfloat16 (a compiled kernel rounds to nearest either way), and
+    a fused kernel that rounds where the reference rounds must round the same way to agree with it."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # round the low 16 bits away, ties to even
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    return x.to(dtype)

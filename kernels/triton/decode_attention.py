@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 TOKENS_TILE = 64  # keys per inner step, a [64, D] K and V tile (fewer when they are wide: keys_tile)
 # Split a context so that S * KVH * splits programs fill a large GPU, but into at most MAX_SPLITS
-# splits (a power of two: the combine kernel holds them all in one tile).
+# splits (a power of two: the combine kernel holds them all in one tile); each sequence's own length
+# sets its split length (``_split_len``).
 TARGET_PROGRAMS, MAX_SPLITS = 512, 32
 
 
@@ -38,12 +39,13 @@ def _split_attention_kernel(
     out_stride_s, out_stride_h, out_stride_d,
     po_stride_s, po_stride_h, po_stride_p, po_stride_d,
     lse_stride_s, lse_stride_h, lse_stride_p,
-    qk_scale, split_len, group, head_dim,
+    qk_scale, split_len, num_splits, group, head_dim,
     BLOCK_SIZE: tl.constexpr, GROUP_TILE: tl.constexpr, DIM_TILE: tl.constexpr, TOKENS_TILE: tl.constexpr,
-    ONE_SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, SPLIT_BY_LEN: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _split_len(seq_len, split_len, num_splits, TOKENS_TILE, SPLIT_BY_LEN)
     start = split * split_len
     if start >= seq_len:  # the grid covers the widest block table; this context is shorter
         return
@@ -89,16 +91,27 @@ def _split_attention_kernel(
 
 
 @triton.jit
+def _split_len(seq_len, split_len, num_splits, TOKENS_TILE: tl.constexpr, SPLIT_BY_LEN: tl.constexpr):
+    """Tokens per split of this sequence: with SPLIT_BY_LEN its own context (read on the device) cut into
+    num_splits whole tiles, so a short context, a decode bucket's padding row among them, takes few
+    programs however wide the table is; else the caller's fixed ``split_len``."""
+    if SPLIT_BY_LEN:
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TOKENS_TILE) * TOKENS_TILE
+    return split_len
+
+
+@triton.jit
 def _combine_splits_kernel(
     partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr,
     po_stride_s, po_stride_h, po_stride_p, po_stride_d,
     lse_stride_s, lse_stride_h, lse_stride_p,
     out_stride_s, out_stride_h, out_stride_d,
     split_len, num_splits, head_dim,
-    SPLITS_TILE: tl.constexpr, DIM_TILE: tl.constexpr,
+    SPLITS_TILE: tl.constexpr, DIM_TILE: tl.constexpr, TOKENS_TILE: tl.constexpr, SPLIT_BY_LEN: tl.constexpr,
 ):
     seq, head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _split_len(seq_len, split_len, num_splits, TOKENS_TILE, SPLIT_BY_LEN)
     splits = tl.arange(0, SPLITS_TILE)
     dims = tl.arange(0, DIM_TILE)
     ran = (splits < num_splits) & (splits * split_len < seq_len)  # the splits that wrote a partial
@@ -119,12 +132,11 @@ def _combine_splits_kernel(
     )
 
 
-def default_split_len(max_len: int, num_seqs: int, num_kv_heads: int) -> int:
-    """Tokens per split for contexts of up to max_len: one split when S * KVH programs already fill
-    the device, else enough splits to reach TARGET_PROGRAMS (at most MAX_SPLITS), each a whole
-    number of TOKENS_TILE tiles."""
-    splits = min(MAX_SPLITS, triton.cdiv(TARGET_PROGRAMS, num_seqs * num_kv_heads))
-    return triton.cdiv(triton.cdiv(max_len, splits), TOKENS_TILE) * TOKENS_TILE
+def default_num_splits(max_len: int, num_seqs: int, num_kv_heads: int) -> int:
+    """Splits per context for a table of max_len tokens: one when S * KVH programs already fill the
+    device, else enough to reach TARGET_PROGRAMS, at most MAX_SPLITS and at most a tile each."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(TARGET_PROGRAMS, num_seqs * num_kv_heads),
+                      triton.cdiv(max_len, TOKENS_TILE)))
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -135,9 +147,13 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     value_cache: [N, BS, KVH, D]; block_tables: [S, B] int32; seq_lens: [S] int32. Returns [S, H, D].
 
     ``gather`` (the reference's gather plan) is accepted for the shared signature and not read: the
-    kernel walks the block table itself. ``split_len``: tokens per split (default
-    ``default_split_len``; raised if it would make more than MAX_SPLITS). The number of splits follows
-    the table width B * BS, not the lengths: those are on the device, and reading them would sync.
+    kernel walks the block table itself. The number of splits follows the table width B * BS and the
+    batch (``default_num_splits``), not the lengths: those are on the device, and reading them would
+    sync. Each sequence then cuts its own context into that many splits on the device, so a captured
+    decode bucket, whose table spans max_model_len, splits a short context as finely as an eager step
+    does (a split length fixed from the width would leave one program walking it all, and a graph
+    freezes that choice). ``split_len``: a fixed number of tokens per split instead (raised if it would
+    make more than MAX_SPLITS).
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1:3]
@@ -146,10 +162,14 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if num_seqs == 0:
         return out
     max_len = block_tables.shape[1] * block_size
+    tokens_tile = keys_tile(TOKENS_TILE, tile(head_dim), key_cache)
     if split_len is None:
-        split_len = default_split_len(max_len, num_seqs, num_kv_heads)
-    split_len = max(split_len, triton.cdiv(max_len, MAX_SPLITS))
-    num_splits = triton.cdiv(max_len, split_len)
+        num_splits = default_num_splits(max_len, num_seqs, num_kv_heads)
+        split_len = max_len if num_splits == 1 else 0  # 0: each sequence's own (SPLIT_BY_LEN)
+    else:
+        split_len = max(split_len, triton.cdiv(max_len, MAX_SPLITS))
+        num_splits = triton.cdiv(max_len, split_len)
+    by_len = split_len == 0
     if num_splits > 1:
         # partial_out: [S, H, splits, D] fp32; partial_lse: [S, H, splits] fp32
         partial_out = query.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
@@ -161,12 +181,13 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         out, partial_out, partial_lse,
         *query.stride(), *common.cache_strides(key_cache, value_cache), *block_tables.stride(),
         *out.stride(), *partial_out.stride(), *partial_lse.stride(),
-        scale * math.log2(math.e), split_len, group, head_dim,
+        scale * math.log2(math.e), split_len, num_splits, group, head_dim,
         BLOCK_SIZE=block_size,
         GROUP_TILE=tile(group),
         DIM_TILE=tile(head_dim),
-        TOKENS_TILE=keys_tile(TOKENS_TILE, tile(head_dim), key_cache),
+        TOKENS_TILE=tokens_tile,
         ONE_SPLIT=num_splits == 1,
+        SPLIT_BY_LEN=by_len,
         DOT_F32=interpreted(_split_attention_kernel),
     )
     if num_splits > 1:
@@ -176,5 +197,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
             split_len, num_splits, head_dim,
             SPLITS_TILE=MAX_SPLITS,  # fixed, so a new split count does not compile a new variant
             DIM_TILE=triton.next_power_of_2(head_dim),
+            TOKENS_TILE=tokens_tile,
+            SPLIT_BY_LEN=by_len,
         )
     return out

@@ -91,10 +91,14 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     rows_tile = max(ROWS_TILE, tile(group))
     queries_per_tile = rows_tile // group
     max_q_len = max(end - start for start, end in itertools.pairwise(query_start_loc))
-    # one host-to-device copy for both lists: offsets [P + 1] then lengths [P]
-    lengths = torch.tensor([*query_start_loc, *seq_lens], dtype=torch.int32, device=query.device)
+    # One host-to-device copy for both lists: offsets [P + 1], padded to a multiple of 4 entries, then
+    # lengths [P]. The padding keeps the lengths' pointer 16-byte aligned whatever P is: Triton compiles a
+    # variant per pointer alignment, and without it a batch of P = 3, 7, 11... prefills compiled a second
+    # one mid-serving (about a second, once per process: it was charged to the first run that met it).
+    offsets = [*query_start_loc, *[query_start_loc[-1]] * (-(num_seqs + 1) % 4)]
+    lengths = torch.tensor([*offsets, *seq_lens], dtype=torch.int32, device=query.device)
     _prefill_kernel[(triton.cdiv(max_q_len, queries_per_tile), num_kv_heads, num_seqs)](
-        query, key_cache, value_cache, block_tables, lengths, lengths[num_seqs + 1 :], out,
+        query, key_cache, value_cache, block_tables, lengths, lengths[len(offsets) :], out,
         *query.stride(), *common.cache_strides(key_cache, value_cache), *block_tables.stride(), *out.stride(),
         scale * math.log2(math.e), group, queries_per_tile, head_dim,
         BLOCK_SIZE=block_size,

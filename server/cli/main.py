@@ -1,4 +1,4 @@
-"""The ``xinserve`` command: ``serve``, ``bench``, ``doctor`` and ``plan``.
+"""The ``xinserve`` command: ``serve``, ``warmup``, ``bench``, ``doctor`` and ``plan``.
 
 ``xinserve serve`` with no arguments serves the embedded tiny model from ``config/default.yaml``;
 ``--config FILE`` serves a YAML config; ``--model PATH --device SPEC`` serves one model from flags.
@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xinserve", description="OpenAI-compatible LLM inference server")
     sub = parser.add_subparsers(dest="command")
     _add_serve_args(sub.add_parser("serve", help="run the server (no arguments: the embedded tiny model)"))
-    from xinserve.server.cli import bench, doctor, plan
+    _add_serve_args(sub.add_parser("warmup", help="fill the caches the server's CPU workers start from, then exit "
+                                                  "(takes serve's flags)"))
+    from xinserve.server.cli import bench, doctor, plan, warmup
 
     bench.add_args(sub.add_parser("bench", help="load-test any OpenAI-compatible server"))
     doctor.add_args(sub.add_parser("doctor", help="which devices and kernels this machine offers"))
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         # Bare "xinserve" behaves like "xinserve serve": the README's first command.
         args = parser.parse_args(["serve"])
-    commands = {"serve": serve, "bench": bench.run, "plan": plan.run, "doctor": doctor.run}
+    commands = {"serve": serve, "warmup": warmup.run, "bench": bench.run, "plan": plan.run, "doctor": doctor.run}
     try:
         return commands[args.command](args)
     except BadInput as exc:  # a file, path or field the user gave: one line naming it, as argparse's own errors

@@ -314,6 +314,19 @@ def _engine_info(engine: Any, spec: WorkerSpec, load_s: float) -> dict[str, Any]
     }
 
 
+def _report_until_warm(engine: Any, send: zmq.Socket, every_s: float = 0.5) -> None:
+    """``ready_when_warm``: hold ``Ready`` back until the warm-up settled, sending its progress meanwhile
+    (the worker stays "starting" on /health, its ``info.decode_graphs`` showing how far it is)."""
+    warmup, version, parent = engine.warmup, -1, os.getppid()
+    while not warmup.done.wait(every_s):
+        if os.getppid() != parent:  # the server is gone: nobody waits for this worker
+            raise SystemExit(1)
+        if warmup.version != version:
+            version = warmup.version
+            send.send(messages.encode(InfoUpdate({"decode_graphs": warmup.report()})))
+    logger.info("warm-up settled: ready (ready_when_warm)")
+
+
 def run_worker(spec: WorkerSpec) -> None:
     """Entry point of the spawned worker process."""
     # Ctrl-C reaches the whole process group, and so does SIGTERM from a service manager that stops
@@ -340,6 +353,8 @@ def run_worker(spec: WorkerSpec) -> None:
         send.close()
         ctx.term()
         raise SystemExit(1) from None
+    if engine.config.ready_when_warm:
+        _report_until_warm(engine, send)
     info = _engine_info(engine, spec, time.perf_counter() - start)
     logger.info("%s ready on %s in %.1fs (max_model_len=%d)", spec.model_name, spec.device,
                 info["load_seconds"], info["max_model_len"])

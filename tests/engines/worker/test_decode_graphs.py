@@ -1,13 +1,14 @@
 """Padded decode buckets compiled with torch.compile on the CPU (engines/worker/decode_buckets.py,
 engines/worker/graphs.py): compiled decode equals eager token for token across bucket boundaries with
-preemption and prefix caching; padded rows never touch a real sequence's KV or output; a compile
-failure falls back to eager with a log line; ``compile: off`` and ``enforce_eager`` never compile.
+preemption and prefix caching; padded rows never touch a real sequence's KV or output; a failed
+compile falls back to eager with a log line; ``compile: off`` and ``enforce_eager`` never compile.
 
 Inductor compiles take seconds each, so one compiled engine (a one-layer model, three buckets) is
-shared by the module. Its buckets compile in the background thread (engines/worker/warmup.py), with real
-inductor beside the main thread; the tests wait for it (``compiled_engine``)."""
+shared by the module. Its buckets compile in a child process (engines/compile/child.py) started by the
+background warm-up (engines/worker/warmup.py), which loads each; the tests wait for it (``compiled_engine``)."""
 
 import argparse
+import dataclasses
 import logging
 import random
 
@@ -15,8 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import xinserve.engines.compile.child_process
 import xinserve.engines.worker.graphs
 import xinserve.engines.worker.step_inputs
+import xinserve.engines.worker.warmup
 from xinserve.engines import LLM, EngineConfig, SamplingParams
 from xinserve.engines.core.scheduler import ScheduledSeq
 from xinserve.engines.core.sequence import Sequence
@@ -76,8 +79,10 @@ def test_compiled_decode_equals_eager_across_buckets_with_preemption_and_prefix_
     assert graphs.kind == "compiled" and sorted(graphs.steps) == BUCKETS
     # what /health shows of each worker
     done = {str(b): {"state": "compiled", "error": None} for b in BUCKETS}
-    assert compiled.engine.warmup.report() == {"mode": "on", "kind": "compiled", "settled": True, "buckets": done}
-    assert eager.engine.warmup.report() == {"mode": "off", "kind": "eager", "settled": True, "buckets": {}}
+    assert compiled.engine.warmup.report() == {"mode": "on", "kind": "compiled", "settled": True, "buckets": done,
+                                               "progress": {"phase": "settled", "done": 3, "total": 3}}
+    assert eager.engine.warmup.report() == {"mode": "off", "kind": "eager", "settled": True, "buckets": {},
+                                            "progress": {"phase": "settled", "done": 0, "total": 0}}
     before, runs_before = graphs.steps_run, graphs.bucket_runs.copy()
     vocab = compiled.engine.vocab_size
     for seed, count in enumerate((1, 3, 8, 9)):
@@ -93,25 +98,30 @@ def test_compiled_decode_equals_eager_across_buckets_with_preemption_and_prefix_
     assert set(graphs.bucket_runs - runs_before) == set(BUCKETS)  # in each of the three buckets
 
 
-def test_compiled_buckets_run_without_dynamo_equal_transformers_and_fall_back_to_dynamo(compiled, model,
-                                                                                        monkeypatch):
-    """Each bucket's graph is called directly (engines/worker/direct_call.py) and its greedy tokens equal
-    transformers'; a direct call that stops answering (its kernels were swapped) hands the bucket back to
-    dynamo's call, and the tokens stay the same."""
+def test_compiled_buckets_equal_transformers_and_go_eager_once_their_kernels_change(compiled, model):
+    """Each bucket's loaded step (called without guards) gives transformers' greedy tokens; once a layer's
+    kernel ops are not those it was compiled with (a swap), that bucket runs eagerly, and the tokens stay."""
     graphs = compiled.engine.runner.decode_graphs
-    assert sorted(graphs.direct) == BUCKETS
     batch = prompts(compiled.engine.vocab_size, 3, seed=13)  # bucket 4
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     with torch.inference_mode():
         want = [hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False, top_p=None,
                             top_k=None, temperature=None)[0, len(p):].tolist() for p in batch]
-    direct_runs, dynamo_runs = graphs.direct_runs[4], graphs.bucket_runs[4]
+    runs = graphs.bucket_runs[4]
     assert [r.token_ids for r in compiled.generate(batch, GREEDY)] == want
-    assert graphs.direct_runs[4] - direct_runs == graphs.bucket_runs[4] - dynamo_runs >= GREEDY.max_tokens - 1
-    monkeypatch.setattr(graphs, "direct", {**graphs.direct, 4: lambda: None})  # stale, as after a kernel swap
-    direct_runs, runs = graphs.direct_runs[4], graphs.bucket_runs[4]
-    assert [r.token_ids for r in compiled.generate(batch, GREEDY)] == want
-    assert graphs.bucket_runs[4] > runs and graphs.direct_runs[4] == direct_runs and 4 not in graphs.direct
+    assert graphs.bucket_runs[4] - runs >= GREEDY.max_tokens - 1
+    steps, states = dict(graphs.steps), dict(graphs.states)
+    layer = next(m for m in compiled.engine.runner.model.modules() if getattr(m, "ops", None) is not None)
+    old_ops = layer.ops
+    try:
+        layer.ops = dataclasses.replace(old_ops)  # equal functions, another object: as after a swap
+        assert [r.token_ids for r in compiled.generate(batch, GREEDY)] == want
+        assert 4 not in graphs.steps and graphs.states[4] == "failed" and "kernels changed" in graphs.errors[4]
+    finally:
+        layer.ops = old_ops
+        graphs.steps.update(steps)
+        graphs.states.update(states)
+        graphs.errors.pop(4, None)
 
 
 def test_async_steps_run_compiled_buckets_without_building_a_gather_plan(compiled, eager, monkeypatch):
@@ -186,34 +196,37 @@ def test_padded_rows_never_change_real_kv_or_outputs(compiled, eager):
                                atol=1e-5)
 
 
-def test_auto_keeps_a_bucket_compiled_only_where_it_measures_faster(model, monkeypatch, caplog):
-    """The choice follows the timings (here set: compiled faster only in bucket 2)."""
-    monkeypatch.setattr(xinserve.engines.worker.graphs.torch, "compile", lambda function, dynamic, backend: lambda *a: function(*a))
-    timings = iter([1.0, 2.0, 2.0, 1.0, 1.0, 2.0])  # (eager, compiled) per bucket 1, 2, 4
-
-    monkeypatch.setattr(xinserve.engines.worker.graphs, "_median_seconds", lambda function, platform: next(timings))
-    with caplog.at_level(logging.INFO, logger="xinserve.engines.worker.graphs"):
-        llm = compiled_engine(model, compile="auto", block_size=BS, num_kv_blocks=8, max_num_seqs=4)
-    assert sorted(llm.engine.runner.decode_graphs.steps) == [2]
-    assert llm.engine.warmup.report()["buckets"]["1"] == {"state": "eager", "error": "eager measured faster"}
-    assert "decode bucket 1 compiled" in caplog.text and "-> eager" in caplog.text and "-> compiled" in caplog.text
-
-
-def test_a_compile_failure_falls_back_to_eager_with_a_log_line(model, eager, monkeypatch, caplog):
-    def failing_compile(function, dynamic, backend):
-        def compiled(*args):
-            raise RuntimeError("inductor: C++ compile error")  # where inductor fails: at the first call
-        return compiled
-
-    monkeypatch.setattr(xinserve.engines.worker.graphs.torch, "compile", failing_compile)
+def test_a_failed_compile_process_leaves_every_bucket_eager_with_its_reason(model, eager, monkeypatch, tmp_path, caplog):
+    """The child cannot even start (here: an interpreter that exits 1): every bucket is "failed" with the
+    child's last words, and the engine generates eager's tokens."""
+    monkeypatch.setenv("XINSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(xinserve.engines.compile.child_process.sys, "executable", "/bin/false")
     with caplog.at_level(logging.WARNING, logger="xinserve.engines.worker.warmup"):
         llm = compiled_engine(model, compile="on", **OPTIONS)
-    assert not llm.engine.runner.decode_graphs.steps
-    assert {b["state"] for b in llm.engine.warmup.report()["buckets"].values()} == {"failed"}
-    assert ("torch.compile of the decode step for bucket 1 failed (RuntimeError: inductor: C++ compile error)"
-            in caplog.text)
+    report = llm.engine.warmup.report()
+    assert {b["state"] for b in report["buckets"].values()} == {"failed"} and report["settled"]
+    assert {b["error"] for b in report["buckets"].values()} == {"the compile process ended with status 1"}
+    assert "the compile process failed" in caplog.text
     batch = prompts(llm.engine.vocab_size, 3, seed=11)
     assert [r.token_ids for r in llm.generate(batch, GREEDY)] == [r.token_ids for r in eager.generate(batch, GREEDY)]
+
+
+def test_a_restarted_engine_loads_its_buckets_before_ready_without_a_child(compiled, model, monkeypatch):
+    """The same model and settings again (a restart, a replica on the shared cache): every bucket is on
+    disk, so the engine loads them in its constructor (settled at ready, even warming in the background)
+    and starts no compile process."""
+    started = []
+    monkeypatch.setattr(xinserve.engines.worker.warmup, "CompileChild", lambda spec, directory: started.append(spec))
+    monkeypatch.setattr(xinserve.engines.worker.graphs, "bucket_sizes", lambda max_num_seqs: BUCKETS)
+    llm = LLM(model, compile="on", warm_up_in_background=True, **OPTIONS)
+    report = llm.engine.warmup.report()
+    assert report["settled"] and llm.engine.warmup.thread is None and started == []
+    assert {b["state"] for b in report["buckets"].values()} == {"compiled"}
+    batch = prompts(llm.engine.vocab_size, 3, seed=14)
+    want = [r.token_ids for r in compiled.generate(batch, GREEDY)]
+    runs = llm.engine.runner.decode_graphs.steps_run
+    assert [r.token_ids for r in llm.generate(batch, GREEDY)] == want
+    assert llm.engine.runner.decode_graphs.steps_run - runs >= GREEDY.max_tokens - 1
 
 
 def test_a_failing_compiled_step_goes_eager_for_that_bucket(compiled, eager, monkeypatch, caplog):
@@ -224,7 +237,6 @@ def test_a_failing_compiled_step_goes_eager_for_that_bucket(compiled, eager, mon
         raise RuntimeError("guard failure")
 
     monkeypatch.setattr(graphs, "steps", {**steps, 1: broken})
-    monkeypatch.setattr(graphs, "direct", {**graphs.direct, 1: broken})  # the call without dynamo too
     with caplog.at_level(logging.WARNING, logger="xinserve.engines.worker.graphs"):
         got = compiled.generate(prompts(compiled.engine.vocab_size, 1, seed=12), GREEDY)
     want = eager.generate(prompts(eager.engine.vocab_size, 1, seed=12), GREEDY)
@@ -275,23 +287,18 @@ def test_the_inductor_cache_lives_in_the_xinserve_cache_dir(compiled, monkeypatc
     assert xinserve.engines.worker.graphs.use_inductor_cache() == "/elsewhere"
 
 
-def test_compiled_moe_decode_equals_eager_without_recompiling(tiny_models, monkeypatch):
-    """A mixture-of-experts model's decode compiles into one graph (fused_moe is an opaque op) that
-    serves every step: no graph break, no recompile as the routing changes, and greedy tokens equal
-    eager's. Before: each new routing recompiled fused_moe until dynamo's recompile limit."""
+def test_compiled_moe_decode_equals_eager(tiny_models, monkeypatch):
+    """A mixture-of-experts model's decode compiles into one graph (fused_moe is an opaque op: the child
+    compiles with fullgraph=True, so a graph break would fail the bucket) that serves every step as the
+    routing changes, and its greedy tokens equal eager's."""
     path = tiny_models("mixtral", num_layers=1, max_position_embeddings=64)
     options = {**OPTIONS, "max_num_seqs": 2}
-    counters = torch._dynamo.utils.counters
-    graphs_before, breaks_before = counters["stats"]["unique_graphs"], counters["graph_break"].total()
     monkeypatch.setattr(xinserve.engines.worker.graphs, "bucket_sizes", lambda max_num_seqs: [2])  # one bucket: compiles cost
     llm = compiled_engine(path, compile="on", **options)
-    assert sorted(llm.engine.runner.decode_graphs.steps) == [2]
-    assert counters["stats"]["unique_graphs"] == graphs_before + 1
+    assert sorted(llm.engine.runner.decode_graphs.steps) == [2], llm.engine.warmup.report()
     eager = LLM(path, compile="off", **options)
     for seed, count in enumerate((1, 2, 2)):
         batch = prompts(llm.engine.vocab_size, count, seed)
         want = [r.token_ids for r in eager.generate(batch, GREEDY)]
         assert [r.token_ids for r in llm.generate(batch, GREEDY)] == want, f"batch of {count}"
     assert llm.engine.runner.decode_graphs.steps_run >= 3 * (GREEDY.max_tokens - 1)
-    assert counters["stats"]["unique_graphs"] == graphs_before + 1  # no step recompiled
-    assert counters["graph_break"].total() == breaks_before

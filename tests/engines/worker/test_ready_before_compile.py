@@ -1,5 +1,6 @@
-"""An engine is ready before anything that compiles is imported: ``torch.compile`` (which imports
-inductor) runs on a CPU bucket's first compile, in the background warm-up, and building the model on
+"""An engine is ready before anything that compiles is imported: the CPU buckets compile in a child
+process (engines/compile/child.py) and the worker imports dynamo and inductor only to load the first
+compiled bucket, in the background warm-up, after ready; and building the model on
 the meta device runs no op through ``torch._refs`` (whose first use imports dynamo). Together these
 imports cost seconds of CPU in every worker's start (cProfile of a cold worker start)."""
 
@@ -8,11 +9,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import torch
-
-import xinserve.engines.worker.graphs
-from xinserve.engines.worker.decode_buckets import DecodeBuffers
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -41,17 +37,3 @@ def test_an_engine_is_ready_before_dynamo_or_inductor_is_imported(tiny_models) -
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"modules": [], "settled": False, "states": ["eager"]}
-
-
-def test_a_bucket_compiler_calls_torch_compile_on_its_first_compile_only(monkeypatch) -> None:
-    calls = []
-
-    def fake_compile(forward, dynamic, backend):
-        calls.append(dynamic)
-        return forward
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    buffers = DecodeBuffers([1, 2], 16, 4, 0, torch.device("cpu"))
-    compiler = xinserve.engines.worker.graphs.BucketCompiler(lambda *inputs: None, buffers, "on", platform=None)
-    assert calls == []  # built with the engine, before ready
-    assert compiler.compiled is compiler.compiled and calls == [False]  # once, then reused

@@ -3,19 +3,19 @@ while its decode buckets compile and while its C++ kernel builds; each is swappe
 with identical outputs; a failing compile leaves its bucket ``failed`` and eager; /health (the
 worker's description) and the worker's ``InfoUpdate`` show the states.
 
-The compiler and the builder are test doubles that block on an event, so the test decides when a
-compile or a build ends (no sleeps, no inductor): the "compiled" function is the eager forward
-itself, which is what makes outputs comparable token for token."""
+The compile child and the builder are test doubles that block on an event, so the test decides when a
+compile or a build ends (no sleeps, no inductor): the "compiled" step is the eager one itself
+(tests/engines/worker/compile_doubles.py), which is what makes outputs comparable token for token."""
 
 import sys
 import threading
-from typing import ClassVar
 
 import pytest
 import zmq
 
 import xinserve.engines.worker.graphs
 import xinserve.kernels.cpu.cpp_build
+from tests.engines.worker.compile_doubles import TIMEOUT_S, use_doubles
 from xinserve.engines import LLM, SamplingParams
 from xinserve.server.pool.worker_client import WorkerClient
 from xinserve.server.worker import messages
@@ -26,31 +26,6 @@ OPTIONS = {"block_size": 4, "num_kv_blocks": 60, "max_num_seqs": 9, "max_model_l
 # The bucket tests keep the reference attention, so that no C++ build runs before their compiles.
 REFERENCE = {"decode_attention": "reference"}
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-TIMEOUT_S = 60
-
-
-class BlockingCompiler:
-    """Stands in for ``xinserve.engines.worker.graphs.BucketCompiler``: each compile waits for ``release`` and returns
-    the eager forward (or raises for the buckets in ``failing``)."""
-
-    instances: ClassVar[list["BlockingCompiler"]] = []
-    failing: ClassVar[set[int]] = set()
-
-    def __init__(self, forward, buffers, mode, platform, model) -> None:
-        self.forward = forward
-        self.graphs: dict = {}  # no graph recorded: the buckets run through the returned function
-        self.calls: list[int] = []
-        self.started = threading.Event()
-        self.release = threading.Event()
-        BlockingCompiler.instances.append(self)
-
-    def __call__(self, size: int):
-        self.calls.append(size)
-        self.started.set()
-        assert self.release.wait(TIMEOUT_S)
-        if size in self.failing:
-            raise RuntimeError(f"inductor broke on bucket {size}\nsecond line of the trace")
-        return self.forward
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +40,8 @@ def eager(model):
 
 @pytest.fixture
 def blocking(monkeypatch):
-    monkeypatch.setattr(xinserve.engines.worker.graphs, "BucketCompiler", BlockingCompiler)
     monkeypatch.setattr(xinserve.engines.worker.graphs, "bucket_sizes", lambda max_num_seqs: BUCKETS)
-    BlockingCompiler.instances.clear()
-    monkeypatch.setattr(BlockingCompiler, "failing", set())
-    return BlockingCompiler
+    return use_doubles(monkeypatch, released=False)
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -86,15 +58,15 @@ def states(llm: LLM) -> dict[str, str]:
 
 def test_ready_before_buckets_compile_serving_greedy_tokens_then_swapping_them_in(model, eager, blocking):
     llm = LLM(model, compile="on", kernels=REFERENCE, **OPTIONS)  # returns while the first bucket is still compiling
-    compiler = blocking.instances[-1]
-    assert compiler.started.wait(TIMEOUT_S)
+    compiler = blocking.latest()
+    compiler.wait_compiling(llm.engine.warmup)
     assert states(llm) == {"1": "compiling", "4": "eager", "9": "eager"}
     graphs = llm.engine.runner.decode_graphs
     assert tokens(llm, 3) == tokens(eager, 3)  # served eagerly meanwhile, bucket 4 used
     assert graphs.steps_run == 0 and not llm.engine.warmup.report()["settled"]
     compiler.release.set()
     assert llm.engine.warmup.done.wait(TIMEOUT_S)
-    # The bucket compiling when the steps came first, then the latest step's bucket (4), then the rest.
+    # In the order given at the child's start: the most used (none yet), then the smallest.
     assert compiler.calls == [1, 4, 9]
     assert states(llm) == {"1": "compiled", "4": "compiled", "9": "compiled"}
     assert llm.engine.warmup.report()["settled"]
@@ -105,11 +77,11 @@ def test_ready_before_buckets_compile_serving_greedy_tokens_then_swapping_them_i
 def test_a_failing_compile_marks_its_bucket_failed_and_the_eager_path_serves_it(model, eager, blocking):
     blocking.failing = {4}
     llm = LLM(model, compile="on", kernels=REFERENCE, **OPTIONS)
-    compiler = blocking.instances[-1]
+    compiler = blocking.latest()
     compiler.release.set()
     assert llm.engine.warmup.done.wait(TIMEOUT_S)
     report = llm.engine.warmup.report()
-    assert report["buckets"]["4"] == {"state": "failed", "error": "inductor broke on bucket 4"}
+    assert report["buckets"]["4"] == {"state": "failed", "error": "RuntimeError: inductor broke on bucket 4"}
     assert states(llm) == {"1": "compiled", "4": "failed", "9": "compiled"}
     graphs = llm.engine.runner.decode_graphs
     assert tokens(llm, 3) == tokens(eager, 3) and graphs.bucket_runs[4] == 0  # bucket 4 ran eagerly
@@ -155,8 +127,8 @@ def test_ready_does_not_wait_for_the_cpp_build_which_swaps_in_between_steps(mode
 
 def test_the_worker_sends_bucket_states_and_its_health_shows_them(model, blocking):
     llm = LLM(model, compile="on", kernels=REFERENCE, **OPTIONS)
-    compiler = blocking.instances[-1]
-    assert compiler.started.wait(TIMEOUT_S)
+    compiler = blocking.latest()
+    compiler.wait_compiling(llm.engine.warmup)
     ctx = zmq.Context()
     try:
         pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

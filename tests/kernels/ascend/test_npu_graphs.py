@@ -6,28 +6,12 @@ and the paged attention's host context lengths are updated before every replay."
 import random
 from dataclasses import replace
 
-import pytest
 import torch
 
 import xinserve.engines.core.engine
 from xinserve.engines import LLM, SamplingParams
-from xinserve.engines.platforms import npu as ascend
-from xinserve.kernels import registry
 
 BS = 128  # Ascend's paged kernels want 128
-CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def npu_platform(npu, monkeypatch):
-    """get_platform("npu...") answers an Ascend platform whose device is the CPU."""
-    monkeypatch.delenv(registry.ENV_VAR, raising=False)
-    platform = replace(ascend.record(CPU), default_block_size=BS, default_kv_cache_memory_fraction=0.1,
-                       free_memory=lambda: 2**30, synchronize=lambda: None, dist_backend="gloo")
-    real = xinserve.engines.core.engine.get_platform
-    monkeypatch.setattr(xinserve.engines.core.engine, "get_platform",
-                        lambda device: platform if device.startswith("npu") else real(device))
-    return npu
 
 
 def test_the_fake_graph_replays_what_it_captured_on_new_inputs(npu):

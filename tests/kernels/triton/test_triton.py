@@ -131,10 +131,10 @@ def test_decode_split_k_combines_partials_like_one_pass(monkeypatch: pytest.Monk
         combines.clear()
 
 
-def test_decode_default_split_len_splits_few_long_contexts_only() -> None:
-    assert decode_attention.default_split_len(8192, 1, 8) == 8192 // decode_attention.MAX_SPLITS
-    assert decode_attention.default_split_len(8192, 64, 8) == 8192
-    assert decode_attention.default_split_len(40, 1, 1) == decode_attention.TOKENS_TILE
+def test_decode_default_splits_fill_the_device_only_for_few_sequences() -> None:
+    assert decode_attention.default_num_splits(8192, 1, 8) == decode_attention.MAX_SPLITS
+    assert decode_attention.default_num_splits(8192, 64, 8) == 1
+    assert decode_attention.default_num_splits(40, 1, 1) == 1  # one tile: nothing to split
 
 
 def test_decode_bf16_within_bf16_tolerance() -> None:
@@ -183,9 +183,9 @@ def test_the_registry_probes_and_chooses_the_triton_kernels(monkeypatch):
     shapes = ModelShapes(num_heads=6, num_kv_heads=2, head_dim=8, rotary_dim=8, rope_is_neox=True, hidden_size=48,
                          intermediate_size=40, vocab_size=100, block_size=16)
     selection = registry.select(triton_first, torch.device("cpu"), torch.float32, shapes)
-    for op in ("write_kv", "prefill_attention", "decode_attention"):
+    for op in ("write_kv", "prefill_attention", "decode_attention", "rms_norm", "rotary", "silu_and_mul", "top_k_top_p"):
         assert selection.chosen[op] == "triton", selection.rejected
-    assert selection.chosen["rms_norm"] == "reference"  # Triton offers no RMSNorm
+    assert selection.chosen["fused_moe"] == "reference"  # a dense model: never probed
     assert selection.ops.paged_decode_attention is triton_ops.paged_decode_attention
     # a sliding window: the attention kernels decline (the KV write still serves)
     windowed = registry.select(triton_first, torch.device("cpu"), torch.float32, replace(shapes, sliding_window=16))

@@ -1,0 +1,1 @@
+"""The CPU decode buckets compiled in a child process into artifacts the worker loads (engines/worker/warmup.py)."""

@@ -1,0 +1,129 @@
+"""The compile child's decisions (engines/compile/child.py), the artifact key (engines/compile/spec.py) and
+the bucket directory (engines/compile/artifacts.py), in process with a stand-in for torch.compile; the real
+compile in a child is covered by tests/engines/worker/test_decode_graphs.py."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from xinserve.engines.compile import artifacts, child
+from xinserve.engines.compile.spec import CompileSpec
+from xinserve.engines.config import EngineConfig
+
+
+class FakeCompiled:
+    """What ``aot_compile`` returns: callable, saveable."""
+
+    def __init__(self, function) -> None:
+        self.function, self.saved = function, []
+
+    def __call__(self, *args):
+        return self.function(*args)
+
+    def disable_guard_check(self) -> None:
+        pass
+
+    def save_compiled_function(self, path: str) -> None:
+        Path(path).write_bytes(b"artifact")
+        self.saved.append(path)
+
+
+def fake_compile(behaviour: str):
+    class Compiled:
+        def __init__(self, function, **options) -> None:
+            self.function = function
+
+        def aot_compile(self, example):
+            if behaviour == "raise":
+                raise RuntimeError("inductor: C++ compile error\nmore lines")
+            return FakeCompiled(self.function)
+
+    return Compiled
+
+
+def spec(tmp_path: Path, mode: str = "auto", **changes) -> CompileSpec:
+    (tmp_path / "config.json").write_text("{}")
+    config = EngineConfig(model=str(tmp_path), **changes)
+    return CompileSpec(config, 16, (2,), 64, (1, 2), (1, 2), mode, False, 1, True)
+
+
+@pytest.mark.parametrize(("mode", "timings", "state"), [
+    ("auto", [2.0, 1.0], "compiled"),  # (eager ms, compiled ms)
+    ("auto", [1.0, 1.5], "eager"),
+    ("on", [1.0, 1.5], "compiled"),
+])
+def test_a_bucket_is_kept_compiled_where_it_measures_faster_or_mode_on(tmp_path, monkeypatch, mode, timings, state):
+    monkeypatch.setattr(child.torch, "compile", fake_compile("ok"))
+    monkeypatch.setattr(child, "median_ms", lambda function, args: timings.pop(0))
+    buffers = type("Buffers", (), {"inputs": lambda self, size: (), "pad": lambda self, size: None})()
+    entry = child.compile_bucket(spec(tmp_path, mode), tmp_path, torch.nn.Identity(), torch.zeros(1), buffers, 2)
+    assert entry["state"] == state and entry["compile_s"] >= 0
+    assert artifacts.artifact_path(tmp_path, 2).exists() == (state == "compiled")
+    assert entry["error"] == ("eager measured faster" if state == "eager" else None)
+
+
+def test_a_compile_that_raises_is_a_failed_bucket_with_the_first_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(child.torch, "compile", fake_compile("raise"))
+    buffers = type("Buffers", (), {"inputs": lambda self, size: (), "pad": lambda self, size: None})()
+    entry = child.compile_bucket(spec(tmp_path), tmp_path, torch.nn.Identity(), torch.zeros(1), buffers, 1)
+    assert entry == {"state": "failed", "error": "RuntimeError: inductor: C++ compile error"}
+    assert not artifacts.artifact_path(tmp_path, 1).exists()
+
+
+def test_the_key_ignores_serving_settings_and_follows_what_shapes_the_step(tmp_path):
+    base = spec(tmp_path)
+    same = [dataclasses.replace(base, config=dataclasses.replace(base.config, **change)) for change in (
+        {"seed": 7}, {"async_scheduling": False}, {"max_cpu_threads": 4}, {"ready_when_warm": True},
+        {"tokenizer": "elsewhere"}, {"data_parallel_rank": 3})]
+    assert {s.key() for s in same} == {base.key()}
+    assert dataclasses.replace(base, order=(2,), low_priority=False).key() == base.key()
+    other = [dataclasses.replace(base, config=dataclasses.replace(base.config, **change)) for change in (
+        {"dtype": "bfloat16"}, {"block_size": 32}, {"num_kv_blocks": 99}, {"kernels": {"linear": "cpp"}},
+        {"max_model_len": 128}, {"enable_lora": True})]
+    other += [dataclasses.replace(base, threads=2), dataclasses.replace(base, sizes=(1, 2, 4)),
+              dataclasses.replace(base, mode="on")]
+    assert len({s.key() for s in other} | {base.key()}) == len(other) + 1
+    before = base.key()
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')  # another architecture at the same path
+    assert base.key() != before
+
+
+def test_the_manifest_is_replaced_whole_and_the_lock_is_exclusive(tmp_path):
+    artifacts.record(tmp_path, 4, {"state": "compiled", "error": None})
+    artifacts.record(tmp_path, 1, {"state": "eager", "error": "eager measured faster"})
+    assert artifacts.read_manifest(tmp_path) == {1: {"state": "eager", "error": "eager measured faster"},
+                                                 4: {"state": "compiled", "error": None}}
+    assert json.loads((tmp_path / artifacts.MANIFEST).read_text())["4"]["state"] == "compiled"
+    assert artifacts.read_manifest(tmp_path / "missing") == {}
+    (tmp_path / artifacts.MANIFEST).write_text("{half")  # unreadable: nothing is taken as done
+    assert artifacts.read_manifest(tmp_path) == {}
+    holder = "import sys, time\nfrom xinserve.engines.compile import artifacts\nfrom pathlib import Path\n" \
+             "with artifacts.lock(Path(sys.argv[1]), 'bucket-4'):\n    print('held', flush=True)\n    time.sleep(1.5)\n"
+    other = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline().strip() == "held"
+    start = time.monotonic()
+    with artifacts.lock(tmp_path, "bucket-2"):  # another bucket: no wait
+        assert time.monotonic() - start < 0.5
+    with artifacts.lock(tmp_path, "bucket-4"):  # waits for the other process's turn
+        waited = time.monotonic() - start
+    other.wait()
+    assert waited > 0.5
+
+
+def test_the_child_lowers_its_priority(monkeypatch):
+    calls = []
+    monkeypatch.setattr(child.os, "sched_setscheduler", lambda pid, policy, param: calls.append(policy))
+    assert child.lower_priority() == "SCHED_IDLE" and calls == [child.os.SCHED_IDLE]
+
+    def refused(*args):
+        raise PermissionError("not allowed")
+
+    monkeypatch.setattr(child.os, "sched_setscheduler", refused)
+    monkeypatch.setattr(child.os, "nice", lambda increment: calls.append(increment))
+    assert child.lower_priority() == "nice 19" and calls[-1] == 19
