@@ -7,6 +7,11 @@
 #   docker build --build-arg BASE_IMAGE=<vendor image> --build-arg TORCH_SPEC= -t xinserve:npu .
 # Prefill/decode disaggregation (docs/disaggregation.md) needs Mooncake's transfer engine and its libraries:
 #   docker build --build-arg WITH_MOONCAKE=1 -t xinserve:cpu-pd .
+# Warm at build time (docs/operations.md#warm-caches-which-to-pick-when): WARMUP=1 runs `xinserve warmup`
+# for config/default.yaml, so the image carries the embedded model, the C++ kernels and the compiled
+# decode buckets in /cache and serves at full speed from its first request. Build it on the CPU kind
+# that serves it (the C++ kernels are compiled with -march=native; elsewhere they build again):
+#   docker build --build-arg WARMUP=1 -t xinserve:cpu-warm .
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
@@ -40,6 +45,10 @@ RUN pip install -c requirements.lock ".${WITH_MOONCAKE:+[mooncake]}" \
     && mkdir -p /cache && chown xinserve /cache
 
 USER xinserve
+# Before VOLUME: what a RUN writes into a declared volume is thrown away. A new named volume mounted at
+# /cache starts as a copy of what is here (docker-compose.yml's xinserve-cache).
+ARG WARMUP=""
+RUN if [ -n "$WARMUP" ]; then xinserve warmup --config /app/config/default.yaml; fi
 VOLUME ["/cache"]
 EXPOSE 8000
 # `xinserve serve` alone serves config/default.yaml, installed with the package (xinserve.config).

@@ -10,7 +10,10 @@
   from outside (production code carries no timer);
 - ``decoding`` and ``decode_engine``: steady decode steps of a batch at a given context;
 - ``collectives_per_step``: decode steps of a parallel engine timed per batch, with the collectives each
-  step issued.
+  step issued;
+- ``default_server``, ``poll_health``, ``decode_graphs`` and ``tree_cpu_seconds``: the default ``xinserve
+  serve`` started on caches of the script's choosing, its /health milestones and its processes' CPU time
+  (``cold_start.py``, ``warm_start.py``).
 
 A sibling module of the scripts (``python benchmarks/X.py`` puts this folder on ``sys.path``).
 """
@@ -18,6 +21,7 @@ A sibling module of the scripts (``python benchmarks/X.py`` puts this folder on 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +31,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import httpx
 
 if TYPE_CHECKING:
     from xinserve.engines.core.outputs import StepResult
@@ -180,3 +186,94 @@ def collectives_per_step(engine, batches: tuple[int, ...], prompt_len: int, warm
         yield batch, 1e3 * best, counts
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
+
+
+def cache_env(cache: Path, compile_off: bool) -> dict[str, str]:
+    """This environment with every cache a server fills under ``cache`` (the embedded model, inductor, the
+    C++ build), this checkout importable, no API key, and the default compile mode (``off`` if asked)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XINSERVE_CACHE_DIR": str(cache / "xinserve"),
+           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TORCH_EXTENSIONS_DIR": str(cache / "extensions")}
+    env.pop("XINSERVE_COMPILE", None)  # the default mode, as a user gets it
+    env.pop("XINSERVE_API_KEY", None)
+    if compile_off:
+        env["XINSERVE_COMPILE"] = "off"
+    return env
+
+
+@contextmanager
+def default_server(cache: Path, compile_off: bool, flags: Sequence[str] = (),
+                   env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, str, float]]:
+    """The default ``xinserve serve`` (the embedded model) plus ``flags`` on the caches under ``cache``
+    (``cache_env``, then ``env``), its log in ``cache``: (the process, its base URL, its ``perf_counter``
+    start). Stopped on exit, with whatever it left running (a C++ build's compiler)."""
+    from xinserve.server.cli.bench.launch import free_port
+
+    port = free_port()
+    log = (cache / f"server-{port}.log").open("w")
+    start = time.perf_counter()
+    # A session of its own: what the server leaves running is stopped with it.
+    proc = subprocess.Popen([sys.executable, "-m", "xinserve.server.cli", "serve", "--port", str(port), *flags],
+                            env={**cache_env(cache, compile_off), **(env or {})}, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        yield proc, f"http://127.0.0.1:{port}", start
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:  # a loaded machine: the figures taken still count
+            proc.kill()
+            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # nothing left
+            pass
+        log.close()
+
+
+def poll_health(client: httpx.Client, base: str, start: float, timeout: float, done,
+                proc: subprocess.Popen | None = None) -> dict:
+    """/health's JSON once ``done(status code, JSON)`` holds, polled every 0.2 s; TimeoutError ``timeout``
+    seconds after ``start`` (a ``perf_counter`` time), RuntimeError once ``proc`` (the server) has exited."""
+    while time.perf_counter() - start < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} (its log is in the cache directory)")
+        try:
+            response = client.get(f"{base}/health")
+            health = response.json()
+            if done(response.status_code, health):
+                return health
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"no milestone within {timeout:.0f} s")
+
+
+def decode_graphs(health: dict) -> dict:
+    """The first worker's ``info.decode_graphs`` (the default config has one worker)."""
+    workers = health.get("workers") or []
+    return ((workers[0].get("info") or {}).get("decode_graphs") or {}) if workers else {}
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid``, its live descendants and their reaped children (utime + stime + cutime +
+    cstime from /proc/PID/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        # after the command: state, ppid, ..., utime (14th field of the line), stime, cutime, cstime
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = sum(int(value) for value in fields[11:15])
+    tree, grew = {pid}, True
+    while grew:
+        children = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= children
+        grew = bool(children)
+    return round(sum(times.get(p, 0) for p in tree) / tick, 2)

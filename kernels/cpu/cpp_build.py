@@ -1,7 +1,7 @@
 """Builds the C++ CPU kernels of ``kernels/cpu/cpp.py`` (``kernels/cpu/csrc/``), once per machine.
 
 The build takes a minute or two and is cached under ``$TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/xinserve/torch_extensions``), keyed by the source, the torch version and the CPU's
+``$XINSERVE_CACHE_DIR/torch_extensions``, so one cache volume carries it with the rest), keyed by the source, the torch version and the CPU's
 instruction-set flags (it is compiled with ``-march=native``), so restarts and later workers load it
 at once; concurrent builders wait on an ``flock`` (``_build_lock``). The compile runs in a child process
 tied to the caller (kernels/cpu/build_process.py), so a build never outlives the process that wanted it.
@@ -20,6 +20,7 @@ from types import ModuleType
 
 import torch
 
+from xinserve.kernels.cache_dir import cache_dir
 from xinserve.kernels.cpu.build_process import build_in_child
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name
@@ -36,7 +37,7 @@ LDFLAGS = ["-fopenmp"]
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "xinserve" / "torch_extensions")
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions")
 
 
 def _cpu_flags() -> str:

@@ -4,6 +4,7 @@ device nodes, driver mounts or runtime, Prometheus' config, Grafana's provisioni
 ``promtool`` (Debian's prometheus package) checks config/prometheus.yml."""
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -134,3 +135,24 @@ def test_prometheus_and_grafana_are_provisioned_from_this_repo():
     for topic in ("throughput", "first token", "inter-token", "running / waiting", "kv-cache", "preemptions",
                   "prefix-cache", "worker ready", "restarts", "4xx / 5xx"):
         assert topic in titles, topic
+
+
+def test_every_server_keeps_its_caches_in_the_named_volume_the_image_can_warm():
+    # The image's cache dir (embedded model, C++ build, inductor, decode buckets) is one named volume,
+    # shared by the services, so a warm-up survives restarts and is done once for the replicas.
+    text = (REPO / "Dockerfile").read_text()
+    cache = re.search(r"XINSERVE_CACHE_DIR=(\S+)", text).group(1)
+    config = compose_config("ascend", "musa", "gateway", "pd")
+    assert "xinserve-cache" in config["volumes"]
+    servers = [s for name, s in config["services"].items() if name.startswith("xinserve")]
+    assert len(servers) == 7  # the default, ascend, musa, two gateway replicas, prefill, decode
+    for service in servers:
+        assert ("xinserve-cache", cache, False) in [volume(v) for v in service["volumes"]]
+    # The optional build-time warm-up (WARMUP=1) writes there before VOLUME: Docker throws away what a
+    # RUN writes into a path already declared a volume. Off by default.
+    lines = [line for line in text.splitlines() if not line.startswith("#")]
+    warmup = next(i for i, line in enumerate(lines) if "xinserve warmup" in line)
+    assert lines[warmup].startswith("RUN") and 'if [ -n "$WARMUP" ]' in lines[warmup]
+    assert warmup < next(i for i, line in enumerate(lines) if line.startswith(f'VOLUME ["{cache}"]'))
+    assert 'ARG WARMUP=""' in lines
+    assert lines.index("USER xinserve") < warmup  # the caches belong to the user that serves

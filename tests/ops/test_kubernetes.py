@@ -2,10 +2,13 @@
 object validates against Kubernetes' own schemas (kubernetes-validate, offline, strict), and the
 pieces fit together: the HPA scales the Deployment on the metrics the adapter rules serve, the
 probes hit /health and /health/live, the vendors' device-plugin resources are requested, the
-ConfigMap is a config the server accepts with its keys from the Secret, and the ServiceMonitor (a CRD
-the validator does not know) selects the Service's metrics port. There is no cluster here: nothing
-is applied."""
+ConfigMap is a config the server accepts with its keys from the Secret, the ServiceMonitor (a CRD
+the validator does not know) selects the Service's metrics port, and every pod takes the warm path (an
+init container running ``xinserve warmup`` into the cache volume the server reads, the server ready
+only once warm). There is no cluster here: nothing is applied."""
 
+import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -16,6 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from xinserve.server.cli.main import _add_serve_args, build_config
 from xinserve.server.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
@@ -25,10 +29,12 @@ DEVICE_RESOURCE = {"cpu": None, "ascend": "huawei.com/Ascend910", "musa": "mthre
 VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 
 
-def render(overlay: str) -> list[dict[str, Any]]:
+def render(overlay: str | Path) -> list[dict[str, Any]]:
+    """The objects of ``overlays/OVERLAY``, or of the kustomization in the directory ``overlay``."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is missing (it renders the Kustomize overlays)"
-    proc = subprocess.run([kubectl, "kustomize", str(ROOT / "overlays" / overlay)], capture_output=True, text=True,
+    directory = overlay if isinstance(overlay, Path) else ROOT / "overlays" / overlay
+    proc = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True,
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
@@ -131,7 +137,7 @@ def test_config_map_is_a_server_config_with_keys_from_the_secret(rendered, monke
     assert [s["secretRef"]["name"] for s in c["envFrom"]] == [objs["Secret"]["metadata"]["name"]]
     for name, value in objs["Secret"]["stringData"].items():
         monkeypatch.setenv(name, value)
-    assert c["args"] == ["serve", "--config", "/etc/xinserve/config.yaml"]
+    assert c["args"] == ["serve", "--config", "/etc/xinserve/config.yaml", "--ready-when-warm"]
     config = parse_config(yaml.safe_load(objs["ConfigMap"]["data"]["config.yaml"]), f"{overlay} ConfigMap")
     assert [k.name for k in config.server.named_keys()] == ["default"]
     assert config.server.shutdown_timeout_s < objs["Deployment"]["spec"]["template"]["spec"][
@@ -170,6 +176,8 @@ def test_gateway_overlay_puts_the_sglang_router_in_front_of_the_scaled_pods():
             for version in VERSIONS:
                 kubernetes_validate.validate(obj, version, strict=True)
     server, router = named[("Deployment", "xinserve")], named[("Deployment", "sglang-router")]
+    # The pods the HPA adds warm up before they join the gateway (the warm path of overlays/cpu).
+    assert [c["name"] for c in server["spec"]["template"]["spec"]["initContainers"]] == ["warmup"]
     # The HPA still scales the servers, not the gateway.
     hpa = named[("HorizontalPodAutoscaler", "xinserve")]["spec"]
     assert hpa["scaleTargetRef"]["name"] == "xinserve" and (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 4)
@@ -200,3 +208,55 @@ def test_gateway_overlay_puts_the_sglang_router_in_front_of_the_scaled_pods():
     assert not named[("Service", "xinserve")]["spec"]["selector"].items() <= router_labels.items()
     assert gateway_service["ports"][0]["targetPort"] in {p["name"] for p in c["ports"]}
     assert c["readinessProbe"]["httpGet"]["path"] == "/readiness"
+
+
+def served_config(args: list[str], config_map: dict[str, Any], tmp_path: Path):
+    """The config ``xinserve ARGS`` builds, with the ConfigMap's file where the pod mounts it."""
+    path = tmp_path / "config.yaml"
+    path.write_text(config_map["data"]["config.yaml"])
+    parser = argparse.ArgumentParser()
+    _add_serve_args(parser)
+    return build_config(parser.parse_args([str(path) if a == "/etc/xinserve/config.yaml" else a for a in args[1:]]))
+
+
+def test_pods_warm_up_before_they_serve_and_are_ready_only_when_warm(rendered, monkeypatch, tmp_path):
+    overlay, objs = rendered
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
+    (warmup,) = pod["initContainers"]
+    assert warmup["image"] == server["image"]
+    assert warmup["args"] == ["warmup", "--config", "/etc/xinserve/config.yaml"]
+    # Both read one config and one cache volume, mounted where XINSERVE_CACHE_DIR points.
+    for c in (warmup, server):
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert mounts["cache"] == env["XINSERVE_CACHE_DIR"] and mounts["config"] == "/etc/xinserve"
+        assert [s["secretRef"]["name"] for s in c["envFrom"]] == [objs["Secret"]["metadata"]["name"]]
+    assert {m["name"] for m in server["volumeMounts"]} >= {m["name"] for m in warmup["volumeMounts"]}
+    if overlay != "cpu":  # a CPU-worker model read from the model volume is warmed up too
+        assert {"name": "models", "mountPath": "/data/models", "readOnly": True} in warmup["volumeMounts"]
+    # The server the pod runs keeps /health at 503 until every model's warm-up settled ...
+    for name, value in objs["Secret"]["stringData"].items():
+        monkeypatch.setenv(name, value)
+    assert all(m.ready_when_warm for m in served_config(server["args"], objs["ConfigMap"], tmp_path).models)
+    # ... and Kubernetes waits long enough for a cold one (no init container, empty caches): 10+ minutes.
+    startup = server["startupProbe"]
+    assert startup["httpGet"] == {"path": "/health", "port": "http"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+
+
+def test_shared_cache_component_gives_every_replica_one_read_write_many_volume(tmp_path):
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(ROOT / "overlays" / "cpu", overlay)],
+        "components": [os.path.relpath(ROOT / "components" / "shared-cache", overlay)]}))
+    objs = {d["kind"]: d for d in render(overlay)}
+    for kind, obj in objs.items():
+        if kind != "ServiceMonitor":
+            kubernetes_validate.validate(obj, VERSIONS[-1], strict=True)
+    claim = objs["PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    volumes = {v["name"]: v for v in objs["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+    # The claim replaces the per-pod emptyDir (a volume with both would not validate).
+    assert volumes["cache"] == {"name": "cache", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}}

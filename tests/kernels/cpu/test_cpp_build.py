@@ -71,3 +71,4 @@ def test_a_build_dies_with_its_parent_and_leaves_nothing_that_blocks_the_next(tm
         parent.kill()
         for process in working_in(tmp_path):  # what the old code left running, so it does not run on
             process.send_signal(signal.SIGKILL)
+
