@@ -83,9 +83,9 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata=setting(
         "never compile or graph-capture decode steps: vLLM's alias for compile off (wins over compile)"))
     warm_up_in_background: bool = field(default=True, metadata=setting(
-        "report ready once the model is loaded and the eager path warmed, then compile the CPU decode buckets "
-        "and build C++ kernels not built yet in a background thread, swapping each in between steps "
-        "(engines/worker/warmup.py); off: do both before ready"))
+        "report ready once the model is loaded and the eager path warmed, then build C++ kernels not built yet "
+        "and compile the CPU decode buckets (in a child process) in the background, swapping each in between "
+        "steps (engines/worker/warmup.py); off: do both before ready"))
     ready_when_warm: bool = field(default=False, metadata=setting(
         "a server's worker reports ready only once its warm-up settled (kernels built, decode buckets compiled "
         "or loaded; /health stays 503 \"starting\" meanwhile, with the progress): for autoscaled replicas, which "
