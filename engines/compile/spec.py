@@ -10,7 +10,6 @@ values are not in it (a compiled step reads them from the live model at each cal
 import dataclasses
 import hashlib
 import json
-import platform
 import sys
 from dataclasses import dataclass, replace
 from functools import cache
@@ -20,6 +19,7 @@ import torch
 
 from xinserve.engines.config import EngineConfig
 from xinserve.kernels.cache_dir import cache_dir
+from xinserve.kernels.cpu.cpp_build import cpu_flags
 
 # Settings that never change a compiled decode step: left out of the key, so that a server's workers and
 # ``xinserve warmup`` (which set some of them differently) share the artifacts.
@@ -64,7 +64,7 @@ class CompileSpec:
         text = json.dumps({"config": settings, "threads": self.threads, "model": _model_files_digest(self.config.model),
                            "block_size": self.block_size, "max_model_len": self.max_model_len,
                            "sizes": sorted(self.sizes), "mode": self.mode, "kv_inference": self.kv_inference, "torch": torch.__version__,
-                           "python": sys.version, "cpu": _cpu_flags(), "code": source_digest()},
+                           "python": sys.version, "cpu": cpu_flags(), "code": source_digest()},
                           sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
@@ -93,12 +93,3 @@ def source_digest() -> str:
                 digest.update(str(path.relative_to(PACKAGE_ROOT)).encode())
                 digest.update(path.read_bytes())
     return digest.hexdigest()
-
-
-@cache
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()

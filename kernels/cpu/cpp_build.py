@@ -40,7 +40,8 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags (/proc/cpuinfo), which compiled code is specialised to."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -54,7 +55,7 @@ def _build_key() -> str:
     The paths too, because ninja's build file names the sources by them: two checkouts sharing one
     build directory would rewrite that file and rebuild (half a minute each) on every load."""
     sources = "\n".join(f"{path.read_text()}\n{path}" for path in [*SOURCES, *HEADERS])
-    text = f"{sources}\n{CFLAGS}\n{LDFLAGS}\n{torch.__version__}\n{_cpu_flags()}"
+    text = f"{sources}\n{CFLAGS}\n{LDFLAGS}\n{torch.__version__}\n{cpu_flags()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

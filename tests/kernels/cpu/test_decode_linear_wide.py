@@ -34,7 +34,7 @@ def wide():
     from torch.utils import cpp_extension
 
     text = SOURCE.read_text()
-    key = hashlib.sha256(f"{text}\n{WIDE_FLAGS}\n{torch.__version__}\n{cpp_build._cpu_flags()}".encode()).hexdigest()
+    key = hashlib.sha256(f"{text}\n{WIDE_FLAGS}\n{torch.__version__}\n{cpp_build.cpu_flags()}".encode()).hexdigest()
     build_dir = cpp_build._cache_dir() / f"decode_linear_wide_{key[:16]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     with cpp_build._build_lock(build_dir):
