@@ -128,7 +128,9 @@ def table(rows: list[dict]) -> str:
             lines.append((row["start"], row["health_200_s"], row["settled_at_ready"], level["concurrency"],
                           first["output_tok_s"], settled["output_tok_s"], level["first_over_settled"],
                           f"{first['max_itl_ms']} ({settled['max_itl_ms']})",
-                          f"{first['p99_itl_ms']} ({settled['p99_itl_ms']})", "; ".join(row["missed"]) or "none"))
+                          f"{first['p99_itl_ms']} ({settled['p99_itl_ms']})",
+                          "; ".join(m for m in row["missed"] if not m.startswith("c=")
+                                    or m.startswith(f"c={level['concurrency']} ")) or "none"))
     return markdown_table(headings, lines)
 
 
