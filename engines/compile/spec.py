@@ -43,7 +43,11 @@ class CompileSpec:
     order: tuple[int, ...]  # the buckets to compile, in order (not in the key)
     mode: str  # "on" | "auto" (engines/worker/graphs.py effective_mode)
     kv_inference: bool  # whether the worker's KV cache is an inference tensor (the child makes its own alike)
-    threads: int  # the worker's torch threads: inductor writes the count into its OpenMP loops
+    # The worker's torch threads when the child started: inductor writes the count into its OpenMP loops, so a
+    # bucket runs with it whatever the worker's count later. Not in the key: the count is timed at each start
+    # (engines/worker/thread_split.py) and may come out otherwise (before and after the C++ kernels were built),
+    # which would compile every bucket again for the same code.
+    threads: int
     # Compile at the lowest CPU priority: the worker serves meanwhile (ready first). Not when nothing is served
     # until the compile ends (ready_when_warm, ``xinserve warmup``): it would only wait longer. Not in the key.
     low_priority: bool
@@ -61,7 +65,7 @@ class CompileSpec:
 
     def key(self) -> str:
         settings = {name: value for name, value in dataclasses.asdict(self.config).items() if name not in NOT_IN_KEY}
-        text = json.dumps({"config": settings, "threads": self.threads, "model": _model_files_digest(self.config.model),
+        text = json.dumps({"config": settings, "model": _model_files_digest(self.config.model),
                            "block_size": self.block_size, "max_model_len": self.max_model_len,
                            "sizes": sorted(self.sizes), "mode": self.mode, "kv_inference": self.kv_inference, "torch": torch.__version__,
                            "python": sys.version, "cpu": cpu_flags(), "code": source_digest()},

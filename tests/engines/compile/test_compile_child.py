@@ -82,11 +82,11 @@ def test_the_key_ignores_serving_settings_and_follows_what_shapes_the_step(tmp_p
         {"seed": 7}, {"async_scheduling": False}, {"max_cpu_threads": 4}, {"ready_when_warm": True},
         {"tokenizer": "elsewhere"}, {"data_parallel_rank": 3})]
     assert {s.key() for s in same} == {base.key()}
-    assert dataclasses.replace(base, order=(2,), low_priority=False).key() == base.key()
+    assert dataclasses.replace(base, order=(2,), low_priority=False, threads=2).key() == base.key()
     other = [dataclasses.replace(base, config=dataclasses.replace(base.config, **change)) for change in (
         {"dtype": "bfloat16"}, {"block_size": 32}, {"num_kv_blocks": 99}, {"kernels": {"linear": "cpp"}},
         {"max_model_len": 128}, {"enable_lora": True})]
-    other += [dataclasses.replace(base, threads=2), dataclasses.replace(base, sizes=(1, 2, 4)),
+    other += [dataclasses.replace(base, sizes=(1, 2, 4)),
               dataclasses.replace(base, mode="on")]
     assert len({s.key() for s in other} | {base.key()}) == len(other) + 1
     before = base.key()
