@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         # Bare "xinserve" behaves like "xinserve serve": the README's first command.
         args = parser.parse_args(["serve"])
-    commands = {"serve": serve, "warmup": warmup.run, "bench": bench.run, "plan": plan.run, "doctor": doctor.run}
+    commands = {"serve": serve, "warmup": lambda a: warmup.run(build_config(a), a.log_level), "bench": bench.run,
+                "plan": plan.run, "doctor": doctor.run}
     try:
         return commands[args.command](args)
     except BadInput as exc:  # a file, path or field the user gave: one line naming it, as argparse's own errors

@@ -10,7 +10,6 @@ Run it in a Docker build step, a Kubernetes init container, or once on a volume 
 and does not fail the command: an init container that exits non-zero keeps its pod from starting.
 """
 
-import argparse
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
@@ -39,16 +38,15 @@ def cpu_worker_engines(config: AppConfig) -> Iterator[tuple[str, EngineConfig, i
             yield model.name, EngineConfig(model=path, device=device, **kwargs), model.cpu_threads or threads
 
 
-def run(args: argparse.Namespace) -> int:
+def run(app_config: AppConfig, log_level: str) -> int:
+    """Warm every CPU worker of ``app_config`` (``serve``'s config from the same flags: server/cli/main.py)."""
     import torch
 
     from xinserve.engines import LLMEngine
-    from xinserve.server.cli.main import build_config
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     failed, warmed = 0, 0
-    for name, config, threads in cpu_worker_engines(build_config(args)):
+    for name, config, threads in cpu_worker_engines(app_config):
         torch.set_num_threads(threads)
         engine = LLMEngine(replace(config, warm_up_in_background=False, ready_when_warm=False))
         try:
