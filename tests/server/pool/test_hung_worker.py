@@ -134,19 +134,24 @@ def test_a_busy_worker_is_never_unresponsive(server):
     states: set[str] = set()
 
     async def scenario() -> list[httpx.Response]:
+        answers: list[httpx.Response] = []
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            # Longer than both deadlines together, on a worker that never idles meanwhile.
-            work = [asyncio.ensure_future(client.post("/v1/chat/completions", json=chat_body("solo", 1500)))
-                    for _ in range(4)]
-            while not all(task.done() for task in work):
-                states.add((await client.get("/health")).json()["models"]["solo"])
-                await asyncio.sleep(0.2)
-            return await asyncio.gather(*work)
+            # Longer than both deadlines together, on a worker that never idles meanwhile: rounds of work
+            # until that long has passed (a fast machine ends one round well within a deadline).
+            start = time.monotonic()
+            while time.monotonic() - start < 2 * HEARTBEAT_TIMEOUT_S + 1:
+                work = [asyncio.ensure_future(client.post("/v1/chat/completions", json=chat_body("solo", 1500)))
+                        for _ in range(4)]
+                while not all(task.done() for task in work):
+                    states.add((await client.get("/health")).json()["models"]["solo"])
+                    await asyncio.sleep(0.2)
+                answers += await asyncio.gather(*work)
+        return answers
 
     start = time.monotonic()
     answers = asyncio.run(scenario())
     took = time.monotonic() - start
-    assert [r.status_code for r in answers] == [200] * 4
+    assert answers and [r.status_code for r in answers] == [200] * len(answers)
     assert states == {"ready"}
     after = {(w["model"], w["worker"]): w["restarts"] for w in health(server).json()["workers"]}
     assert after == before
