@@ -88,8 +88,9 @@ class EngineConfig:
         "steps (engines/worker/warmup.py); off: do both before ready"))
     ready_when_warm: bool = field(default=False, metadata=setting(
         "a server's worker reports ready only once its warm-up settled (kernels built, decode buckets compiled "
-        "or loaded; /health stays 503 \"starting\" meanwhile, with the progress): for autoscaled replicas, which "
-        "are judged by their first minutes; off: ready first, warm in the background"))
+        "or loaded; meanwhile /health shows the worker \"starting\" with the progress, 503 while no worker of "
+        "the model is ready): for autoscaled replicas, which are judged by their first minutes; off: ready first, "
+        "warm in the background"))
     max_cpu_threads: int | None = field(default=None, metadata=setting(
         "a CPU engine times its decode step at start with its torch threads and with this many and keeps the faster, "
         "cached per machine and shape under $XINSERVE_CACHE_DIR (engines/worker/thread_split.py); the server sets it to "

@@ -25,6 +25,7 @@ import torch
 from xinserve.engines.compile import artifacts
 from xinserve.engines.compile.decode_step import decode_step
 from xinserve.engines.compile.spec import CompileSpec
+from xinserve.engines.worker.graphs import first_line
 from xinserve.kernels.cpu.build_process import parent_gone, tie_to_parent
 
 logger = logging.getLogger(__name__)
@@ -118,10 +119,6 @@ def median_ms(function, args: tuple) -> float:
         function(*args)
         times.append(time.perf_counter() - start)
     return round(sorted(times)[len(times) // 2] * 1e3, 4)
-
-
-def first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
 if __name__ == "__main__":
