@@ -27,6 +27,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     XINSERVE_CACHE_DIR=/cache
 
 WORKDIR /app
+# A C++ compiler: the C++ CPU kernels (below) and inductor's compiled decode buckets are built with it.
+RUN command -v g++ >/dev/null || (apt-get update && apt-get install -y --no-install-recommends g++ \
+      && rm -rf /var/lib/apt/lists/*)
 # torch first, so code changes do not reinstall it.
 RUN if [ -n "$TORCH_SPEC" ]; then pip install --index-url "$TORCH_INDEX" "$TORCH_SPEC"; fi
 # Every other version from the lock the test suite passed with (make lock); the folders install as
@@ -43,6 +46,9 @@ RUN if [ -n "$WITH_MOONCAKE" ]; then apt-get update \
 RUN pip install -c requirements.lock ".${WITH_MOONCAKE:+[mooncake]}" \
     && useradd --create-home --uid 1000 xinserve \
     && mkdir -p /cache && chown xinserve /cache
+# The C++ CPU kernels, built into the image's Python environment (kernels/cpu/cpp_build.py --install; for
+# this build machine's CPU flags: another CPU builds them into /cache on first start).
+RUN python -m xinserve.kernels.cpu.cpp_build --install
 
 USER xinserve
 # Before VOLUME: what a RUN writes into a declared volume is thrown away. A new named volume mounted at

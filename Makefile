@@ -16,16 +16,17 @@ STAMP := $(VENV)/.installed
 .PHONY: serve test test-fast test-latest lock lint bench
 
 # --no-compile: pip would byte-compile all ~250 MB of installed Python, ~80 CPU s on one core (measured:
-# installing transformers alone, 54 MB of .py, 19.7 -> 2.7 CPU s). Python compiles what is imported on
-# first use instead and keeps it in __pycache__ (the venv is writable) -- unless PYTHONDONTWRITEBYTECODE
-# is set (some environments set it): then nothing is kept, and the test suite keeps the bytecode of
-# the processes it starts in a directory of its own (tests/conftest.py, PYTHONPYCACHEPREFIX).
+# installing transformers alone, 54 MB of .py, 19.7 -> 2.7 CPU s). The install byte-compiles what a
+# server start imports instead (server/cli/bytecode.py, ~30 s on 2 cores): where PYTHONDONTWRITEBYTECODE
+# is set (some environments set it) Python would otherwise compile it again in every process it starts
+# (~12 s each: the server, its workers, the compile children).
 $(STAMP): pyproject.toml setup.py $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile $(TORCH_SPEC)
 	$(BIN)/pip install -q --no-compile $(if $(LOCK),-c $(LOCK)) -e '.[test]'
-	# The C++ CPU kernels, built once here (~30 s on 2 cores) rather than by the first server start.
-	$(BIN)/python -m xinserve.kernels.cpu.cpp_build
+	# The C++ CPU kernels, built once here into the venv (~30 s on 2 cores) rather than by a server start.
+	$(BIN)/python -m xinserve.kernels.cpu.cpp_build --install
+	$(BIN)/python -m xinserve.server.cli.bytecode
 	touch $(STAMP)
 
 serve: $(STAMP)

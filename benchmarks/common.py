@@ -190,9 +190,13 @@ def collectives_per_step(engine, batches: tuple[int, ...], prompt_len: int, warm
 
 def cache_env(cache: Path, compile_off: bool) -> dict[str, str]:
     """This environment with every cache a server fills under ``cache`` (the embedded model, inductor, the
-    C++ build), this checkout importable, no API key, and the default compile mode (``off`` if asked)."""
+    decode buckets, a C++ kernel build), this checkout importable, no API key, and the default compile mode
+    (``off`` if asked). The C++ kernels are the install's build where it has one for this CPU
+    (kernels/cpu/cpp_build.py: make's install step makes it), as a user's server finds them; else they are
+    built into ``cache`` too."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XINSERVE_CACHE_DIR": str(cache / "xinserve"),
-           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TORCH_EXTENSIONS_DIR": str(cache / "extensions")}
+           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    env.pop("TORCH_EXTENSIONS_DIR", None)  # set, it would be the one place the kernels are looked for
     env.pop("XINSERVE_COMPILE", None)  # the default mode, as a user gets it
     env.pop("XINSERVE_API_KEY", None)
     if compile_off:

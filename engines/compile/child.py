@@ -2,10 +2,11 @@
 
 Rebuilds the worker's runner from the spec (engines/compile/spec.py: the same model, settings, kernels
 and KV pool shape; the pool is allocated, never touched but for the padding rows' scratch block), then
-compiles each bucket of the spec's order into the bucket directory (engines/compile/artifacts.py),
-printing one JSON line per event on stdout for the worker: {"bucket": n, "event": "compiling"}, then
-{"bucket": n, "event": "done", **manifest entry}. Each bucket is compiled under a lock of its own: a
-bucket another process (a sibling child, a replica on the same cache) finished is reported done at once.
+compiles the buckets of the spec's order, unit by unit (bucket 1 alone, the larger ones in one compile:
+engines/compile/artifacts.py ``units``), into the bucket directory, printing one JSON line per event on
+stdout for the worker: {"bucket": n, "event": "compiling"}, then {"bucket": n, "event": "done",
+**manifest entry}. Each unit is compiled under a lock of its own: buckets another process (a sibling
+child, a replica on the same cache) finished are reported done at once.
 
 While its worker serves (ready first), it runs at the lowest CPU priority there is (SCHED_IDLE, else
 nice 19), which inductor's C++ compiler processes inherit: it takes only what the serving process leaves
@@ -54,19 +55,23 @@ def main() -> None:
         spec, directory = pickle.load(handle)
     priority = lower_priority() if spec.low_priority else "normal priority"
     logger.info("compiling decode buckets %s into %s (%s)", list(spec.order), directory, priority)
-    built = None  # (model, KV cache, step buffers), made for the first bucket that needs compiling
-    for size in spec.order:
-        # One compiler per bucket: sibling children and replicas sharing the cache split the work.
-        with artifacts.lock(directory, f"bucket-{size}"):
-            entry = artifacts.read_manifest(directory).get(size)
-            if entry is None:
+    built = None  # (model, KV cache, step buffers), made for the first unit that needs compiling
+    for unit, sizes in artifacts.units(spec.order):
+        # One compiler per unit: sibling children and replicas sharing the cache split the work.
+        with artifacts.lock(directory, unit):
+            todo = [size for size in sizes if size not in artifacts.read_manifest(directory)]
+            if todo:
                 built = built or build(spec)
-                emit(size, "compiling")
-                entry = compile_bucket(spec, directory, *built, size)
-                if parent_gone():  # its compilers were stopped: the outcome says nothing of the bucket
+                for size in todo:
+                    emit(size, "compiling")
+                entries = compile_unit(spec, directory, *built, unit, todo)
+                if parent_gone():  # its compilers were stopped: the outcome says nothing of the buckets
                     sys.exit(1)
-                artifacts.record(directory, size, entry)
-        emit(size, "done", **entry)
+                for size, entry in entries.items():
+                    artifacts.record(directory, size, entry)
+            finished = artifacts.read_manifest(directory)
+        for size in sizes:
+            emit(size, "done", **finished[size])
 
 
 def build(spec: CompileSpec) -> tuple:
@@ -77,6 +82,7 @@ def build(spec: CompileSpec) -> tuple:
     from xinserve.engines.worker.decode_buckets import DecodeBuffers
 
     os.environ["XINSERVE_KERNEL_TIMING"] = "off"  # every kernel is forced to the worker's choice anyway
+    artifacts.trust_cpu_flags()
     torch.set_num_threads(spec.threads)
     platform = get_platform(spec.config.device)
     runner = make_runner(spec.config, platform, spec.block_size, list(spec.eos_token_ids))
@@ -88,9 +94,50 @@ def build(spec: CompileSpec) -> tuple:
     return runner.model, runner.kv_cache, buffers
 
 
+def compile_unit(spec: CompileSpec, directory, model, kv_cache, buffers, unit: str, sizes: list[int]) -> dict[int, dict]:
+    """Each bucket's manifest entry. The shared unit compiles once for all its buckets (its batch size
+    symbolic); where that fails, each of them alone."""
+    if unit != artifacts.SHARED:
+        return {size: compile_static(spec, directory, model, kv_cache, buffers, size) for size in sizes}
+    entries = compile_shared(spec, directory, model, kv_cache, buffers, sizes)
+    if entries is None:
+        return {size: compile_static(spec, directory, model, kv_cache, buffers, size) for size in sizes}
+    return entries
+
+
 @torch.inference_mode()
-def compile_bucket(spec: CompileSpec, directory, model, kv_cache, buffers, size: int) -> dict:
-    """Compile, time against eager (mode "auto"), save; the manifest entry."""
+def compile_shared(spec: CompileSpec, directory, model, kv_cache, buffers, sizes: list[int]) -> dict[int, dict] | None:
+    """One compile for every bucket of ``sizes`` (all above 1), traced at their median with every size
+    symbolic but the KV pool's; None when it fails (the buckets then compile one by one)."""
+    example = sorted(sizes)[len(sizes) // 2]
+    args = (model, kv_cache, *buffers.inputs(example))
+    buffers.pad(example)
+    start = time.perf_counter()
+    try:
+        torch._dynamo.mark_static(kv_cache)  # the pool's shape is in the key: nothing gained by a symbol
+        # Float arguments (the attention scale, norms' eps) stay constants: made tensors, they would restart
+        # the analysis, which an ahead-of-time compile cannot.
+        with torch._dynamo.config.patch(specialize_float=True):
+            compiled = torch.compile(decode_step, fullgraph=True, dynamic=True).aot_compile((args, {}))
+        compile_s = round(time.perf_counter() - start, 2)
+        compiled.disable_guard_check()  # its guards hold for these inputs at every size here
+    except Exception as exc:  # noqa: BLE001  a model that cannot trace with a symbolic batch
+        logger.warning("decode buckets %s failed to compile together (%s: %s); compiling each alone", sizes,
+                       type(exc).__name__, first_line(exc))
+        return None
+    logger.info("decode buckets %s compiled together in %.1f s", sizes, compile_s)
+    entries = {}
+    for size in sizes:
+        buffers.pad(size)
+        entries[size] = judged(spec, compiled, (model, kv_cache, *buffers.inputs(size)), size, compile_s, artifacts.SHARED)
+    if any(entry["state"] == "compiled" for entry in entries.values()):
+        artifacts.save(compiled, directory, artifacts.SHARED)
+    return entries
+
+
+@torch.inference_mode()
+def compile_static(spec: CompileSpec, directory, model, kv_cache, buffers, size: int) -> dict:
+    """Compile one bucket at its own size, time it against eager, save it; the manifest entry."""
     args = (model, kv_cache, *buffers.inputs(size))
     buffers.pad(size)
     start = time.perf_counter()
@@ -98,17 +145,25 @@ def compile_bucket(spec: CompileSpec, directory, model, kv_cache, buffers, size:
         compiled = torch.compile(decode_step, fullgraph=True, dynamic=False).aot_compile((args, {}))
         compile_s = round(time.perf_counter() - start, 2)
         compiled.disable_guard_check()  # its guards hold for these very inputs
-        eager_ms, compiled_ms = median_ms(decode_step, args), median_ms(compiled, args)
     except Exception as exc:  # noqa: BLE001  inductor can fail in many ways: this bucket stays eager
         logger.warning("decode bucket %d failed to compile: %s: %s", size, type(exc).__name__, exc)
         return {"state": "failed", "error": f"{type(exc).__name__}: {first_line(exc)}"}
+    name = f"bucket-{size}"  # bucket 1's unit too
+    entry = judged(spec, compiled, args, size, compile_s, name)
+    if entry["state"] == "compiled":
+        artifacts.save(compiled, directory, name)
+    return entry
+
+
+def judged(spec: CompileSpec, compiled, args: tuple, size: int, compile_s: float, name: str) -> dict:
+    """The entry of bucket ``size`` run by ``compiled`` (saved as ``name``): timed against eager on its
+    inputs ``args``; mode "auto" keeps it eager where eager measured faster."""
+    eager_ms, compiled_ms = median_ms(decode_step, args), median_ms(compiled, args)
     entry = {"compile_s": compile_s, "eager_ms": eager_ms, "compiled_ms": compiled_ms}
-    logger.info("decode bucket %d compiled in %.1f s: %.3f ms compiled vs %.3f ms eager", size, compile_s,
-                compiled_ms, eager_ms)
+    logger.info("decode bucket %d: %.3f ms compiled vs %.3f ms eager", size, compiled_ms, eager_ms)
     if spec.mode == "auto" and compiled_ms >= eager_ms:
         return {"state": "eager", "error": "eager measured faster", **entry}
-    artifacts.save(compiled, directory, size)
-    return {"state": "compiled", "error": None, **entry}
+    return {"state": "compiled", "error": None, "artifact": name, **entry}
 
 
 def median_ms(function, args: tuple) -> float:

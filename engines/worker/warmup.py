@@ -7,7 +7,8 @@ because a bucket compiled before a swap would call the old kernel.
 
 The buckets compile in a child process (engines/compile/child.py): one at the lowest CPU priority
 beside a serving worker, else one per core (up to ``MAX_CHILDREN``: nothing is served meanwhile, as
-with ``ready_when_warm``), each saving its buckets as artifacts in the cache
+with ``ready_when_warm``; bucket 1 and the larger buckets are two units, compiled side by side), each
+saving its buckets as artifacts in the cache
 (engines/compile/artifacts.py); this thread loads each one as it is reported (tens of ms of Python, no compiling) and installs it under the runner's step lock, so
 it happens between steps and a step waits for the install only (one run of the bucket on padding).
 Buckets compiled before (a restart, ``xinserve warmup``, a replica sharing the cache volume) are
@@ -55,6 +56,7 @@ class Warmup:
         self.stopping = threading.Event()  # set by ``stop``: no further build or compile starts
         self.phase = "starting"  # for /health: "building kernels", "compiling", "loading", "settled"
         self.children: list[CompileChild] = []
+        self.loaded: dict[str, Callable] = {}  # artifact name -> its compiled step (engines/compile/artifacts.py)
         self.thread: threading.Thread | None = None
         graphs = runner.decode_graphs
         compiles = graphs is not None and graphs.compiles and make_spec is not None
@@ -153,9 +155,9 @@ class Warmup:
         if not missing or self.stopping.is_set():
             return
         self.phase = "compiling"
-        count = children_for(spec, len(missing))
-        logger.info("compiling decode buckets %s in %d child process(es) into %s", missing, count, directory)
-        self.children = [CompileChild(replace(spec, order=tuple(missing[i::count])), directory) for i in range(count)]
+        orders = child_orders(spec, missing)
+        logger.info("compiling decode buckets %s in %d child process(es) into %s", missing, len(orders), directory)
+        self.children = [CompileChild(replace(spec, order=order), directory) for order in orders]
         for event in merged_events(self.children):
             size = event["bucket"]
             if self.stopping.is_set():
@@ -183,7 +185,10 @@ class Warmup:
             return
         try:
             start = time.perf_counter()
-            compiled = artifacts.load(directory, size)  # no lock: steps go on meanwhile
+            name = entry.get("artifact") or f"bucket-{size}"
+            if name not in self.loaded:  # buckets that share an artifact load it once
+                self.loaded[name] = artifacts.load(directory, name)  # no lock: steps go on meanwhile
+            compiled = self.loaded[name]
             loaded_s = time.perf_counter() - start
             with self.runner.step_lock, torch.inference_mode():
                 graphs.install(size, compiled)
@@ -195,16 +200,25 @@ class Warmup:
         self.version += 1
 
 
-def children_for(spec: CompileSpec, buckets: int) -> int:
-    """Compile children to start: one beside a serving worker (it takes idle CPU only); otherwise one per
-    core, up to ``MAX_CHILDREN`` (each holds a copy of the model while it compiles)."""
+def child_orders(spec: CompileSpec, missing: list[int]) -> list[tuple[int, ...]]:
+    """The buckets each compile child compiles, in order: the units of ``missing`` dealt out to
+    ``children_for`` children (engines/compile/artifacts.py ``units``)."""
+    groups = artifacts.units(missing)
+    count = children_for(spec, len(groups))
+    return [tuple(size for _, sizes in groups[i::count] for size in sizes) for i in range(count)]
+
+
+def children_for(spec: CompileSpec, units: int) -> int:
+    """Compile children to start for ``units`` units to compile: one beside a serving worker (it takes idle
+    CPU only); otherwise one per core, up to ``MAX_CHILDREN`` (each holds a copy of the model while it
+    compiles)."""
     if spec.low_priority:
         return 1
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(buckets, cores, MAX_CHILDREN))
+    return max(1, min(units, cores, MAX_CHILDREN))
 
 
 def merged_events(children: list[CompileChild]) -> Iterator[dict]:

@@ -1,9 +1,13 @@
 """Builds the C++ CPU kernels of ``kernels/cpu/cpp.py`` (``kernels/cpu/csrc/``), once per machine.
 
-The build takes a minute or two and is cached under ``$TORCH_EXTENSIONS_DIR`` (default
-``$XINSERVE_CACHE_DIR/torch_extensions``, so one cache volume carries it with the rest), keyed by the source, the torch version and the CPU's
-instruction-set flags (it is compiled with ``-march=native``), so restarts and later workers load it
-at once; concurrent builders wait on an ``flock`` (``_build_lock``). The compile runs in a child process
+The install builds them (``python -m xinserve.kernels.cpu.cpp_build --install``: make's install step, the
+Dockerfile) into the Python environment (``installed_dir``), where every server started from it finds
+them, whatever its caches. A build made for other sources or another CPU is not used: the kernels then
+build on first use (~30 s on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` (default
+``$XINSERVE_CACHE_DIR/torch_extensions``, so one cache volume carries it with the rest; set, it is the one
+place looked in). Either build is keyed by the source, the torch version and the CPU's instruction-set
+flags (it is compiled with ``-march=native``), so restarts and later workers load it at once; concurrent
+builders wait on an ``flock`` (``_build_lock``). The compile runs in a child process
 tied to the caller (kernels/cpu/build_process.py), so a build never outlives the process that wanted it.
 ``built()`` says whether a build is on disk already without building: the registry then lets an engine
 start on the reference kernel and build in the background (kernels/registry.py, engines/worker/warmup.py).
@@ -11,8 +15,10 @@ start on the reference kernel and build in the background (kernels/registry.py, 
 
 import fcntl
 import hashlib
+import importlib.util
 import os
 import platform
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +44,11 @@ LDFLAGS = ["-fopenmp"]
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions")
+
+
+def installed_dir() -> Path:
+    """Where the install's build goes: inside the Python environment, so it comes with the install."""
+    return Path(sys.prefix) / "share" / "xinserve" / "torch_extensions"
 
 
 def cpu_flags() -> str:
@@ -82,9 +93,15 @@ def build() -> ModuleType:
 
 def load() -> ModuleType:
     """Compile (if not built yet) and load the extension in this process; ImportError when it cannot be
-    built here."""
+    built here. The install's build is imported as it is (its directory may be read-only to a server)."""
     from torch.utils import cpp_extension
 
+    installed = _installed_library()
+    if installed is not None:
+        spec = importlib.util.spec_from_file_location(MODULE_NAME, installed)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
     build_dir = _build_dir(BUILD_KEY)
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -111,15 +128,26 @@ def _build_dir(key: str) -> Path:
     return _cache_dir() / f"paged_decode_{key}"
 
 
+def _installed_library() -> Path | None:
+    """The install's build of these sources for this CPU, if there is one and ``$TORCH_EXTENSIONS_DIR``
+    does not name the place to use."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return None
+    library = installed_dir() / f"paged_decode_{BUILD_KEY}" / f"{MODULE_NAME}.so"
+    return library if library.is_file() else None
+
+
 def built() -> bool:
     """Whether this source's extension is on disk for this machine (loading it then takes a moment)."""
-    return (_build_dir(BUILD_KEY) / f"{MODULE_NAME}.so").is_file()
+    return _installed_library() is not None or (_build_dir(BUILD_KEY) / f"{MODULE_NAME}.so").is_file()
 
 
-if __name__ == "__main__":  # ``python -m xinserve.kernels.cpu.cpp_build``: build now (make's install step does)
+if __name__ == "__main__":  # ``python -m xinserve.kernels.cpu.cpp_build [--install]``: build now
     # By its name: the build's child process imports ``xinserve.kernels.cpu.cpp_build:load``, not ``__main__``.
     from xinserve.kernels.cpu import cpp_build
 
+    if "--install" in sys.argv[1:]:  # into the environment (make's install step, the Dockerfile)
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(installed_dir())
     try:
         cpp_build.build()
         print(f"C++ CPU kernels built in {_build_dir(BUILD_KEY)}")

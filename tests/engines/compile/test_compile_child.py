@@ -34,17 +34,34 @@ class FakeCompiled:
         self.saved.append(path)
 
 
-def fake_compile(behaviour: str):
+def fake_compile(behaviour: str, calls: list | None = None):
+    """torch.compile standing in: ``behaviour`` "raise" fails every compile, "raise dynamic" those with a
+    symbolic batch; ``calls`` gets each compile's options."""
     class Compiled:
         def __init__(self, function, **options) -> None:
-            self.function = function
+            self.function, self.options = function, options
 
         def aot_compile(self, example):
-            if behaviour == "raise":
+            if calls is not None:
+                calls.append(self.options)
+            if behaviour == "raise" or (behaviour == "raise dynamic" and self.options["dynamic"]):
                 raise RuntimeError("inductor: C++ compile error\nmore lines")
             return FakeCompiled(self.function)
 
     return Compiled
+
+
+class Buffers:
+    """The step buffers standing in: no inputs; records the buckets padded."""
+
+    def __init__(self) -> None:
+        self.padded = []
+
+    def inputs(self, size):
+        return ()
+
+    def pad(self, size):
+        self.padded.append(size)
 
 
 def spec(tmp_path: Path, mode: str = "auto", **changes) -> CompileSpec:
@@ -61,19 +78,51 @@ def spec(tmp_path: Path, mode: str = "auto", **changes) -> CompileSpec:
 def test_a_bucket_is_kept_compiled_where_it_measures_faster_or_mode_on(tmp_path, monkeypatch, mode, timings, state):
     monkeypatch.setattr(child.torch, "compile", fake_compile("ok"))
     monkeypatch.setattr(child, "median_ms", lambda function, args: timings.pop(0))
-    buffers = type("Buffers", (), {"inputs": lambda self, size: (), "pad": lambda self, size: None})()
-    entry = child.compile_bucket(spec(tmp_path, mode), tmp_path, torch.nn.Identity(), torch.zeros(1), buffers, 2)
+    entry = child.compile_static(spec(tmp_path, mode), tmp_path, torch.nn.Identity(), torch.zeros(1), Buffers(), 2)
     assert entry["state"] == state and entry["compile_s"] >= 0
-    assert artifacts.artifact_path(tmp_path, 2).exists() == (state == "compiled")
+    assert artifacts.artifact_path(tmp_path, "bucket-2").exists() == (state == "compiled")
     assert entry["error"] == ("eager measured faster" if state == "eager" else None)
+    assert entry.get("artifact") == ("bucket-2" if state == "compiled" else None)
 
 
 def test_a_compile_that_raises_is_a_failed_bucket_with_the_first_line(tmp_path, monkeypatch):
     monkeypatch.setattr(child.torch, "compile", fake_compile("raise"))
-    buffers = type("Buffers", (), {"inputs": lambda self, size: (), "pad": lambda self, size: None})()
-    entry = child.compile_bucket(spec(tmp_path), tmp_path, torch.nn.Identity(), torch.zeros(1), buffers, 1)
+    entry = child.compile_static(spec(tmp_path), tmp_path, torch.nn.Identity(), torch.zeros(1), Buffers(), 1)
     assert entry == {"state": "failed", "error": "RuntimeError: inductor: C++ compile error"}
-    assert not artifacts.artifact_path(tmp_path, 1).exists()
+    assert not artifacts.artifact_path(tmp_path, "bucket-1").exists()
+
+
+def test_bucket_1_is_a_unit_alone_and_the_larger_buckets_one_unit():
+    assert artifacts.units([8, 1, 2, 64]) == [("buckets-2-up", [8, 2, 64]), ("bucket-1", [1])]
+    assert artifacts.units([1]) == [("bucket-1", [1])]
+    assert artifacts.units([]) == []
+
+
+def test_the_larger_buckets_compile_once_with_a_symbolic_batch_and_share_one_artifact(tmp_path, monkeypatch):
+    calls, timings = [], [2.0, 1.0, 1.0, 1.5, 2.0, 1.0]  # (eager, compiled) per bucket: 4 measures eager faster
+    monkeypatch.setattr(child.torch, "compile", fake_compile("ok", calls))
+    monkeypatch.setattr(child, "median_ms", lambda function, args: timings.pop(0))
+    buffers = Buffers()
+    entries = child.compile_unit(spec(tmp_path), tmp_path, torch.nn.Identity(), torch.zeros(1), buffers,
+                                 "buckets-2-up", [2, 4, 8])
+    assert [c["dynamic"] for c in calls] == [True]  # one compile for the three
+    assert buffers.padded[0] == 4  # traced at the median bucket
+    assert {size: e["state"] for size, e in entries.items()} == {2: "compiled", 4: "eager", 8: "compiled"}
+    assert entries[2]["artifact"] == entries[8]["artifact"] == "buckets-2-up" and "artifact" not in entries[4]
+    assert artifacts.artifact_path(tmp_path, "buckets-2-up").exists()
+    assert not any(artifacts.artifact_path(tmp_path, f"bucket-{size}").exists() for size in (2, 4, 8))
+
+
+def test_a_shared_compile_that_fails_compiles_each_bucket_alone(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(child.torch, "compile", fake_compile("raise dynamic", calls))
+    monkeypatch.setattr(child, "median_ms", lambda function, args: 1.0 if function is child.decode_step else 0.5)
+    entries = child.compile_unit(spec(tmp_path), tmp_path, torch.nn.Identity(), torch.zeros(1), Buffers(),
+                                 "buckets-2-up", [2, 4])
+    assert [c["dynamic"] for c in calls] == [True, False, False]
+    assert {size: (e["state"], e["artifact"]) for size, e in entries.items()} == {
+        2: ("compiled", "bucket-2"), 4: ("compiled", "bucket-4")}
+    assert not artifacts.artifact_path(tmp_path, "buckets-2-up").exists()
 
 
 def test_the_key_ignores_serving_settings_and_follows_what_shapes_the_step(tmp_path):

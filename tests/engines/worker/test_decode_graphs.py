@@ -215,13 +215,17 @@ def test_a_restarted_engine_loads_its_buckets_before_ready_without_a_child(compi
     """The same model and settings again (a restart, a replica on the shared cache): every bucket is on
     disk, so the engine loads them in its constructor (settled at ready, even warming in the background)
     and starts no compile process."""
-    started = []
+    started, loads = [], []
     monkeypatch.setattr(xinserve.engines.worker.warmup, "CompileChild", lambda spec, directory: started.append(spec))
     monkeypatch.setattr(xinserve.engines.worker.graphs, "bucket_sizes", lambda max_num_seqs: BUCKETS)
+    load = xinserve.engines.worker.warmup.artifacts.load
+    monkeypatch.setattr(xinserve.engines.worker.warmup.artifacts, "load",
+                        lambda directory, name: loads.append(name) or load(directory, name))
     llm = LLM(model, compile="on", warm_up_in_background=True, **OPTIONS)
     report = llm.engine.warmup.report()
     assert report["settled"] and llm.engine.warmup.thread is None and started == []
     assert {b["state"] for b in report["buckets"].values()} == {"compiled"}
+    assert sorted(loads) == ["bucket-1", "buckets-2-up"]  # buckets 4 and 9 share one compile, loaded once
     batch = prompts(llm.engine.vocab_size, 3, seed=14)
     want = [r.token_ids for r in compiled.generate(batch, GREEDY)]
     runs = llm.engine.runner.decode_graphs.steps_run

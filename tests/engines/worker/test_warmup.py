@@ -156,3 +156,16 @@ def test_the_worker_sends_bucket_states_and_its_health_shows_them(model, blockin
         assert not pull.poll(0)
     finally:
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize(("low_priority", "cores", "orders"), [
+    (True, 2, [(8, 2, 4, 1)]),  # beside a serving worker: one child takes every unit, in order
+    (False, 2, [(8, 2, 4), (1,)]),  # nothing served meanwhile: bucket 1 and the larger ones side by side
+    (False, 1, [(8, 2, 4, 1)]),
+])
+def test_the_compile_units_are_dealt_to_the_children(monkeypatch, low_priority, cores, orders):
+    from xinserve.engines.worker import warmup
+
+    monkeypatch.setattr(warmup.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    spec = type("Spec", (), {"low_priority": low_priority})()
+    assert warmup.child_orders(spec, [8, 1, 2, 4]) == orders

@@ -72,3 +72,40 @@ def test_a_build_dies_with_its_parent_and_leaves_nothing_that_blocks_the_next(tm
         for process in working_in(tmp_path):  # what the old code left running, so it does not run on
             process.send_signal(signal.SIGKILL)
 
+
+
+INSTALLED_PROBE = """
+import sys
+from pathlib import Path
+from xinserve.kernels.cpu import cpp_build
+cpp_build.installed_dir = lambda: Path(sys.argv[1])
+print(cpp_build.built())
+if cpp_build.built():
+    module = cpp_build.build()
+    print(module.__file__, hasattr(module, "paged_decode_attention"))
+"""
+
+
+def test_the_installs_build_is_used_as_it_is_unless_torch_extensions_dir_names_another_place(tmp_path):
+    """make's install step builds into the environment (``--install``): a server finds that build whatever
+    its cache directory, imports it from a read-only directory without building anything, and ignores it
+    when ``$TORCH_EXTENSIONS_DIR`` says where builds go."""
+    cpp_build.build()  # the suite's own build (a no-op once built)
+    installed = tmp_path / "installed" / f"paged_decode_{cpp_build.BUILD_KEY}"
+    installed.mkdir(parents=True)
+    library = installed / f"{cpp_build.MODULE_NAME}.so"
+    library.write_bytes((cpp_build._build_dir(cpp_build.BUILD_KEY) / library.name).read_bytes())
+    installed.chmod(0o555)
+    env = {key: value for key, value in os.environ.items() if key != "TORCH_EXTENSIONS_DIR"}
+    env["XINSERVE_CACHE_DIR"] = str(tmp_path / "cache")
+    try:
+        found = subprocess.run([sys.executable, "-c", INSTALLED_PROBE, str(tmp_path / "installed")], env=env,
+                               capture_output=True, text=True, check=True).stdout.split()
+        assert found == ["True", str(library), "True"]
+        assert not (tmp_path / "cache").exists()  # nothing built, nothing written
+        elsewhere = {**env, "TORCH_EXTENSIONS_DIR": str(tmp_path / "elsewhere")}
+        found = subprocess.run([sys.executable, "-c", INSTALLED_PROBE, str(tmp_path / "installed")], env=elsewhere,
+                               capture_output=True, text=True, check=True).stdout.split()
+        assert found == ["False"]
+    finally:
+        installed.chmod(0o755)
