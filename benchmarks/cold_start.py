@@ -2,9 +2,9 @@
 to every decode bucket settled (compiled, failed, or kept eager), cold and then warm: the cold start is
 to reach /health 200 within 40 s.
 
-Cold: fresh empty cache directories ($XINSERVE_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR and
-TORCH_EXTENSIONS_DIR, all under one temporary directory), so the embedded model is built, the C++
-attention extension is compiled and every bucket is compiled by inductor. Warm: a second start on
+Cold: fresh empty cache directories ($XINSERVE_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR under one
+temporary directory), so the embedded model is built and every bucket is compiled by inductor; the C++
+kernels are the install's build for this CPU (make's install step), else they are built there too. Warm: a second start on
 the same directories. Beside each milestone's seconds, the CPU seconds the server's processes had
 used by then (the HTTP process, its workers and their reaped children, from /proc): the load on a
 shared machine stretches the wall-clock figures, much less the CPU ones. ``--quick`` starts the servers

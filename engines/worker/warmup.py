@@ -33,6 +33,7 @@ import torch
 from xinserve.engines.compile import artifacts
 from xinserve.engines.compile.child_process import CompileChild
 from xinserve.engines.compile.spec import CompileSpec
+from xinserve.engines.worker.gc_pauses import freeze_heap
 from xinserve.engines.worker.graphs import DecodeGraphs, first_line
 from xinserve.kernels.ops import OP_FUNCTIONS, KernelOps
 from xinserve.kernels.registry import BUILT_FROM_SOURCE, KernelSelection, select
@@ -57,18 +58,20 @@ class Warmup:
         self.phase = "starting"  # for /health: "building kernels", "compiling", "loading", "settled"
         self.children: list[CompileChild] = []
         self.loaded: dict[str, Callable] = {}  # artifact name -> its compiled step (engines/compile/artifacts.py)
+        self.prepared = threading.Event()  # set once ``artifacts.prepare_loading`` ran: loading may start
         self.thread: threading.Thread | None = None
         graphs = runner.decode_graphs
         compiles = graphs is not None and graphs.compiles and make_spec is not None
         pending = bool(runner.kernels.deferred) or compiles
         # Every bucket compiled before: loaded now, before ready (a few seconds), rather than after.
         warm = not runner.kernels.deferred and compiles and self._all_on_disk()
-        if compiles:
-            artifacts.prepare_loading()
         if background and pending and not warm:
             self.thread = threading.Thread(target=self._run, name="xinserve-warmup", daemon=True)
-            self.thread.start()
-        else:
+            self.thread.start()  # first: its compile children start while this thread prepares (seconds)
+        if compiles:
+            artifacts.prepare_loading()
+        self.prepared.set()
+        if self.thread is None:
             self._work()
 
     @classmethod
@@ -114,6 +117,7 @@ class Warmup:
         except Exception:  # a bug here must not take the engine down: it serves eagerly
             logger.exception("background warm-up stopped")
         finally:
+            freeze_heap()  # the kernels and buckets loaded: never walked by a full GC pass
             self.done.set()
             self.version += 1
 
@@ -158,6 +162,7 @@ class Warmup:
         orders = child_orders(spec, missing)
         logger.info("compiling decode buckets %s in %d child process(es) into %s", missing, len(orders), directory)
         self.children = [CompileChild(replace(spec, order=order), directory) for order in orders]
+        waiting = set(missing)
         for event in merged_events(self.children):
             size = event["bucket"]
             if self.stopping.is_set():
@@ -167,6 +172,12 @@ class Warmup:
                 self.version += 1
             elif event["event"] == "done" and graphs.states.get(size) in ("eager", "compiling"):
                 self._take(graphs, directory, size, event)
+            if event["event"] == "done":
+                waiting.discard(size)
+            if not waiting:  # settled now, not once the children have exited (a second or more)
+                self.done.set()
+                self.version += 1
+                break
         errors = [error for error in (child.finish() for child in self.children) if error is not None]
         for size in missing:  # what the children left undone (one failed, or the engine is closing)
             if graphs.states[size] == "compiling" or (graphs.states[size] == "eager" and size not in graphs.errors):
@@ -183,6 +194,7 @@ class Warmup:
             graphs.states[size], graphs.errors[size] = ("eager" if state == "eager" else "failed"), entry.get("error")
             self.version += 1
             return
+        self.prepared.wait()
         try:
             start = time.perf_counter()
             name = entry.get("artifact") or f"bucket-{size}"

@@ -9,6 +9,7 @@ from typing import Any
 
 from xinserve.engines.parallel.parallel_config import ParallelConfig
 from xinserve.engines.platforms import splits_host_threads
+from xinserve.engines.worker.gc_pauses import freeze_heap
 from xinserve.server.api.openai.view import TokenTexts
 from xinserve.server.config import DistributedSettings, ModelSettings
 from xinserve.server.embedded_model.hub import local_path
@@ -167,6 +168,7 @@ class ModelPool:
             return
         self.token_texts = TokenTexts(tokenizer)
         self.tokenizer = tokenizer
+        freeze_heap()  # the tokenizer and its tables: never walked by a full GC pass while serving
 
     def _spec(self, worker: WorkerClient, path: str, tokenizer_path: str, ipc_dir: str) -> WorkerSpec:
         slug = f"{self.name}-{worker.label}".replace("/", "_").replace(":", "_").replace("#", "_").replace("+", "_")

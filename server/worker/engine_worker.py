@@ -29,6 +29,7 @@ import zmq
 
 from xinserve.engines.core.outputs import EngineStats, StepOutput, StepResult
 from xinserve.engines.parallel.rank_role import RankRole
+from xinserve.engines.worker.gc_pauses import freeze_heap
 from xinserve.engines.worker.process_exit import leave_quickly
 from xinserve.server.worker import messages
 from xinserve.server.worker.messages import (
@@ -358,6 +359,7 @@ def run_worker(spec: WorkerSpec) -> None:
     info = _engine_info(engine, spec, time.perf_counter() - start)
     logger.info("%s ready on %s in %.1fs (max_model_len=%d)", spec.model_name, spec.device,
                 info["load_seconds"], info["max_model_len"])
+    freeze_heap()  # what loading made is never collected: full GC passes stay short while serving
     send.send(messages.encode(messages.Ready(info)))
     send.send(messages.encode(Stats(engine.stats())))  # /metrics has values from the start
     loop = WorkerLoop(engine, recv, send, spec.label, spec.heartbeat_s, engine.config.async_scheduling)

@@ -41,6 +41,11 @@ def test_a_row_names_each_target_it_missed_with_its_figure() -> None:
         run = {"output_tok_s": 100.0, "failed": 0, "max_itl_ms": max_itl, "p99_itl_ms": 1.0}
         return {"concurrency": c, "first": run, "settled": run, "first_over_settled": ratio}
 
-    assert warm_start.missed({"health_200_s": 12.0, "levels": [level(1, 0.85, 50.0), level(8, 1.1, 3.0)]}) == []
-    assert warm_start.missed({"health_200_s": 41.5, "levels": [level(1, 0.84, 50.0), level(8, 0.9, 62.5)]}) == [
+    assert warm_start.missed({"health_200_s": 12.0, "settled_at_ready": False,
+                              "levels": [level(1, 0.85, 50.0), level(8, 1.1, 3.0)]}) == []
+    assert warm_start.missed({"health_200_s": 41.5, "settled_at_ready": False,
+                              "levels": [level(1, 0.84, 50.0), level(8, 0.9, 62.5)]}) == [
         "/health 200 41.5 s > 40", "c=1 first / settled 0.84 < 0.85", "c=8 max ITL 62.5 ms > 50"]
+    # Settled at ready: nothing compiles after it, so no gap is compilation's (the target's wording).
+    assert warm_start.missed({"health_200_s": 30.0, "settled_at_ready": True,
+                              "levels": [level(8, 0.9, 62.5)]}) == []

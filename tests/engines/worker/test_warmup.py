@@ -9,6 +9,7 @@ compile or a build ends (no sleeps, no inductor): the "compiled" step is the eag
 
 import sys
 import threading
+import time
 
 import pytest
 import zmq
@@ -169,3 +170,22 @@ def test_the_compile_units_are_dealt_to_the_children(monkeypatch, low_priority, 
     monkeypatch.setattr(warmup.os, "sched_getaffinity", lambda pid: set(range(cores)))
     spec = type("Spec", (), {"low_priority": low_priority})()
     assert warmup.child_orders(spec, [8, 1, 2, 4]) == orders
+
+
+def test_a_settled_warm_up_leaves_the_heap_frozen_so_full_gc_passes_stay_short(model, blocking):
+    """What the warm-up loaded (kernels, buckets) joins the permanent generation (engines/worker/gc_pauses.py):
+    a full collection no longer walks it."""
+    import gc
+
+    gc.unfreeze()
+    try:
+        llm = LLM(model, compile="on", kernels=REFERENCE, **OPTIONS)
+        blocking.latest().release.set()
+        assert llm.engine.warmup.done.wait(TIMEOUT_S)
+        deadline = time.monotonic() + TIMEOUT_S
+        while gc.get_freeze_count() == 0:  # frozen just after ``done`` is set, on the warm-up thread
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert gc.get_freeze_count() > 10_000  # torch, the model and the test's modules: all of the heap
+    finally:
+        gc.unfreeze()
