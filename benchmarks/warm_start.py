@@ -62,9 +62,9 @@ STARTS = (("ready-when-warm, empty caches", True, "a"), ("ready-when-warm, warm 
           ("ready-first, empty caches", False, "b"))
 
 
-async def _level(base: str, concurrency: int, requests: int, words: int,
-                 tokens: int) -> tuple[list[RequestResult], float]:
-    prompts = dataset.random_prompts(requests, words, seed=concurrency)
+async def _level(base: str, concurrency: int, requests: int, words: int, tokens: int,
+                 seed: int) -> tuple[list[RequestResult], float]:
+    prompts = dataset.random_prompts(requests, words, seed=seed)
     bodies = [dataset.payload(p, MODEL, "chat", tokens, ignore_eos=True) for p in prompts]
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency + 2)) as session:
@@ -73,9 +73,11 @@ async def _level(base: str, concurrency: int, requests: int, words: int,
     return results, duration
 
 
-def measure_level(base: str, concurrency: int, requests: int, words: int, tokens: int) -> dict:
-    """One closed-loop level: output tok/s, failures and the inter-token gaps (ms) of every request."""
-    results, duration = asyncio.run(_level(base, concurrency, requests, words, tokens))
+def measure_level(base: str, concurrency: int, requests: int, words: int, tokens: int, run: int = 0) -> dict:
+    """One closed-loop level: output tok/s, failures and the inter-token gaps (ms) of every request. Each
+    ``run`` of a level sends prompts of its own: a pass never finds an earlier pass's prompts in the prefix
+    cache (which would skip their prefill and flatter the later pass)."""
+    results, duration = asyncio.run(_level(base, concurrency, requests, words, tokens, seed=1000 * run + concurrency))
     summary = summarize(results, duration)
     gaps = [gap * 1000 for r in results if r.ok for gap in r.itls]
     return {"output_tok_s": round(summary["output_throughput_tok_s"], 1), "failed": summary["failed"],
@@ -103,8 +105,8 @@ def one_start(cache: Path, ready_when_warm: bool, args: argparse.Namespace) -> d
             row["settled_s"] = None
         # The settled figure is the median of a few passes: one pass of a few seconds varies by up to ~30% on a
         # shared 2-core machine, and a lucky settled pass would make the first look slow.
-        settled = {c: median_pass([measure_level(base, c, n, args.input_words, args.output_tokens)
-                                   for _ in range(args.settled_passes)]) for c, n in levels}
+        settled = {c: median_pass([measure_level(base, c, n, args.input_words, args.output_tokens, run)
+                                   for run in range(1, args.settled_passes + 1)]) for c, n in levels}
     row["levels"] = [{"concurrency": c, "requests": n, "first": first[c], "settled": settled[c],
                       "first_over_settled": round(first[c]["output_tok_s"] / settled[c]["output_tok_s"], 3)
                       if settled[c]["output_tok_s"] else None} for c, n in levels]
