@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 NICENESS = 10
 MAX_CHILDREN = 2
+GIB = 1 << 30
+# A compile child's memory besides the weights: measured for the embedded model's compile, 0.55 GiB resident
+# at its peak (torch, dynamo, inductor) and 0.5 GiB for the C++ compiler it runs; with room for a larger graph.
+CHILD_OVERHEAD_BYTES = 3 * GIB // 2
 
 
 class Warmup:
@@ -95,6 +99,14 @@ class Warmup:
         progress = {"phase": "settled" if self.done.is_set() else self.phase, "done": finished,
                     "total": len(body["buckets"])}
         return {"mode": self.runner.compile_mode, "settled": self.done.is_set(), **body, "progress": progress}
+
+    def _children_affordable(self) -> int:
+        """How many compile children the free memory holds (each a copy of the weights: ``child_memory_bytes``)."""
+        try:
+            free = self.runner.platform.free_memory()
+        except (OSError, RuntimeError):  # not Linux: no figure, no limit
+            return MAX_CHILDREN
+        return int(free // child_memory_bytes(self.runner.model))
 
     def _all_on_disk(self) -> bool:
         return set(self.runner.decode_graphs.states) <= set(artifacts.read_manifest(self.make_spec().directory()))
@@ -159,7 +171,15 @@ class Warmup:
         if not missing or self.stopping.is_set():
             return
         self.phase = "compiling"
-        orders = child_orders(spec, missing)
+        affordable = self._children_affordable()
+        if affordable == 0:  # a child would not fit beside this worker: eager rather than out of memory
+            need = child_memory_bytes(self.runner.model)
+            reason = f"not compiled: a compile child needs ~{need / GIB:.1f} GiB (a copy of the weights), less is free"
+            logger.warning("decode buckets %s run eagerly: %s", missing, reason)
+            for size in missing:
+                graphs.states[size], graphs.errors[size] = "failed", reason
+            return
+        orders = child_orders(spec, missing, affordable)
         logger.info("compiling decode buckets %s in %d child process(es) into %s", missing, len(orders), directory)
         self.children = [CompileChild(replace(spec, order=order), directory) for order in orders]
         waiting = set(missing)
@@ -212,18 +232,24 @@ class Warmup:
         self.version += 1
 
 
-def child_orders(spec: CompileSpec, missing: list[int]) -> list[tuple[int, ...]]:
+def child_memory_bytes(model: torch.nn.Module) -> int:
+    """What one compile child holds: its own copy of the weights (it loads the model as the worker did), and
+    the compiler's working set, ``CHILD_OVERHEAD_BYTES``; its KV pool is allocated but never touched."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors) + CHILD_OVERHEAD_BYTES
+
+
+def child_orders(spec: CompileSpec, missing: list[int], affordable: int = MAX_CHILDREN) -> list[tuple[int, ...]]:
     """The buckets each compile child compiles, in order: the units of ``missing`` dealt out to
-    ``children_for`` children (engines/compile/artifacts.py ``units``)."""
+    ``children_for`` children, at most ``affordable`` (engines/compile/artifacts.py ``units``)."""
     groups = artifacts.units(missing)
-    count = children_for(spec, len(groups))
+    count = min(children_for(spec, len(groups)), max(1, affordable))
     return [tuple(size for _, sizes in groups[i::count] for size in sizes) for i in range(count)]
 
 
 def children_for(spec: CompileSpec, units: int) -> int:
     """Compile children to start for ``units`` units to compile: one beside a serving worker (it takes idle
-    CPU only); otherwise one per core, up to ``MAX_CHILDREN`` (each holds a copy of the model while it
-    compiles)."""
+    CPU only); otherwise one per core, up to ``MAX_CHILDREN``."""
     if spec.low_priority:
         return 1
     try:

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 import zmq
 
 import xinserve.engines.worker.graphs
@@ -189,3 +190,28 @@ def test_a_settled_warm_up_leaves_the_heap_frozen_so_full_gc_passes_stay_short(m
         assert gc.get_freeze_count() > 10_000  # torch, the model and the test's modules: all of the heap
     finally:
         gc.unfreeze()
+
+
+def test_a_compile_child_that_would_not_fit_in_memory_is_not_started(model, eager, blocking, monkeypatch):
+    """Each child loads its own copy of the weights: with less memory free than one needs, the buckets run
+    eagerly, each saying why, rather than a child pushing the machine out of memory."""
+    import xinserve.engines.platforms.cpu
+
+    monkeypatch.setattr(xinserve.engines.platforms.cpu, "host_available_bytes", lambda: 1 << 20)
+    llm = LLM(model, compile="on", kernels=REFERENCE, **OPTIONS)
+    assert llm.engine.warmup.done.wait(TIMEOUT_S)
+    assert blocking.instances == []
+    report = llm.engine.warmup.report()
+    assert {b["state"] for b in report["buckets"].values()} == {"failed"} and report["settled"]
+    assert all("a compile child needs" in b["error"] for b in report["buckets"].values())
+    assert tokens(llm, 3) == tokens(eager, 3)
+
+
+def test_free_memory_caps_the_compile_children(monkeypatch):
+    from xinserve.engines.worker import warmup
+
+    monkeypatch.setattr(warmup.os, "sched_getaffinity", lambda pid: {0, 1})
+    spec = type("Spec", (), {"low_priority": False})()
+    assert warmup.child_orders(spec, [8, 1, 2, 4], affordable=1) == [(8, 2, 4, 1)]
+    model = torch.nn.Linear(256, 256)  # 257 KiB of float32 weights
+    assert warmup.child_memory_bytes(model) == 256 * 257 * 4 + warmup.CHILD_OVERHEAD_BYTES
