@@ -18,9 +18,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Compiling decode buckets costs seconds per engine: only tests/engines/worker/test_decode_graphs.py (which
 # asks for it) compiles; every other engine, in-process or a server's worker, decodes eagerly.
 os.environ.setdefault("XINSERVE_COMPILE", "off")
-# The C++ CPU kernels build once per machine (a minute or two): tests that point XINSERVE_CACHE_DIR at a fresh
-# directory (for fresh kernel timings, or a fresh embedded model) still load the one build in the home cache.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "xinserve", "torch_extensions"))
+# The C++ CPU kernels build once per machine (~30 s): tests that point XINSERVE_CACHE_DIR at a fresh directory
+# (for fresh kernel timings, or a fresh embedded model) still load the one build: the install's, in the venv
+# (kernels/cpu/cpp_build.py ``installed_dir``: make's install step builds it; if it did not, the first test builds it there).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "share", "xinserve", "torch_extensions"))
 # Compiled bytecode: where the environment sets PYTHONDONTWRITEBYTECODE (this machine's does) over a venv
 # installed without byte-compiling (the Makefile's --no-compile), no module has a .pyc and every process
 # the suite starts (xdist workers, servers, their workers and ranks: hundreds) compiles all it imports
