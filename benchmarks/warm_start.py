@@ -79,14 +79,26 @@ async def _level(base: str, concurrency: int, requests: int, words: int, tokens:
     return results, duration
 
 
+def machine_probe_ms() -> float:
+    """The machine's speed just before a pass: ms of a fixed single-threaded Python loop (the reference
+    machine's speed drifts by up to 1.6x from one second to the next; a pass's figure is read beside it)."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(300_000):
+        total += i
+    return round((time.perf_counter() - start) * 1e3, 2)
+
+
 def measure_level(base: str, concurrency: int, requests: int, words: int, tokens: int, run: int = 0) -> dict:
     """One closed-loop level: output tok/s, failures and the inter-token gaps (ms) of every request. Each
     ``run`` of a level sends prompts of its own: a pass never finds an earlier pass's prompts in the prefix
     cache (which would skip their prefill and flatter the later pass)."""
+    probe_ms = machine_probe_ms()
     results, duration = asyncio.run(_level(base, concurrency, requests, words, tokens, seed=1000 * run + concurrency))
     summary = summarize(results, duration)
     gaps = [gap * 1000 for r in results if r.ok for gap in r.itls]
     return {"output_tok_s": round(summary["output_throughput_tok_s"], 1), "failed": summary["failed"],
+            "machine_probe_ms": probe_ms,
             "max_itl_ms": round(max(gaps), 2) if gaps else None,
             "p99_itl_ms": round(distribution(gaps)["p99"], 2) if gaps else None,
             "gaps_over_50_ms": sum(gap > TARGETS["max_itl_ms"] for gap in gaps)}
