@@ -101,12 +101,11 @@ def build(spec: CompileSpec) -> tuple:
 def compile_unit(spec: CompileSpec, directory, model, kv_cache, buffers, unit: str, sizes: list[int]) -> dict[int, dict]:
     """Each bucket's manifest entry. The shared unit compiles once for all its buckets (its batch size
     symbolic); where that fails, each of them alone."""
-    if unit != artifacts.SHARED:
-        return {size: compile_static(spec, directory, model, kv_cache, buffers, size) for size in sizes}
-    entries = compile_shared(spec, directory, model, kv_cache, buffers, sizes)
-    if entries is None:
-        return {size: compile_static(spec, directory, model, kv_cache, buffers, size) for size in sizes}
-    return entries
+    if unit == artifacts.SHARED:
+        entries = compile_shared(spec, directory, model, kv_cache, buffers, sizes)
+        if entries is not None:
+            return entries
+    return {size: compile_static(spec, directory, model, kv_cache, buffers, size) for size in sizes}
 
 
 @torch.inference_mode()

@@ -6,7 +6,7 @@ again and swap the newly built ones into the model's layers; then the buckets. K
 because a bucket compiled before a swap would call the old kernel.
 
 The buckets compile in a child process (engines/compile/child.py): one at the lowest CPU priority
-beside a serving worker, else one per core (up to ``MAX_CHILDREN``: nothing is served meanwhile, as
+beside a serving worker, else one per core as free memory allows (up to ``MAX_CHILDREN``: nothing is served meanwhile, as
 with ``ready_when_warm``; bucket 1 and the larger buckets are two units, compiled side by side), each
 saving its buckets as artifacts in the cache
 (engines/compile/artifacts.py); this thread loads each one as it is reported (tens of ms of Python, no compiling) and installs it under the runner's step lock, so
@@ -72,9 +72,11 @@ class Warmup:
         if background and pending and not warm:
             self.thread = threading.Thread(target=self._run, name="xinserve-warmup", daemon=True)
             self.thread.start()  # first: its compile children start while this thread prepares (seconds)
-        if compiles:
-            artifacts.prepare_loading()
-        self.prepared.set()
+        try:
+            if compiles:
+                artifacts.prepare_loading()
+        finally:  # set even when it raised (the engine then fails to build): the thread must not wait forever
+            self.prepared.set()
         if self.thread is None:
             self._work()
 
@@ -100,13 +102,13 @@ class Warmup:
                     "total": len(body["buckets"])}
         return {"mode": self.runner.compile_mode, "settled": self.done.is_set(), **body, "progress": progress}
 
-    def _children_affordable(self) -> int:
-        """How many compile children the free memory holds (each a copy of the weights: ``child_memory_bytes``)."""
+    def _children_affordable(self, need: int) -> int:
+        """How many compile children of ``need`` bytes each (``child_memory_bytes``) the free memory holds."""
         try:
             free = self.runner.platform.free_memory()
         except (OSError, RuntimeError):  # not Linux: no figure, no limit
             return MAX_CHILDREN
-        return int(free // child_memory_bytes(self.runner.model))
+        return int(free // need)
 
     def _all_on_disk(self) -> bool:
         return set(self.runner.decode_graphs.states) <= set(artifacts.read_manifest(self.make_spec().directory()))
@@ -171,9 +173,9 @@ class Warmup:
         if not missing or self.stopping.is_set():
             return
         self.phase = "compiling"
-        affordable = self._children_affordable()
+        need = child_memory_bytes(self.runner.model)
+        affordable = self._children_affordable(need)
         if affordable == 0:  # a child would not fit beside this worker: eager rather than out of memory
-            need = child_memory_bytes(self.runner.model)
             reason = f"not compiled: a compile child needs ~{need / GIB:.1f} GiB (a copy of the weights), less is free"
             logger.warning("decode buckets %s run eagerly: %s", missing, reason)
             for size in missing:

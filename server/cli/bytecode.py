@@ -10,8 +10,8 @@ decode buckets, dynamo and inductor: ~12 s of compiling per process (measured: 3
 they are compiled once, into the ``__pycache__`` beside each source, where every later import reads
 them whatever the environment says.
 
-What: every module loaded after importing what the serving processes import (``IMPORTS``), plus whole
-the packages that torch.compile imports lazily while it compiles (``PACKAGES``).
+What: every module loaded after importing what the serving processes import (``IMPORTS``), plus the whole
+of the packages torch.compile imports lazily while it compiles (``PACKAGES``).
 """
 
 import compileall
