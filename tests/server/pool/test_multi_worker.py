@@ -17,16 +17,20 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-TIMEOUT_S = 3.0  # long enough to open four streams and probe them, short of their 2,000 tokens
+TIMEOUT_S = 3.0  # long enough to open four streams and probe them, short of their 8,000 tokens
+# Streams that outlast the timeout on any machine: 2,000 tokens (the default tiny model's limit) finished
+# within 3 s on a fast 2-core machine, and that stream ended without the error frame the test waits for.
+STREAM_TOKENS = 8000
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model_dir, tmp_path_factory):
+def server(start_server, tiny_models, tmp_path_factory):
+    model = tiny_models("llama", max_position_embeddings=STREAM_TOKENS + 192)
     config = {
         "server": {"request_timeout_s": TIMEOUT_S},
         "models": [
             # Two sequences per worker and no waiting room: the fifth concurrent request is a 429.
-            {"name": "tiny2", "path": str(tiny_model_dir), "workers": ["cpu", "cpu"], "max_num_seqs": 2,
+            {"name": "tiny2", "path": str(model), "workers": ["cpu", "cpu"], "max_num_seqs": 2,
              "max_waiting_requests": 0, "cpu_threads": 1},
             {"name": "broken", "path": "/nonexistent/model", "workers": ["cpu"]},
             {"name": "rescued", "path": "/nonexistent/other", "workers": ["cpu"], "fallback": ["tiny2"]},
@@ -97,7 +101,7 @@ def test_sequential_requests_alternate_workers(server):
 async def _open_streams(server, count: int):
     client = httpx.AsyncClient(base_url=server.url, timeout=60)
     body = {"model": "tiny2", "messages": [{"role": "user", "content": "tell me a story"}],
-            "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True}
     streams = []
     for _ in range(count):
         request = client.build_request("POST", "/v1/chat/completions", json=body)
